@@ -1,0 +1,166 @@
+"""The rollout forest as fixed-capacity arrays: the one data model the sampler, estimators and trainer share.
+
+A *forest* holds, for each of ``P`` prompts, a tree of fixed-length segments whose ``W`` leaves are the
+prompt's rollouts. Python node objects don't jit, so the tree is stored as arrays of static capacity:
+
+Node arrays, per prompt ``p`` (``N`` node slots, node ``0`` is the root = the prompt itself, depth 0):
+  * ``node_parent[p, n]``  parent node id, ``-1`` for the root and for unused slots;
+  * ``node_depth[p, n]``   0 for the root, ``k`` for the node holding segment ``k`` (1-based), ``-1`` if unused;
+  * ``node_status[p, n]``  a :class:`NodeStatus` code.
+
+Leaf arrays, per prompt ``p`` and leaf ``w`` (exactly ``W`` leaves per prompt, always):
+  * ``leaf_path[p, w, d]``  node id at depth ``d`` on leaf ``w``'s path, ``d = 0..D`` (column 0 is the
+    root, id 0); ``-1`` past the leaf's last segment. Leaves that share ``leaf_path[p, :, d]`` form the
+    *subgroup* of that node.
+  * ``leaf_status[p, w]``   a :class:`NodeStatus` code: why the leaf ended.
+  * ``leaf_length[p, w]``   number of response tokens of the leaf.
+
+Per-token arrays, per prompt, leaf and response position ``t = 0..T-1`` with ``T = D * S``:
+  * ``tokens[p, w, t]``      sampled token ids (pad id past ``leaf_length``);
+  * ``logprobs[p, w, t]``    log pi(token | prefix) under the policy at temperature 1 (0 past the end);
+  * ``segment_index[p, w, t]`` the 0-based segment (depth - 1) that token ``t`` belongs to, ``t // S``,
+    ``-1`` past the end;
+  * ``loss_mask[p, w, t]``   1.0 where the token is an action the loss trains on, else 0.0.
+
+Segments have a fixed length ``S``: token ``t`` of a response always sits in segment ``t // S``; only a
+leaf's last segment may be shorter (EOS, answer, repetition or length stop inside it).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+class NodeStatus(enum.IntEnum):
+    """Status codes of nodes and leaves (stored as int32 in ``node_status`` / ``leaf_status``)."""
+
+    UNUSED = 0
+    ALIVE = 1  # decoding continues below this node
+    FINISHED = 2  # ended with EOS after a task-recognized answer (e.g. a closed \\boxed{...})
+    EOS = 3  # ended with EOS (or another stop token) without a recognized answer
+    TRUNCATED = 4  # hit the maximum response length or the maximum depth
+    REPETITION = 5  # stopped by the n-gram repetition detector
+    PRUNED = 6  # cut by a pruning rule
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [s.name.lower() for s in cls]
+
+
+@struct.dataclass
+class Forest:
+    """Rollout forest of ``P`` prompts x ``W`` leaves (see module docstring for every field's meaning)."""
+
+    node_parent: jax.Array  # [P, N] int32
+    node_depth: jax.Array  # [P, N] int32
+    node_status: jax.Array  # [P, N] int32
+    leaf_path: jax.Array  # [P, W, D + 1] int32
+    leaf_status: jax.Array  # [P, W] int32
+    leaf_length: jax.Array  # [P, W] int32
+    tokens: jax.Array  # [P, W, T] int32
+    logprobs: jax.Array  # [P, W, T] float32
+    segment_index: jax.Array  # [P, W, T] int32
+    loss_mask: jax.Array  # [P, W, T] float32
+    segment_length: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def num_prompts(self) -> int:
+        return self.leaf_path.shape[0]
+
+    @property
+    def num_leaves(self) -> int:
+        return self.leaf_path.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.leaf_path.shape[2] - 1
+
+    @property
+    def max_response_length(self) -> int:
+        return self.tokens.shape[2]
+
+    def leaf_depth(self) -> jax.Array:
+        """[P, W] number of segments on each leaf's path (the depth of its last node)."""
+        return jnp.sum(self.leaf_path[:, :, 1:] >= 0, axis=-1).astype(jnp.int32)
+
+
+def subgroup_masks(leaf_path: jax.Array) -> jax.Array:
+    """[..., W, D+1] node paths -> [..., D+1, W, W] booleans: ``m[d, i, j]`` iff leaves i and j share their
+    depth-``d`` node (and leaf i has one). Row ``i`` at depth ``d`` is leaf i's subgroup at that depth."""
+    path = jnp.swapaxes(leaf_path, -1, -2)  # [..., D+1, W]
+    same = path[..., :, :, None] == path[..., :, None, :]
+    valid = (path >= 0)[..., :, :, None]
+    return same & valid
+
+
+def forest_from_paths(
+    leaf_path: np.ndarray,
+    leaf_length: np.ndarray,
+    segment_length: int,
+    leaf_status: np.ndarray | None = None,
+    tokens: np.ndarray | None = None,
+    logprobs: np.ndarray | None = None,
+) -> Forest:
+    """Builds a consistent :class:`Forest` from node paths alone (host-side; for tests, notebooks, synthetic data).
+
+    ``leaf_path``: [P, W, D+1] int, column 0 must be 0 (the root). Node parents/depths are derived from the
+    paths; tokens default to zeros and log-probs to zeros. ``leaf_length`` [P, W] must fit the path's depth:
+    ``(depth - 1) * S < length <= depth * S``.
+    """
+    leaf_path = np.asarray(leaf_path, np.int32)
+    leaf_length = np.asarray(leaf_length, np.int32)
+    if leaf_path.ndim != 3:
+        raise ValueError(f"leaf_path must be [P, W, D+1], got shape {leaf_path.shape}")
+    num_prompts, num_leaves, depth_plus_one = leaf_path.shape
+    if not np.all(leaf_path[:, :, 0] == 0):
+        raise ValueError("leaf_path[:, :, 0] must be 0 (every path starts at the root)")
+    num_nodes = int(leaf_path.max()) + 1
+    parent = np.full((num_prompts, num_nodes), -1, np.int32)
+    depth = np.full((num_prompts, num_nodes), -1, np.int32)
+    status = np.zeros((num_prompts, num_nodes), np.int32)
+    for p in range(num_prompts):
+        depth[p, 0] = 0
+        for w in range(num_leaves):
+            for d in range(1, depth_plus_one):
+                n = leaf_path[p, w, d]
+                if n < 0:
+                    if np.any(leaf_path[p, w, d:] >= 0):
+                        raise ValueError(f"leaf_path[{p}, {w}] has a gap at depth {d}")
+                    break
+                prev = leaf_path[p, w, d - 1]
+                if parent[p, n] not in (-1, prev) or depth[p, n] not in (-1, d):
+                    raise ValueError(f"node {n} of prompt {p} has two parents or depths")
+                parent[p, n], depth[p, n] = prev, d
+    leaf_depth = np.sum(leaf_path[:, :, 1:] >= 0, axis=-1)
+    S = segment_length
+    if np.any(leaf_length > leaf_depth * S) or np.any(leaf_length <= (leaf_depth - 1) * S):
+        raise ValueError("leaf_length must satisfy (depth - 1) * S < length <= depth * S")
+    T = (depth_plus_one - 1) * S
+    t = np.arange(T)
+    valid = t[None, None, :] < leaf_length[:, :, None]
+    if leaf_status is None:
+        leaf_status = np.full((num_prompts, num_leaves), int(NodeStatus.EOS), np.int32)
+    for p in range(num_prompts):
+        for w in range(num_leaves):
+            status[p, leaf_path[p, w, leaf_depth[p, w]]] = leaf_status[p, w]
+    status[(depth >= 0) & (status == 0)] = int(NodeStatus.ALIVE)
+    tokens = np.zeros((num_prompts, num_leaves, T), np.int32) if tokens is None else tokens
+    logprobs = np.zeros((num_prompts, num_leaves, T), np.float32) if logprobs is None else logprobs
+    return Forest(
+        node_parent=jnp.asarray(parent),
+        node_depth=jnp.asarray(depth),
+        node_status=jnp.asarray(status),
+        leaf_path=jnp.asarray(leaf_path),
+        leaf_status=jnp.asarray(leaf_status, jnp.int32),
+        leaf_length=jnp.asarray(leaf_length),
+        tokens=jnp.asarray(np.where(valid, tokens, 0), jnp.int32),
+        logprobs=jnp.asarray(np.where(valid, logprobs, 0.0), jnp.float32),
+        segment_index=jnp.asarray(np.where(valid, t[None, None, :] // S, -1), jnp.int32),
+        loss_mask=jnp.asarray(valid, jnp.float32),
+        segment_length=S,
+    )

@@ -1,0 +1,342 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3) as pure functions of an explicit params pytree.
+
+Per layer ``l`` (pre-norm residual block, HF ``LlamaDecoderLayer`` semantics):
+
+    h   = x + Wo · Attn(RoPE(q(n1(x))), RoPE(k(n1(x))), v(n1(x)))        n1 = RMSNorm
+    out = h + W_down (silu(W_gate n2(h)) ⊙ (W_up n2(h)))                  n2 = RMSNorm
+
+``RMSNorm(x) = w ⊙ x / sqrt(mean(x²) + eps)`` computed in fp32. RoPE is the non-interleaved ("rotate half")
+form with ``inv_freq_i = theta^(-2i/H)``. Attention is grouped-query: query head ``j`` reads KV head
+``j // (Q / K)``; scores are ``q·k / sqrt(H)`` and the softmax runs in fp32. Qwen2 adds q/k/v biases; Qwen3
+RMS-normalizes every query and key head over ``head_dim`` before RoPE.
+
+Layers are stacked on a leading ``layers`` axis and run under ``lax.scan``. Parameters carry logical axis
+names (:func:`param_logical_axes`) that ``treejax.parallel`` maps onto a device mesh.
+
+KV cache layout (:func:`init_cache`): ``k, v: [layers, B, L, K, H]`` where cache slot ``t`` of row ``b`` holds
+the key/value of the token at RoPE position ``t``; a row attends to slots ``<= its position``. This makes
+forking a branch a plain row copy (``cache[:, dst] = cache[:, src]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from treejax.models.config import ModelConfig
+
+Params = dict
+_NEG = -1e30  # finite "minus infinity": keeps fully-masked (padding) rows NaN-free
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+def param_shapes(config: ModelConfig) -> dict:
+    """Pytree of shapes, with the same structure as :func:`init_params`."""
+    c = config
+    Ly, E, F, V, Q, K, H = (c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads,
+                            c.num_kv_heads, c.head_dim)
+    layers = {
+        "attn_norm": (Ly, E), "wq": (Ly, E, Q, H), "wk": (Ly, E, K, H), "wv": (Ly, E, K, H), "wo": (Ly, Q, H, E),
+        "mlp_norm": (Ly, E), "w_gate": (Ly, E, F), "w_up": (Ly, E, F), "w_down": (Ly, F, E),
+    }
+    if c.qkv_bias:
+        layers.update(bq=(Ly, Q, H), bk=(Ly, K, H), bv=(Ly, K, H))
+    if c.qk_norm:
+        layers.update(q_norm=(Ly, H), k_norm=(Ly, H))
+    shapes = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+_LOGICAL = {
+    "embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab"),
+    "attn_norm": ("layers", "norm"), "mlp_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "heads", "head_dim"), "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"), "wo": ("layers", "heads", "head_dim", "embed"),
+    "bq": ("layers", "heads", "head_dim"), "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"), "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
+    "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"), "w_down": ("layers", "mlp", "embed"),
+}
+
+#: Logical axes of activations and of the KV cache (mapped to mesh axes by ``treejax.parallel``).
+ACTIVATION_AXES = {
+    "tokens": ("batch", "length"), "hidden": ("batch", "length", "embed"),
+    "cache": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim"),
+}
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """Pytree like the params whose leaves are tuples of logical axis names."""
+    shapes = param_shapes(config)
+    return jax.tree.map(lambda _, path: _LOGICAL[path], shapes, _leaf_names(shapes), is_leaf=_is_shape)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _leaf_names(shapes: dict) -> dict:
+    return {k: (_leaf_names(v) if isinstance(v, dict) else k) for k, v in shapes.items()}
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random params: N(0, 0.02) for matrices, ones for norm weights, zeros for biases (HF's init)."""
+    shapes = param_shapes(config)
+    names = jax.tree.leaves(_leaf_names(shapes))
+    flat, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for name, shape, k in zip(names, flat, keys):
+        if "norm" in name:
+            leaf = jnp.ones(shape, config.params_dtype)
+        elif name.startswith("b"):
+            leaf = jnp.zeros(shape, config.params_dtype)
+        else:
+            leaf = (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(config.params_dtype)
+        leaves.append(leaf)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# ----------------------------------------------------------------------------------------------- building blocks
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``w * x / sqrt(mean(x^2) + eps)`` over the last axis, in fp32; returns ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+    return (w * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half form) of ``x: [B, L, heads, H]`` at integer ``positions: [B, L]``."""
+    H = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))  # [H/2]
+    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, L, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. ``q: [B, Lq, Q, H]``, ``k, v: [B, Lk, K, H]``, ``mask: [B, Lq, Lk]`` (True =
+    attend). Scores and softmax in fp32; returns ``[B, Lq, Q, H]`` in ``q``'s dtype."""
+    B, Lq, Q, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, Lq, K, Q // K, H)
+    scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(H)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bskh->bqkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, Lq, Q, H).astype(q.dtype)
+
+
+def _project_qkv(config: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
+    dt = h.dtype
+    q = jnp.einsum("ble,eqh->blqh", h, lp["wq"].astype(dt))
+    k = jnp.einsum("ble,ekh->blkh", h, lp["wk"].astype(dt))
+    v = jnp.einsum("ble,ekh->blkh", h, lp["wv"].astype(dt))
+    if config.qkv_bias:
+        q = q + lp["bq"].astype(dt)[None, None]
+        k = k + lp["bk"].astype(dt)[None, None]
+        v = v + lp["bv"].astype(dt)[None, None]
+    if config.qk_norm:
+        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+    return rope(q, positions, config.rope_theta), rope(k, positions, config.rope_theta), v
+
+
+def _mlp(lp: dict, h: jax.Array) -> jax.Array:
+    dt = h.dtype
+    gate = jnp.einsum("ble,ef->blf", h, lp["w_gate"].astype(dt))
+    up = jnp.einsum("ble,ef->blf", h, lp["w_up"].astype(dt))
+    return jnp.einsum("blf,fe->ble", jax.nn.silu(gate) * up, lp["w_down"].astype(dt))
+
+
+def _block(config: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array, attend_fn):
+    """One decoder layer; ``attend_fn(q, k, v) -> (attn_out, aux)`` decides where keys/values come from."""
+    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    q, k, v = _project_qkv(config, lp, h, positions)
+    attn, aux = attend_fn(q, k, v)
+    x = x + jnp.einsum("blqh,qhe->ble", attn, lp["wo"].astype(x.dtype))
+    x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
+    return x, aux
+
+
+def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0).astype(config.activation_dtype)
+
+
+def _check_tokens(tokens: jax.Array, positions: jax.Array):
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise ValueError(f"tokens and positions must both be [B, L]; got {tokens.shape} and {positions.shape}")
+
+
+# ----------------------------------------------------------------------------------------------- training forward
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            segment_ids: jax.Array | None = None, remat: bool = False) -> jax.Array:
+    """Full-sequence forward for training and scoring; returns the final-normed hidden states ``[B, L, E]``.
+
+    ``segment_ids: [B, L]`` int (0 = padding): token ``i`` attends to token ``j`` iff ``j <= i`` (index order),
+    ``seg[j] == seg[i] != 0``. This covers right/left padding and packed sequences. ``positions`` are the
+    RoPE positions (restart at 0 for each packed sequence).
+    """
+    _check_tokens(tokens, positions)
+    if segment_ids is None:
+        segment_ids = jnp.ones_like(tokens)
+    L = tokens.shape[1]
+    causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    mask = causal[None] & same
+
+    def layer(x, lp):
+        return _block(config, lp, x, positions, lambda q, k, v: (attention(q, k, v, mask), None))[0], None
+
+    if remat:
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    x, _ = lax.scan(layer, embed(params, config, tokens), params["layers"])
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------------------------- output head
+def _head(params: Params, config: ModelConfig) -> jax.Array:
+    """The ``[E, V]`` output projection (the transposed embedding when tied)."""
+    return params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+
+
+def logits(params: Params, config: ModelConfig, hidden: jax.Array, mask_padded_vocab: bool = True) -> jax.Array:
+    """fp32 logits ``[..., V]``; ids ``>= true_vocab_size`` get -inf when ``mask_padded_vocab``."""
+    w = _head(params, config)
+    out = jnp.einsum("...e,ev->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    if mask_padded_vocab and config.sampling_vocab_size < config.vocab_size:
+        valid = jnp.arange(config.vocab_size) < config.sampling_vocab_size
+        out = jnp.where(valid.reshape((1,) * (out.ndim - 1) + (-1,)), out, -jnp.inf)
+    return out
+
+
+def token_logprobs(params: Params, config: ModelConfig, hidden: jax.Array, targets: jax.Array,
+                   chunk_size: int = 8192, with_entropy: bool = False, temperature: float = 1.0):
+    """``log softmax(h W / temperature)[target]`` for every position, computed in vocabulary chunks.
+
+    An online log-sum-exp runs over chunks of ``chunk_size`` vocabulary columns (``lax.scan`` with a
+    rematerialized body), so ``[B, L, V]`` fp32 logits never exist at once, in the forward or the backward
+    pass. With ``with_entropy`` it also returns ``H = lse - sum_v p_v z_v`` (entropy of the full
+    distribution). Padded-vocabulary ids (``>= true_vocab_size``) carry no mass.
+    """
+    w = _head(params, config)
+    E, V = w.shape
+    chunk = min(chunk_size, V)
+    num_chunks = -(-V // chunk)
+    pad = num_chunks * chunk - V
+    w = jnp.pad(w, ((0, 0), (0, pad))).reshape(E, num_chunks, chunk).transpose(1, 0, 2)
+    h = hidden
+    batch_shape = targets.shape
+    vocab_limit = config.sampling_vocab_size
+
+    @jax.checkpoint
+    def body(carry, xs):
+        m, s, t, zsum = carry
+        w_c, start = xs
+        z = jnp.einsum("...e,ev->...v", h, w_c.astype(h.dtype), preferred_element_type=jnp.float32) / temperature
+        ids = start + jnp.arange(chunk)
+        z = jnp.where((ids < vocab_limit).reshape((1,) * (z.ndim - 1) + (-1,)), z, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+        scale = jnp.exp(m - m_new)
+        p = jnp.exp(z - m_new[..., None])
+        s = s * scale + jnp.sum(p, axis=-1)
+        zsum = zsum * scale + jnp.sum(jnp.where(p > 0, p * z, 0.0), axis=-1)
+        local = targets - start
+        in_chunk = (local >= 0) & (local < chunk)
+        picked = jnp.take_along_axis(z, jnp.clip(local, 0, chunk - 1)[..., None], axis=-1)[..., 0]
+        t = jnp.where(in_chunk, picked, t)
+        return (m_new, s, t, zsum), None
+
+    init = (jnp.full(batch_shape, -jnp.inf, jnp.float32), jnp.zeros(batch_shape, jnp.float32),
+            jnp.zeros(batch_shape, jnp.float32), jnp.zeros(batch_shape, jnp.float32))
+    starts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
+    (m, s, t, zsum), _ = lax.scan(body, init, (w, starts))
+    lse = m + jnp.log(s)
+    logp = t - lse
+    if with_entropy:
+        return logp, lse - zsum / s
+    return logp
+
+
+# ----------------------------------------------------------------------------------------------- KV cache
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> dict:
+    """Zeroed KV cache ``{"k", "v": [layers, B, L, K, H]}`` (logical axes: ``ACTIVATION_AXES["cache"]``)."""
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            segment_ids: jax.Array, cache: dict, rows: jax.Array | None = None):
+    """Runs a padded prompt batch and writes its keys/values into the cache at slots ``positions``.
+
+    ``tokens, positions, segment_ids: [Bp, Lp]`` (``segment_ids`` 0 on padding, whose cache slots are not
+    written). ``rows: [Bp]`` are the cache rows that receive the prompts (default ``0..Bp-1``). Returns
+    ``(hidden [Bp, Lp, E], cache)``; pick ``hidden[b, length_b - 1]`` for the next-token distribution.
+    """
+    _check_tokens(tokens, positions)
+    Bp, Lp = tokens.shape
+    rows = jnp.arange(Bp) if rows is None else rows
+    causal = jnp.arange(Lp)[:, None] >= jnp.arange(Lp)[None, :]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    mask = causal[None] & same
+    cache_len = cache["k"].shape[2]
+    # Padding tokens are written out of bounds and dropped.
+    slots = jnp.where(segment_ids != 0, positions, cache_len)
+
+    def layer(x, xs):
+        lp, ck, cv = xs
+
+        def attend(q, k, v):
+            ck2 = ck.at[rows[:, None], slots].set(k.astype(ck.dtype), mode="drop")
+            cv2 = cv.at[rows[:, None], slots].set(v.astype(cv.dtype), mode="drop")
+            return attention(q, k, v, mask), (ck2, cv2)
+
+        x, (ck, cv) = _block(config, lp, x, positions, attend)
+        return x, (ck, cv)
+
+    x, (ks, vs) = lax.scan(layer, embed(params, config, tokens), (params["layers"], cache["k"], cache["v"]))
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": ks, "v": vs}
+
+
+@functools.partial(jax.named_call, name="decode_step")
+def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: dict,
+                attend_len: int | None = None):
+    """One decoding step for every cache row: ``tokens, positions: [B]``.
+
+    Writes the new key/value at slot ``positions[b]`` and attends over slots ``0..positions[b]``. Only the
+    first ``attend_len`` (static) cache slots are read, so a short decode inside a long cache does not pay
+    for the whole allocation; callers guarantee ``positions < attend_len``. Returns
+    ``(hidden [B, E], cache)``.
+    """
+    B = tokens.shape[0]
+    cache_len = cache["k"].shape[2]
+    window = cache_len if attend_len is None else min(attend_len, cache_len)
+    pos2 = positions[:, None]
+    mask = (jnp.arange(window)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, window]
+    b_idx = jnp.arange(B)
+
+    def layer(x, xs):
+        lp, ck, cv = xs
+
+        def attend(q, k, v):
+            ck2 = ck.at[b_idx, positions].set(k[:, 0].astype(ck.dtype), mode="drop")
+            cv2 = cv.at[b_idx, positions].set(v[:, 0].astype(cv.dtype), mode="drop")
+            kw = lax.slice_in_dim(ck2, 0, window, axis=1).astype(q.dtype)
+            vw = lax.slice_in_dim(cv2, 0, window, axis=1).astype(q.dtype)
+            return attention(q, kw, vw, mask), (ck2, cv2)
+
+        x, (ck, cv) = _block(config, lp, x, pos2, attend)
+        return x, (ck, cv)
+
+    x, (ks, vs) = lax.scan(layer, embed(params, config, tokens[:, None]), (params["layers"], cache["k"], cache["v"]))
+    return rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps), {"k": ks, "v": vs}

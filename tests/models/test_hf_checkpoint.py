@@ -1,0 +1,209 @@
+"""HF safetensors loading: logits parity with transformers on tiny random Llama / Qwen2 / Qwen3, sharded
+indexes, sharding placement, and clear errors for bad folders."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from treejax.models import hf_checkpoint, transformer  # noqa: E402
+from treejax.models.hf_checkpoint import CheckpointError, load_hf_checkpoint  # noqa: E402
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+def make_hf_model(family: str, tie: bool, seed: int = 0):
+    """A tiny random HF model; 1-D params (norms, biases) are perturbed so they are not trivially 1 / 0."""
+    cfg_cls, model_cls = FAMILIES[family]
+    hc = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=tie, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=0)
+    torch.manual_seed(seed)
+    model = model_cls(hc).eval().float()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def padded_batch(vocab: int):
+    rng = np.random.RandomState(1)
+    toks = rng.randint(3, vocab, (3, 11))
+    mask = np.ones_like(toks)
+    mask[1, 7:] = 0  # right padding
+    mask[2, 4:] = 0
+    return toks, mask
+
+
+def hf_logits(model, toks, mask):
+    with torch.no_grad():
+        return model(torch.tensor(toks), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+def treejax_logits(params, config, toks, mask):
+    pos = np.broadcast_to(np.arange(toks.shape[1]), toks.shape)
+    h = transformer.forward(params, config, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(mask))
+    return np.asarray(transformer.logits(params, config, h))
+
+
+def max_rel_err(ours, ref, mask):
+    valid = mask.astype(bool)
+    return np.abs(ours - ref)[valid].max() / np.abs(ref[valid]).max()
+
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)])
+def test_logits_parity_with_transformers(tmp_path, family, tie):
+    model = make_hf_model(family, tie)
+    model.save_pretrained(tmp_path)
+    config, params = load_hf_checkpoint(str(tmp_path))
+    assert config.architecture == family and config.tie_word_embeddings == tie
+    assert config.qkv_bias == (family == "qwen2") and config.qk_norm == (family == "qwen3")
+    toks, mask = padded_batch(config.vocab_size)
+    err = max_rel_err(treejax_logits(params, config, toks, mask), hf_logits(model, toks, mask), mask)
+    assert err <= 1e-5, f"{family}: max relative logits error {err:.2e}"
+
+
+def test_sharded_index_and_shardings(tmp_path):
+    """A multi-file checkpoint with model.safetensors.index.json, placed straight into a mesh sharding."""
+    model = make_hf_model("qwen2", tie=False, seed=3)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    config = hf_checkpoint.load_hf_config(str(tmp_path))
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    P = jax.sharding.PartitionSpec
+    logical = transformer.param_logical_axes(config)
+    rules = {"embed": "data", "mlp": "model", "heads": "model", "kv_heads": "model", "vocab": "model"}
+    shardings = jax.tree.map(lambda axes: jax.sharding.NamedSharding(mesh, P(*(rules.get(a) for a in axes))),
+                             logical, is_leaf=lambda x: isinstance(x, tuple))
+    config, params = load_hf_checkpoint(str(tmp_path), shardings=shardings)
+    assert params["layers"]["wq"].sharding == shardings["layers"]["wq"]
+    assert params["embed"].sharding == shardings["embed"]
+    host_params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)  # values, off the mesh
+    toks, mask = padded_batch(config.vocab_size)
+    err = max_rel_err(treejax_logits(host_params, config, toks, mask), hf_logits(model, toks, mask), mask)
+    assert err <= 1e-5
+
+
+def test_bf16_param_dtype(tmp_path):
+    make_hf_model("llama", tie=True).save_pretrained(tmp_path)
+    config, params = load_hf_checkpoint(str(tmp_path), param_dtype="bfloat16")
+    assert config.param_dtype == "bfloat16"
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama", tie=False).save_pretrained(path)
+    return path
+
+
+def copy_folder(src, dst):
+    for name in os.listdir(src):
+        with open(src / name, "rb") as f:
+            (dst / name).write_bytes(f.read())
+    return dst
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_hf_checkpoint(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        load_hf_checkpoint(str(tmp_path))
+
+
+def test_missing_weights_file(saved_llama, tmp_path):
+    folder = copy_folder(saved_llama, tmp_path)
+    os.remove(folder / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
+        load_hf_checkpoint(str(folder))
+
+
+def test_missing_shard_named_by_index(tmp_path):
+    make_hf_model("llama", tie=True).save_pretrained(tmp_path, max_shard_size="60KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    os.remove(shard)
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        load_hf_checkpoint(str(tmp_path))
+
+
+def test_truncated_safetensors(saved_llama, tmp_path):
+    folder = copy_folder(saved_llama, tmp_path)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) - 4096])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        load_hf_checkpoint(str(folder))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(model_type="mistral"), r"unsupported architecture model_type='mistral'"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), r"rope_scaling"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='yarn'"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
+    (dict(attention_bias=True), r"attention_bias"),
+    (dict(mlp_bias=True), r"mlp_bias"),
+])
+def test_unsupported_config_fields(saved_llama, tmp_path, changes, match):
+    folder = copy_folder(saved_llama, tmp_path)
+    edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_hf_checkpoint(str(folder))
+    assert "config.json" in str(info.value)
+
+
+def test_sliding_window_rejected(tmp_path):
+    make_hf_model("qwen2", tie=False).save_pretrained(tmp_path)
+    edit_config(tmp_path, use_sliding_window=True, sliding_window=32)
+    with pytest.raises(CheckpointError, match="use_sliding_window"):
+        load_hf_checkpoint(str(tmp_path))
+
+
+def test_shape_mismatch_names_tensor_file_and_shapes(saved_llama, tmp_path):
+    folder = copy_folder(saved_llama, tmp_path)
+    edit_config(folder, intermediate_size=100)
+    with pytest.raises(CheckpointError) as info:
+        load_hf_checkpoint(str(folder))
+    msg = str(info.value)
+    assert "mlp.gate_proj.weight" in msg and "model.safetensors" in msg and "(112, 64)" in msg and "(100, 64)" in msg
+
+
+def test_missing_tensor_is_named(saved_llama, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = copy_folder(saved_llama, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.v_proj\.weight'"):
+        load_hf_checkpoint(str(folder))
+
+
+def test_unexpected_tensor_is_an_error(saved_llama, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = copy_folder(saved_llama, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"o_proj\.bias"):
+        load_hf_checkpoint(str(folder))

@@ -1,0 +1,193 @@
+"""Task registry, reasoning-gym tasks, GSM8K/MATH file tasks, split disjointness and bad-input errors."""
+
+import json
+import os
+
+import pytest
+
+from treejax.data import splits
+from treejax.data.file_tasks import FileTask
+from treejax.data.reasoning_gym_tasks import EASY_PRESETS, ReasoningGymTask
+from treejax.data.tasks import Example, get_task, task_names
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+GSM8K = os.path.join(FIXTURES, "gsm8k_small.jsonl")
+MATH = os.path.join(FIXTURES, "math_small.jsonl")
+
+
+def test_unknown_task_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown task 'no_such_task'") as err:
+        get_task("no_such_task")
+    for name in ("chain_sum", "reasoning_gym", "gsm8k_file", "math_file", "chain_sum_2x1"):
+        assert name in str(err.value)
+    assert set(EASY_PRESETS) <= set(task_names())
+
+
+def test_reasoning_gym_unknown_dataset_and_config_field():
+    with pytest.raises(ValueError, match="valid names"):
+        get_task("reasoning_gym", dataset="no_such_dataset")
+    with pytest.raises(TypeError, match="min_terms"):
+        get_task("chain_sum", not_a_field=3)
+
+
+def test_reasoning_gym_alias_equals_generic_and_is_seeded():
+    a = get_task("chain_sum", size=30, eval_size=10, seed=3, max_terms=3, max_digits=2)
+    b = get_task("reasoning_gym", dataset="chain_sum", size=30, eval_size=10, seed=3, max_terms=3, max_digits=2)
+    c = get_task("chain_sum", size=30, eval_size=10, seed=4, max_terms=3, max_digits=2)
+    assert a.records("train") == b.records("train") and a.records("eval") == b.records("eval")
+    assert a.records("train") != c.records("train")
+    assert len(a.records("train")) == 30 and len(a.records("eval")) == 10
+
+
+@pytest.mark.parametrize("seeds", [(0, 0), (0, 1), (5, 6)])
+def test_reasoning_gym_train_eval_disjoint_even_across_neighbouring_seeds(seeds):
+    # reasoning-gym item i uses Random(seed + i): seeds s and s+1 share items, the hash split must still separate.
+    train = get_task("chain_sum_2x1", size=60, eval_size=20, seed=seeds[0])
+    evals = get_task("chain_sum_2x1", size=60, eval_size=20, seed=seeds[1])
+    train_q = {r["question"] for r in train.records("train")}
+    eval_q = {r["question"] for r in evals.records("eval")}
+    assert train_q and eval_q and not train_q & eval_q
+    assert len(train_q) == 60  # deduplicated within the split
+    for q in eval_q:
+        assert splits.split_unit(q) < 0.2
+
+
+def test_reasoning_gym_too_few_distinct_problems_is_an_error():
+    # 2 single-digit terms with +/-: only 200 distinct questions.
+    with pytest.raises(ValueError, match="distinct"):
+        get_task("chain_sum_2x1", size=400, eval_size=10).records("train")
+
+
+def test_reasoning_gym_scoring_uses_its_scorer_and_maps_partial_credit():
+    task = get_task("chain_sum_2x2", size=20, eval_size=5, seed=1)
+    ex = next(task.examples("train"))
+    gt = ex.ground_truth
+    assert ex.prompt_messages[0]["role"] == "system" and "<answer>" in ex.prompt_messages[0]["content"]
+    assert ex.prompt_messages[-1] == {"role": "user", "content": ex.metadata["question"]}
+    assert task.score(f"thinking... <answer>{gt}</answer>", ex) == 1.0
+    assert task.score(f"<answer>{gt}</answer> wait <answer>{int(gt) + 1}</answer>", ex) == 0.0
+    assert task.score(f"The answer is {gt}", ex) == 0.0  # no answer tags: reasoning-gym convention
+    # A wrong answer reasoning-gym gives partial credit to is 0 by default, the raw value with partial_credit.
+    wrong = f"<answer>9{gt}</answer>"
+    raw = task.raw_score(wrong, ex)
+    assert 0.0 < raw < 1.0
+    assert task.score(wrong, ex) == 0.0
+    lenient = get_task("chain_sum_2x2", size=20, eval_size=5, seed=1, partial_credit=True)
+    assert lenient.score(wrong, next(lenient.examples("train"))) == pytest.approx(raw)
+    # extraction is configurable
+    auto = get_task("chain_sum_2x2", size=20, eval_size=5, seed=1, extraction="auto")
+    assert auto.score(f"The answer is {gt}.", next(auto.examples("train"))) == 1.0
+
+
+def test_reasoning_gym_rejects_examples_of_another_seed():
+    a = get_task("chain_sum", size=5, eval_size=2, seed=0)
+    b = get_task("chain_sum", size=5, eval_size=2, seed=100)
+    ex = next(a.examples("train"))
+    with pytest.raises(ValueError, match="another"):
+        b.score("<answer>1</answer>", ex)
+
+
+@pytest.mark.parametrize("preset", sorted(EASY_PRESETS))
+def test_easy_presets_generate_and_score_their_own_answers(preset):
+    task = get_task(preset, size=10, eval_size=3, seed=0)
+    assert isinstance(task, ReasoningGymTask)
+    for ex in list(task.examples("train"))[:3] + list(task.examples("eval")):
+        assert task.score(f"<answer>{ex.ground_truth}</answer>", ex) == 1.0
+
+
+def test_examples_order_is_deterministic_per_seed():
+    task = get_task("chain_sum", size=40, eval_size=5, seed=0)
+    uids = lambda s: [e.metadata["uid"] for e in task.examples("train", seed=s)]  # noqa: E731
+    assert uids(1) == uids(1) and uids(1) != uids(2)
+    assert sorted(uids(1)) == sorted(r["uid"] for r in task.records("train"))
+    with pytest.raises(ValueError, match="valid splits"):
+        list(task.examples("test"))
+
+
+def test_gsm8k_file_task():
+    task = get_task("gsm8k_file", path=GSM8K)
+    recs = task.records("train")
+    assert len(recs) == 12 and task.records("eval") == []
+    answers = [r["answer"] for r in recs]
+    assert answers[:5] == ["72", "10", "14400", "-7", "1.5"]
+    ex = task.make_example(recs[2])
+    assert ex.ground_truth == "14400" and "\\boxed{}" in ex.prompt_messages[-1]["content"]
+    assert json.loads(recs[2]["metadata"])["source"].endswith("gsm8k_small.jsonl:3")
+    assert task.score("12 months times 1,200 gives \\boxed{14,400}", ex) == 1.0
+    assert task.score("#### 14,400", ex) == 1.0
+    assert task.score("\\boxed{14,400} ... no, #### 1200", ex) == 0.0
+
+
+def test_math_file_task_and_hash_split():
+    task = get_task("math_file", path=MATH)
+    answers = [r["answer"] for r in task.records("train")]
+    assert answers == ["\\frac{3}{4}", "2\\sqrt{3}", "\\{-2, 2\\}", "3", "1024", "\\dfrac{1}{4}"]
+    ex = task.make_example(task.records("train")[0])
+    assert ex.metadata["level"] == "Level 1" and ex.metadata["type"] == "Prealgebra"
+    assert task.score("Adding: $\\boxed{0.75}$", ex) == 1.0
+    assert task.score("Adding: $\\boxed{\\frac{6}{8}}$", ex) == 1.0
+    assert task.score("Adding: $\\boxed{\\frac{2}{3}}$", ex) == 0.0
+    split = FileTask(MATH, format="math", eval_fraction=0.5)
+    tq = {r["question"] for r in split.records("train")}
+    eq = {r["question"] for r in split.records("eval")}
+    assert not tq & eq and len(tq | eq) == 6
+
+
+def test_parquet_file_task(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in open(GSM8K)]
+    path = str(tmp_path / "gsm8k.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert [r["answer"] for r in get_task("gsm8k_file", path=path).records("train")][:3] == ["72", "10", "14400"]
+    rows[3]["answer"] = "no marker here"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(ValueError, match=r"gsm8k\.parquet:row 3.*####"):
+        get_task("gsm8k_file", path=path)
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [
+        json.dumps({"question": "q1", "answer": "#### 1"}),
+        "",
+        json.dumps({"question": "q2", "answer": "#### 2"}),
+        '{"question": "q3", "answer": "#### 3"',
+    ])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:4: malformed JSON"):
+        get_task("gsm8k_file", path=path)
+
+
+def test_missing_answer_field_is_a_clear_error(tmp_path):
+    path = _write(tmp_path / "missing.jsonl", [json.dumps({"question": "q1", "answer": "#### 1"}),
+                                               json.dumps({"question": "q2", "solution": "#### 2"})])
+    with pytest.raises(KeyError, match=r"missing\.jsonl:2: missing field 'answer'"):
+        get_task("gsm8k_file", path=path)
+    path = _write(tmp_path / "nobox.jsonl", [json.dumps({"problem": "p", "solution": "it is 3"})])
+    with pytest.raises(ValueError, match=r"nobox\.jsonl:1: .*no \\boxed"):
+        get_task("math_file", path=path)
+    path = _write(tmp_path / "trunc.jsonl", [json.dumps({"problem": "p", "solution": "\\boxed{\\frac{1"})])
+    with pytest.raises(ValueError, match=r"trunc\.jsonl:1: .*truncated"):
+        get_task("math_file", path=path)
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        get_task("gsm8k_file", path=str(tmp_path / "nowhere.jsonl"))
+
+
+def test_eval_file_overlapping_train_is_an_error(tmp_path):
+    path = _write(tmp_path / "eval.jsonl", [open(GSM8K).readline().strip()])
+    with pytest.raises(ValueError, match="must not overlap"):
+        get_task("gsm8k_file", path=GSM8K, eval_path=path)
+    ok = _write(tmp_path / "eval_ok.jsonl", [json.dumps({"question": "new?", "answer": "#### 5"})])
+    task = get_task("gsm8k_file", path=GSM8K, eval_path=ok)
+    assert [r["answer"] for r in task.records("eval")] == ["5"]
+
+
+def test_example_is_frozen_dataclass():
+    ex = Example([{"role": "user", "content": "q"}], "1", {})
+    with pytest.raises(Exception):
+        ex.ground_truth = "2"

@@ -1,0 +1,109 @@
+"""Every estimator equals its loop-based NumPy reference on random forests (hypothesis), to 1e-6."""
+
+from __future__ import annotations
+
+import functools
+
+import advantage_references as ref
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from treejax.rl import advantages as adv
+from treejax.testing.forests import forests
+
+# (P, W, D, S): generic trees, deep binary-ish trees, W = 1, depth-1 (flat) forests.
+SHAPES = [(3, 6, 3, 2), (2, 8, 4, 1), (2, 1, 3, 2), (2, 5, 1, 3)]
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _expected(name, options, forest, R):
+    """Reference tokens [P,W,T], loss mask and (leaf or segment) values for one estimator."""
+    paths = np.asarray(forest.leaf_path)
+    mask = ref.token_mask(forest.leaf_length, forest.tokens.shape[-1])
+    S = forest.segment_length
+    if name == "grpo":
+        leaves = ref.grpo(R, options.scale_by_std, options.unbiased_std, options.eps)
+        return ref.leaf_tokens(leaves, mask), mask
+    if name == "rloo":
+        return ref.leaf_tokens(ref.rloo(R), mask), mask
+    if name == "reinforce_pp_baseline":
+        return ref.whiten(ref.leaf_tokens(ref.rfpp_raw(R), mask), mask), mask
+    if name == "treepo":
+        raw = ref.treepo_raw(paths, R, options.weighting, options.reject_zero_std)
+        tokens = ref.leaf_tokens(raw, mask)
+        return (ref.whiten(tokens, mask) if options.whiten else tokens), mask
+    if name == "treepo_segment":
+        seg = ref.treepo_segment_raw(paths, R, options.eta, options.node_value, options.root_value)
+        tokens = ref.segment_tokens(seg, mask, S)
+        return (ref.whiten(tokens, mask) if options.whiten else tokens), mask
+    if name == "spo_tree":
+        seg = ref.spo_tree_raw(paths, R, options.normalize, options.eps, options.node_value)
+        if options.prob_threshold is not None:
+            mask = mask * (np.exp(np.asarray(forest.logprobs, np.float64)) < options.prob_threshold)
+        return ref.segment_tokens(seg, mask, S), mask
+    if name == "mc_grpo":
+        leaves, pivot = ref.mc_grpo(R, options.normalize, options.std_fallback, options.eps)
+        mask = mask * ~pivot[:, :, None]
+        return ref.leaf_tokens(leaves, mask), mask
+    raise AssertionError(name)
+
+
+CASES = [
+    ("grpo", adv.GRPOOptions()),
+    ("grpo", adv.GRPOOptions(scale_by_std=False)),
+    ("grpo", adv.GRPOOptions(unbiased_std=False)),
+    ("rloo", adv.RLOOOptions()),
+    ("reinforce_pp_baseline", adv.ReinforcePPBaselineOptions()),
+    ("treepo", adv.TreePOOptions()),
+    ("treepo", adv.TreePOOptions(weighting="group_size")),
+    ("treepo", adv.TreePOOptions(reject_zero_std=True, whiten=False)),
+    ("treepo_segment", adv.TreePOSegmentOptions()),
+    ("treepo_segment", adv.TreePOSegmentOptions(eta=0.9, node_value="child_mean", root_value="zero", whiten=False)),
+    ("spo_tree", adv.SPOTreeOptions()),
+    ("spo_tree", adv.SPOTreeOptions(normalize=True, prob_threshold=0.5)),
+    ("spo_tree", adv.SPOTreeOptions(node_value="child_mean")),
+    ("mc_grpo", adv.MCGRPOOptions()),
+    ("mc_grpo", adv.MCGRPOOptions(std_fallback=False, eps=1e-2)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name, options):
+    fn = adv.get_estimator(name)
+    return jax.jit(lambda f, r: fn(f, r, options))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "P%dW%dD%dS%d" % s)
+@pytest.mark.parametrize("name,options", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_matches_reference(name, options, shape):
+    compiled = _compiled(name, options)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(forests(*shape))
+    def check(example):
+        forest, R = example
+        out = compiled(forest, R)
+        tokens, mask = _expected(name, options, forest, R)
+        np.testing.assert_array_equal(np.asarray(out.loss_mask), mask)
+        np.testing.assert_allclose(np.asarray(out.tokens), tokens, **TOL)
+        assert np.all(np.isfinite(np.asarray(out.tokens)))
+
+    check()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "P%dW%dD%dS%d" % s)
+def test_remax_matches_reference(shape):
+    fn = jax.jit(lambda f, r, g: adv.remax(f, r, greedy_reward_P=g))
+
+    @settings(max_examples=15, deadline=None)
+    @given(forests(*shape))
+    def check(example):
+        forest, R = example
+        greedy = np.linspace(-1.0, 1.0, R.shape[0]).astype(np.float32)
+        mask = ref.token_mask(forest.leaf_length, forest.tokens.shape[-1])
+        expected = ref.leaf_tokens(np.asarray(R, np.float64) - greedy[:, None], mask)
+        np.testing.assert_allclose(np.asarray(fn(forest, R, greedy).tokens), expected, **TOL)
+
+    check()

@@ -1,0 +1,38 @@
+"""Advantage estimators over the rollout forest, selected by name (``get_estimator("treepo")``).
+
+Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mod:`.registry`).
+Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax.
+Tree estimators: treepo, treepo_segment, spo_tree.
+"""
+
+from treejax.rl.advantages.common import masked_whiten
+from treejax.rl.advantages.flat import (
+    GRPOOptions,
+    MCGRPOOptions,
+    ReinforcePPBaselineOptions,
+    ReMaxOptions,
+    RLOOOptions,
+    grpo,
+    mc_grpo,
+    reinforce_pp_baseline,
+    remax,
+    rloo,
+)
+from treejax.rl.advantages.registry import (
+    Advantages,
+    EstimatorSpec,
+    estimator_spec,
+    get_estimator,
+    list_estimators,
+    register_estimator,
+)
+from treejax.rl.advantages.spo import SPOTreeOptions, spo_probability_mask, spo_tree
+from treejax.rl.advantages.tree import TreePOOptions, TreePOSegmentOptions, treepo, treepo_segment
+
+__all__ = [
+    "Advantages", "EstimatorSpec", "estimator_spec", "get_estimator", "list_estimators", "register_estimator",
+    "masked_whiten", "spo_probability_mask",
+    "grpo", "rloo", "reinforce_pp_baseline", "mc_grpo", "remax", "treepo", "treepo_segment", "spo_tree",
+    "GRPOOptions", "RLOOOptions", "ReinforcePPBaselineOptions", "MCGRPOOptions", "ReMaxOptions",
+    "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
+]

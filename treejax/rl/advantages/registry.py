@@ -1,0 +1,89 @@
+"""The estimator interface and its name registry.
+
+Every advantage estimator is one pure function
+
+    fn(forest: Forest, rewards_PxW: Array, options: OptionsCls, **inputs) -> Advantages
+
+registered by name with :func:`register_estimator`. ``options`` is a frozen (hashable) dataclass, so it is
+static under ``jax.jit`` (pass it with ``static_argnames="options"`` or close over it). ``inputs`` are extra
+*arrays* an estimator needs beyond the forest and the rewards (e.g. ReMax's ``greedy_reward_P``); each
+estimator lists them in ``EstimatorSpec.inputs`` so a trainer knows what to supply. The registry is read once
+when a config is built (``get_estimator(name)``), never inside compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class Advantages:
+    """Output of every estimator.
+
+    * ``tokens``    [P, W, T] per-token advantages, exactly 0 where ``loss_mask`` is 0;
+    * ``loss_mask`` [P, W, T] the mask the policy loss must use: the forest's ``loss_mask`` possibly narrowed by
+      the estimator (SPO's probability mask, MC-GRPO's excluded pivot rollout);
+    * ``leaves``    [P, W] one scalar per leaf for estimators that give one (final, i.e. after whitening),
+      else ``None``;
+    * ``segments``  [P, W, D] per-segment advantages *before* any batch whitening for segment-level estimators
+      (0 past a leaf's last segment), else ``None``.
+    """
+
+    tokens: jax.Array
+    loss_mask: jax.Array
+    leaves: jax.Array | None = None
+    segments: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+    """A registered estimator: its function, its options dataclass and the names of its extra array inputs."""
+
+    name: str
+    fn: Callable[..., Advantages]
+    options_cls: type
+    inputs: tuple[str, ...] = ()
+
+    def default_options(self, **overrides: Any):
+        return self.options_cls(**overrides)
+
+
+_REGISTRY: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = ()):
+    """Decorator registering ``fn`` under ``name``. ``options_cls`` must be a frozen dataclass.
+
+    Registering a second function under an existing name is an error (names are the gin-facing API).
+    """
+    if not (dataclasses.is_dataclass(options_cls) and options_cls.__dataclass_params__.frozen):
+        raise TypeError(f"options for estimator {name!r} must be a frozen dataclass, got {options_cls!r}")
+
+    def decorator(fn):
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+            raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name].fn!r})")
+        _REGISTRY[name] = EstimatorSpec(name=name, fn=fn, options_cls=options_cls, inputs=tuple(inputs))
+        return fn
+
+    return decorator
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The :class:`EstimatorSpec` registered under ``name``; unknown names raise a ``KeyError`` listing valid ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown advantage estimator {name!r}; valid names: {sorted(_REGISTRY)}") from None
+
+
+def get_estimator(name: str) -> Callable[..., Advantages]:
+    """The estimator function registered under ``name`` (see :func:`estimator_spec` for its options class)."""
+    return estimator_spec(name).fn
+
+
+def list_estimators() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,114 @@
+"""Random valid rollout forests for tests and notebooks (host-side NumPy), plus a hypothesis strategy.
+
+A random tree of W leaves and max depth D is grown top-down: the leaves under a node are split into random
+non-empty blocks (its children); a node holding a single leaf may end there (an early stop) or continue as
+a chain; at depth D every leaf ends. So every leaf's last node is its own, never an ancestor of another
+leaf — as in TreePO's sampler. Node ids (1..) are shuffled so code can't rely on their order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from treejax.forest import Forest, NodeStatus, forest_from_paths
+
+_LEAF_STATUSES = np.array(
+    [NodeStatus.FINISHED, NodeStatus.EOS, NodeStatus.TRUNCATED, NodeStatus.REPETITION, NodeStatus.PRUNED], np.int32
+)
+
+
+def random_tree_paths(rng: np.random.Generator, num_leaves: int, max_depth: int, max_branch: int = 3,
+                      stop_prob: float = 0.3) -> np.ndarray:
+    """[W, D+1] leaf paths of one random tree (column 0 = root id 0, -1 past each leaf's end)."""
+    paths = np.full((num_leaves, max_depth + 1), -1, np.int64)
+    paths[:, 0] = 0
+    next_id = [1]
+
+    def grow(leaves: np.ndarray, depth: int):
+        if depth == max_depth:
+            return
+        if len(leaves) == 1 and depth >= 1 and rng.random() < stop_prob:
+            return  # early stop: the single leaf ends at this node
+        if depth + 1 == max_depth:
+            blocks = [leaves[i : i + 1] for i in range(len(leaves))]  # last level: one node per leaf
+        else:
+            k = int(rng.integers(1, min(max_branch, len(leaves)) + 1))
+            labels = np.concatenate([np.arange(k), rng.integers(0, k, len(leaves) - k)])
+            rng.shuffle(labels)
+            blocks = [leaves[labels == b] for b in range(k)]
+        for block in blocks:
+            paths[block, depth + 1] = next_id[0]
+            next_id[0] += 1
+            grow(block, depth + 1)
+
+    grow(np.arange(num_leaves), 0)
+    num_nodes = next_id[0]
+    perm = np.concatenate([[0], 1 + rng.permutation(num_nodes - 1)])
+    return np.where(paths >= 0, perm[np.maximum(paths, 0)], -1)
+
+
+def random_forest(rng: np.random.Generator, num_prompts: int, num_leaves: int, max_depth: int,
+                  segment_length: int, max_branch: int = 3, stop_prob: float = 0.3, vocab_size: int = 50) -> Forest:
+    """A valid :class:`Forest` of random trees, random lengths/statuses/tokens/log-probs.
+
+    Node arrays are padded to the static capacity ``N = 1 + W * D`` (the most nodes W leaves of depth <= D can
+    have), so every forest of the same (P, W, D, S) has the same shapes (one jit compilation)."""
+    paths = np.stack([random_tree_paths(rng, num_leaves, max_depth, max_branch, stop_prob) for _ in range(num_prompts)])
+    depth = np.sum(paths[:, :, 1:] >= 0, axis=-1)
+    lengths = (depth - 1) * segment_length + rng.integers(1, segment_length + 1, depth.shape)
+    status = rng.choice(_LEAF_STATUSES, size=depth.shape)
+    t = max_depth * segment_length
+    tokens = rng.integers(0, vocab_size, (num_prompts, num_leaves, t))
+    logprobs = -rng.exponential(1.0, (num_prompts, num_leaves, t)).astype(np.float32)
+    forest = forest_from_paths(paths, lengths, segment_length, status, tokens, logprobs)
+    return pad_nodes(forest, 1 + num_leaves * max_depth)
+
+
+def pad_nodes(forest: Forest, num_nodes: int) -> Forest:
+    """Pads the node arrays to ``num_nodes`` slots (unused: parent -1, depth -1, status UNUSED)."""
+    import jax.numpy as jnp
+
+    have = forest.node_parent.shape[1]
+    if have > num_nodes:
+        raise ValueError(f"forest has {have} node slots, more than the requested capacity {num_nodes}")
+    pad = ((0, 0), (0, num_nodes - have))
+    return forest.replace(
+        node_parent=jnp.pad(forest.node_parent, pad, constant_values=-1),
+        node_depth=jnp.pad(forest.node_depth, pad, constant_values=-1),
+        node_status=jnp.pad(forest.node_status, pad, constant_values=int(NodeStatus.UNUSED)),
+    )
+
+
+def random_rewards(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
+    """Rewards of a given ``kind``: "pm1" (+-1), "01", "grid" (multiples of 0.25 in [-1, 1], e.g. with an
+    overlong penalty), "equal" (one value per prompt), "mixed" (a random choice of these per prompt)."""
+    p, w = shape
+    if kind == "mixed":
+        kinds = rng.choice(["pm1", "01", "grid", "equal"], size=p)
+        return np.stack([random_rewards(rng, (1, w), k)[0] for k in kinds]).astype(np.float32)
+    if kind == "pm1":
+        return rng.choice([-1.0, 1.0], size=shape).astype(np.float32)
+    if kind == "01":
+        return rng.choice([0.0, 1.0], size=shape).astype(np.float32)
+    if kind == "grid":
+        return (rng.integers(-4, 5, size=shape) / 4.0).astype(np.float32)
+    if kind == "equal":
+        return np.repeat(rng.choice([-1.0, 0.0, 0.3, 1.0], size=(p, 1)), w, axis=1).astype(np.float32)
+    raise ValueError(f"unknown reward kind {kind!r}; valid: pm1, 01, grid, equal, mixed")
+
+
+def forests(num_prompts: int, num_leaves: int, max_depth: int, segment_length: int, reward_kind: str = "mixed"):
+    """Hypothesis strategy of ``(forest, rewards_PxW)`` with fixed shapes (so one compiled function serves
+    every example) and random structure: branchings, depths, early stops, lengths, rewards."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def _strategy(draw):
+        seed = draw(st.integers(0, 2**32 - 1))
+        max_branch = draw(st.integers(1, 4))
+        stop_prob = draw(st.sampled_from([0.0, 0.3, 0.7]))
+        rng = np.random.default_rng(seed)
+        forest = random_forest(rng, num_prompts, num_leaves, max_depth, segment_length, max_branch, stop_prob)
+        return forest, random_rewards(rng, (num_prompts, num_leaves), reward_kind)
+
+    return _strategy()

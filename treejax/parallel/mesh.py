@@ -1,0 +1,172 @@
+"""Device mesh from config, logical axes -> shardings, sharded init, the sharded jitted update, multi-host start.
+
+Axis types: ``jax.make_mesh`` defaults to *Explicit* axes in current JAX, where sharding is part of the array
+type and a contraction over a sharded dimension is a type error unless every op states its output sharding.
+treejax's model code is written for GSPMD-style propagation (shard the inputs/params via the rules table and
+let XLA insert the collectives), so meshes are built with ``AxisType.Auto`` on every axis, deliberately.
+
+Standard sharded init (big_vision / MaxText): ``jax.eval_shape(init)`` gives the abstract state without
+allocating; shardings come from the logical axes; ``jax.jit(init, out_shardings=...)`` materialises each shard
+directly on its device. The update is jitted with the same shardings in and out, and the state is donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from treejax.parallel.axis_rules import DEFAULT_RULES, Rules, rules_dict
+
+MESH_AXES = ("data", "fsdp", "tensor")
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape; one entry may be ``-1`` (takes all remaining devices). Default: everything on ``fsdp``."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        dims = [self.data, self.fsdp, self.tensor]
+        if sum(d == -1 for d in dims) > 1:
+            raise ValueError(f"MeshConfig: at most one axis may be -1, got {self}")
+        if any(d == 0 or d < -1 for d in dims):
+            raise ValueError(f"MeshConfig: axis sizes must be positive or -1, got {self}")
+        known = math.prod(d for d in dims if d != -1)
+        if -1 in dims:
+            if num_devices % known:
+                raise ValueError(f"MeshConfig {self}: {num_devices} devices not divisible by {known}")
+            dims[dims.index(-1)] = num_devices // known
+        if math.prod(dims) != num_devices:
+            raise ValueError(f"MeshConfig {self} needs {math.prod(dims)} devices, {num_devices} available")
+        return tuple(dims)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: list | None = None) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh with Auto axis types over ``devices`` (default: all devices)."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = config.shape(len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def logical_to_spec(logical_axes: tuple, mesh: Mesh, rules: Rules = DEFAULT_RULES,
+                    shape: tuple[int, ...] | None = None) -> PartitionSpec:
+    """Maps one array's logical axis names to a ``PartitionSpec`` (unknown names raise ``KeyError``).
+
+    Mesh axes already used by an earlier dimension, of size 1, or (when ``shape`` is given) not dividing the
+    dimension are dropped, so the result is always valid for the array.
+    """
+    table = rules_dict(rules)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(logical_axes):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
+        axes = []
+        for ax in table[name]:
+            if ax in used or ax not in mesh.shape or mesh.shape[ax] == 1:
+                continue
+            size = math.prod(mesh.shape[a] for a in axes) * mesh.shape[ax]
+            if shape is not None and shape[i] % size:
+                continue
+            axes.append(ax)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*spec)
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+
+
+def logical_to_sharding(logical_axes: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, shapes: Any = None) -> Any:
+    """Pytree of logical-axis tuples (optionally with a matching pytree of arrays/ShapeDtypeStructs giving the
+    shapes) -> pytree of ``NamedSharding``."""
+    if shapes is None:
+        return jax.tree.map(lambda ax: NamedSharding(mesh, logical_to_spec(ax, mesh, rules)), logical_axes,
+                            is_leaf=_is_axes)
+    return jax.tree.map(lambda ax, s: NamedSharding(mesh, logical_to_spec(ax, mesh, rules, tuple(s.shape))),
+                        logical_axes, shapes, is_leaf=_is_axes)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, batch: Any, rules: Rules = DEFAULT_RULES) -> Any:
+    """Shards every batch array along its leading ``batch`` axis (other axes replicated)."""
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(x.shape) - 1), mesh, rules,
+                                                      tuple(x.shape))), batch)
+
+
+def sharded_init(init_fn: Callable[[], Any], shardings: Any) -> Any:
+    """``jax.jit(init_fn, out_shardings=shardings)()``: each device materialises only its shards."""
+    return jax.jit(init_fn, out_shardings=shardings)()
+
+
+def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: optax.GradientTransformation,
+                          mesh: Mesh) -> Any:
+    """Shardings for a ``TrainState``: params as given, optimizer leaves that mirror params (Adam moments) like
+    their param, every other leaf (counts, step, key) replicated."""
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, abstract_state.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated(mesh),
+    )
+    return abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh),
+                                  key=replicated(mesh))
+
+
+def init_train_state(init_state_fn: Callable[[], Any], param_logical_axes: Any, optimizer: optax.GradientTransformation,
+                     mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[Any, Any]:
+    """Sharded ``TrainState`` init: eval_shape -> shardings -> jit(out_shardings). Returns (state, shardings)."""
+    abstract = jax.eval_shape(init_state_fn)
+    param_sh = logical_to_sharding(param_logical_axes, mesh, rules, abstract.params)
+    shardings = train_state_shardings(abstract, param_sh, optimizer, mesh)
+    return sharded_init(init_state_fn, shardings), shardings
+
+
+def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, mesh: Mesh) -> Callable:
+    """``jax.jit(update_fn)`` with explicit in/out shardings (metrics replicated) and the state donated."""
+    return jax.jit(update_fn, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
+
+
+def maybe_initialize_distributed() -> bool:
+    """Calls ``jax.distributed.initialize`` for multi-host runs; returns whether it did.
+
+    Triggers: ``JAX_COORDINATOR_ADDRESS`` set (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; explicit
+    GPU-cluster start), or ``TREEJAX_DISTRIBUTED=1`` (let JAX auto-detect the cluster: Cloud TPU pod slices,
+    SLURM, Open MPI). Must run before anything touches the devices; idempotent.
+    """
+    if jax.distributed.is_initialized():
+        return False
+    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if addr:
+        num = os.environ.get("JAX_NUM_PROCESSES")
+        pid = os.environ.get("JAX_PROCESS_ID")
+        if num is None or pid is None:
+            raise ValueError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not")
+        jax.distributed.initialize(coordinator_address=addr, num_processes=int(num), process_id=int(pid))
+    elif os.environ.get("TREEJAX_DISTRIBUTED", "0") == "1":
+        jax.distributed.initialize()
+    else:
+        return False
+    log.info("jax.distributed initialised: process %d of %d, %d global devices", jax.process_index(),
+             jax.process_count(), jax.device_count())
+    return True
+

@@ -51,6 +51,8 @@ TABLE = [
     ("\\boxed{2.5000001}", "2.5", 1.0),
     ("\\boxed{2.51}", "2.5", 0.0),
     ("\\boxed{x = 7}", "7", 1.0),
+    ("\\boxed{1000001}", "1000000", 0.0),  # integers compare exactly, no relative tolerance
+    ("\\boxed{1000000.0}", "1000000", 1.0),
 ]
 
 

@@ -12,7 +12,8 @@ Pipeline for a model response ``y`` and a ground truth ``g`` (both strings):
    - if both parse as plain numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``, thousands separators ``1,234``,
      ``-``/unicode minus, ``$``, ``%``, trailing unit words/``\\text{..}``), they are equal iff
      ``|a - g| <= max(rel_tol * max(|a|, |g|), abs_tol)`` (exact rational arithmetic, defaults ``rel_tol=1e-6``,
-     ``abs_tol=1e-9``, matching math-verify's 6-digit float rounding);
+     ``abs_tol=1e-9``, matching math-verify's 6-digit float rounding) — except that two integers must be equal
+     exactly;
    - otherwise math-verify (``math_verify.parse``/``verify``, symbolic + numeric LaTeX equivalence) decides;
    - if math-verify cannot parse either side, normalised string equality decides.
    Units are stripped, not converted: ``5 cm`` equals ``5`` and also ``5 m`` (documented approximation).
@@ -283,6 +284,8 @@ def parse_number(s: Optional[str]) -> Optional[Fraction]:
 
 
 def _numbers_close(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bool:
+    if a.denominator == 1 and b.denominator == 1:
+        return a == b  # two integers: exact (a relative tolerance would accept 1000001 for 1000000)
     diff = abs(a - b)
     return diff <= max(Fraction(rel_tol) * max(abs(a), abs(b)), Fraction(abs_tol))
 

@@ -1,0 +1,157 @@
+"""Checkpoints: an orbax ``CheckpointManager`` around the ``TrainState`` + a JSON data-iterator state, and a
+SIGTERM handler that asks the loop to save and exit at the next step boundary (preemptible TPU/GPU VMs).
+
+Layout under ``directory``: one folder per saved step holding two items, ``state`` (the TrainState pytree:
+params, optimizer state, step, key; orbax ``StandardSave``, sharded arrays written by every host in parallel)
+and ``data`` (a JSON dict, e.g. a grain iterator's ``get_state()`` and anything else the loop needs to resume).
+Saves are asynchronous by default: ``save`` returns after the device->host copy and the write runs in a
+background thread; :meth:`Checkpointer.wait` blocks until it is durable (call it before exiting).
+
+Exact resume: restoring gives bit-identical params, optimizer state, step and key, so a deterministic loop
+(keys derived with ``fold_in(key, step)``, data iterator restored from ``data``) continues exactly like the
+uninterrupted run.
+
+Usage in a loop::
+
+    ckpt = Checkpointer(dir, max_to_keep=3)
+    stop = PreemptionHandler().install()
+    if ckpt.latest_step() is not None:
+        state, data = ckpt.restore(abstract_state_with_shardings(state, shardings))
+    for step in ...:
+        state, metrics = update(state, batch)
+        if step % every == 0 or stop.should_stop(step, ckpt):
+            ckpt.save(step, state, data_state, force=True)
+        if stop.should_stop(step, ckpt):
+            ckpt.wait(); break
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+def abstract_state_with_shardings(state_like: Any, shardings: Any | None = None) -> Any:
+    """``jax.ShapeDtypeStruct`` pytree (shape, dtype and target sharding) for :meth:`Checkpointer.restore`.
+
+    ``state_like`` may be real arrays or the output of ``jax.eval_shape``; ``shardings`` a matching pytree of
+    ``Sharding`` (default: each array's current sharding, if it has one).
+    """
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                            state_like)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state_like, shardings)
+
+
+class Checkpointer:
+    """Keep-N, optionally asynchronous checkpoints of ``(TrainState, JSON data state)``.
+
+    Args:
+      directory: checkpoint root (created if missing; local path or any path orbax supports, e.g. ``gs://``).
+      max_to_keep: keep the newest N steps (``None`` keeps all).
+      save_interval_steps: ``save`` without ``force`` only writes on multiples of this.
+      async_save: write in a background thread.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_interval_steps: int = 1,
+                 async_save: bool = True):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+
+    def save(self, step: int, state: Any, data_state: dict | None = None, *, force: bool = False) -> bool:
+        """Saves ``state`` and ``data_state`` (JSON-serialisable dict) as ``step``; returns whether it saved."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}))
+        saved = self._manager.save(int(step), args=args, force=force)
+        if saved:
+            log.info("checkpoint step %d -> %s", step, self.directory)
+        return saved
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+        """Restores ``(state, data_state)`` at ``step`` (default: latest) into ``abstract_state``'s structure,
+        dtypes and shardings (see :func:`abstract_state_with_shardings`)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        out = self._manager.restore(int(step), args=args)
+        return out["state"], dict(out["data"] or {})
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def reached_preemption(self, step: int) -> bool:
+        """orbax/JAX multi-host preemption sync point (True on every host at the same step after a notice)."""
+        return bool(self._manager.reached_preemption(int(step)))
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are durable."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PreemptionHandler:
+    """Turns SIGTERM (and optionally other signals) into a flag the training loop polls at step boundaries.
+
+    The handler only sets a flag (safe in a signal handler); the loop saves and exits cleanly at the next step
+    boundary. On multi-host runs :meth:`should_stop` also consults the checkpointer's preemption sync point so all
+    hosts stop at the same step.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signals = signals
+        self.requested = False
+        self.signal_received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        self.signal_received = signum
+
+    def install(self) -> "PreemptionHandler":
+        """Installs the handler (main thread only); returns self."""
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, prev in self._previous.items():
+            signal.signal(s, prev)
+        self._previous.clear()
+
+    def should_stop(self, step: int, checkpointer: Checkpointer | None = None) -> bool:
+        if self.requested:
+            return True
+        return checkpointer is not None and jax.process_count() > 1 and checkpointer.reached_preemption(step)
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()

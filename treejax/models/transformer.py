@@ -310,13 +310,18 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
 
 @functools.partial(jax.named_call, name="decode_step")
 def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: dict,
-                attend_len: int | None = None):
+                attend_len: int | None = None, attention_fn=None):
     """One decoding step for every cache row: ``tokens, positions: [B]``.
 
     Writes the new key/value at slot ``positions[b]`` and attends over slots ``0..positions[b]``. Only the
     first ``attend_len`` (static) cache slots are read, so a short decode inside a long cache does not pay
     for the whole allocation; callers guarantee ``positions < attend_len``. Returns
     ``(hidden [B, E], cache)``.
+
+    ``attention_fn(q [B, 1, Q, H], k_cache [B, L, K, H], v_cache [B, L, K, H], positions [B]) -> [B, 1, Q, H]``
+    optionally replaces the windowed masked attention (e.g. the ragged online-softmax attention of
+    ``treejax.sampling.attention``, whose cost follows the longest live row); it receives the whole cache
+    after this step's write.
     """
     B = tokens.shape[0]
     cache_len = cache["k"].shape[2]
@@ -331,6 +336,8 @@ def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, position
         def attend(q, k, v):
             ck2 = ck.at[b_idx, positions].set(k[:, 0].astype(ck.dtype), mode="drop")
             cv2 = cv.at[b_idx, positions].set(v[:, 0].astype(cv.dtype), mode="drop")
+            if attention_fn is not None:
+                return attention_fn(q, ck2, cv2, positions), (ck2, cv2)
             kw = lax.slice_in_dim(ck2, 0, window, axis=1).astype(q.dtype)
             vw = lax.slice_in_dim(cv2, 0, window, axis=1).astype(q.dtype)
             return attention(q, kw, vw, mask), (ck2, cv2)

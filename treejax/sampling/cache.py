@@ -1,0 +1,58 @@
+"""KV-cache pytree of static capacity for the sampler, and row forking.
+
+The cache is ``{"k", "v": [layers, R, L, K, H]}`` (bf16 by default; logical axes
+:data:`CACHE_LOGICAL_AXES`, mapped onto the mesh by ``treejax.parallel``): ``R`` rows (one per live path /
+sample) by ``L`` slots, slot ``t`` holding the key/value of the token at RoPE position ``t``. Any pytree whose
+leaves carry the row axis at position 1 works with :func:`fork_rows` (the scripted toy policies of the tests use
+that).
+
+Forking a branch is a row copy: child row ``r`` takes parent row ``src[r]``'s whole cache row (the parent's
+prefix is then exactly the child's prefix; slots past the fork point are overwritten as the child decodes
+and are masked out until then). Nothing is ever re-prefilled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from treejax.models.config import ModelConfig
+from treejax.models.transformer import ACTIVATION_AXES
+
+#: Logical axis names of each cache leaf (``layers, cache_batch, cache_length, cache_kv_heads, cache_head_dim``).
+CACHE_LOGICAL_AXES = {"k": ACTIVATION_AXES["cache"], "v": ACTIVATION_AXES["cache"]}
+
+
+def init_kv_cache(config: ModelConfig, rows: int, length: int, dtype=jnp.bfloat16) -> dict:
+    """Zeroed cache ``{"k", "v": [layers, rows, length, K, H]}``."""
+    if rows <= 0 or length <= 0:
+        raise ValueError(f"cache rows and length must be positive, got rows={rows}, length={length}")
+    shape = (config.num_layers, rows, length, config.num_kv_heads, config.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def cache_bytes(config: ModelConfig, rows: int, length: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of a cache of ``rows x length`` slots."""
+    return 2 * config.num_layers * rows * length * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def fork_rows(cache, src_R: jax.Array, any_copy: jax.Array | None = None):
+    """Row ``r`` of the result is row ``src_R[r]`` of ``cache`` (identity where ``src_R[r] == r``).
+
+    One gather per cache leaf along the row axis (axis 1). ``any_copy`` (bool scalar) skips the gather when no
+    row changes (the common case deep in a tree that has stopped branching).
+    """
+
+    def gather(c):
+        return jax.tree.map(lambda x: jnp.take(x, src_R, axis=1), c)
+
+    if any_copy is None:
+        return gather(cache)
+    return lax.cond(any_copy, gather, lambda c: c, cache)
+
+
+def broadcast_prompt_rows(cache, src_R: jax.Array):
+    """Same as :func:`fork_rows` without the skip: used once after prefill to copy each prompt's KV into all of
+    its rows."""
+    return fork_rows(cache, src_R)

@@ -1,0 +1,282 @@
+"""Batched KV-cache decoding: bucketed prefill of variable-length prompts and a jitted decode loop.
+
+Row protocol (shared with the tree rollout): a row is described by its *pending* token — the last token of its
+sequence, whose key/value is not in the cache yet — and that token's position. Prefill writes the first
+``len - 1`` prompt tokens; every decode step feeds each row's pending token at its position, writes its KV and
+samples the next token from the resulting distribution. A fork therefore copies a cache row plus the pending
+token, and re-entering a tree at a segment boundary only resets a row's position (its KV up to there is intact).
+
+Per sampled token ``y_t`` the loop records
+  * ``logprobs``           ``log pi(y_t | prefix)``, the policy at temperature 1 on the true vocabulary;
+  * ``sampling_logprobs``  ``log q(y_t | prefix)`` under the strategy's distribution (0 for greedy);
+  * ``entropy``            ``H(pi(. | prefix))`` (optional).
+Randomness: token ``t`` of row ``r`` uses ``fold_in(fold_in(fold_in(fold_in(key, SAMPLE_STREAM), r), epoch), t)``
+(:func:`token_keys`), so a row's draws do not depend on the batch it sits in, and the tree rollout (which gives
+every re-used row a new ``epoch``) reproduces the linear sampler exactly when it never branches.
+
+Compilation: prompts are padded to a length bucket (:func:`bucket_length`), so only the bucket, the batch size
+and the static settings are part of the jit signature. Dead rows are fed position ``L`` (the cache length):
+their KV write is dropped and the ragged attention ignores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from treejax.models import transformer
+from treejax.models.config import ModelConfig
+from treejax.sampling import attention as attention_lib
+from treejax.sampling import cache as cache_lib
+from treejax.sampling.strategies import Greedy, Strategy, mask_vocab, token_statistics
+
+SAMPLE_STREAM = 0x5A3D  # fold_in constant of the token-sampling key stream
+
+#: Trace counters (incremented when a jitted entry point is traced; tests use them to prove no recompiles).
+TRACE_COUNTS: dict[str, int] = {}
+
+
+def _count_trace(name: str):
+    TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
+
+
+class FinishReason(enum.IntEnum):
+    NOT_FINISHED = 0
+    STOP = 1  # a stop token was sampled (it is part of the output)
+    LENGTH = 2  # max_new_tokens reached
+
+
+# ----------------------------------------------------------------------------------------------- model functions
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFns:
+    """The model as the sampler sees it (static, hashable by identity; injectable for scripted test policies).
+
+    ``init_cache(rows, length) -> cache`` (every leaf has the row axis at position 1);
+    ``prefill(params, tokens [B, Lp], positions [B, Lp], segment_ids [B, Lp], cache, rows [B]) -> cache``;
+    ``step(params, tokens [R], positions [R], cache) -> (logits [R, V] fp32, cache)``.
+    ``cache_multiple``: allocated cache lengths are rounded up to a multiple of it (the attention block).
+    """
+
+    init_cache: Callable[[int, int], Any]
+    prefill: Callable
+    step: Callable
+    vocab_size: int
+    sampling_vocab_size: int
+    cache_multiple: int = 1
+    name: str = "model"
+
+
+@functools.lru_cache(maxsize=64)
+def make_model_fns(config: ModelConfig, attention: str = "ragged", block_size: int = 256,
+                   cache_dtype: str = "bfloat16") -> ModelFns:
+    """:class:`ModelFns` of the treejax transformer.
+
+    ``attention``: ``"ragged"`` (online softmax over ``block_size`` KV blocks up to the longest live row, cost
+    follows the live length) or ``"dense"`` (masked attention over the whole allocated cache).
+    """
+    if attention not in ("ragged", "dense"):
+        raise ValueError(f"attention must be 'ragged' or 'dense', got {attention!r}")
+    dtype = jnp.dtype(cache_dtype)
+    attn_fn = attention_lib.make_ragged_attention(block_size) if attention == "ragged" else None
+
+    def init_cache(rows, length):
+        return cache_lib.init_kv_cache(config, rows, length, dtype)
+
+    def prefill(params, tokens, positions, segment_ids, cache, rows):
+        return transformer.prefill(params, config, tokens, positions, segment_ids, cache, rows)[1]
+
+    def step(params, tokens, positions, cache):
+        hidden, cache = transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
+        return transformer.logits(params, config, hidden), cache
+
+    return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
+                    cache_multiple=block_size if attention == "ragged" else 1,
+                    name=f"transformer[{attention}]")
+
+
+def as_model_fns(model: ModelConfig | ModelFns) -> ModelFns:
+    return model if isinstance(model, ModelFns) else make_model_fns(model)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def bucket_length(length: int, minimum: int = 16) -> int:
+    """Prompt-length bucket: the next power of two ``>= max(length, minimum)`` (bounded recompiles)."""
+    n = max(int(length), minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def validate_prompts(prompt_tokens, prompt_lengths) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side checks with clear errors; returns int32 numpy arrays (right-padded tokens, lengths)."""
+    tokens = np.asarray(prompt_tokens)
+    lengths = np.asarray(prompt_lengths)
+    if tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must be [P, Lp], got shape {tokens.shape}")
+    if lengths.shape != (tokens.shape[0],):
+        raise ValueError(f"prompt_lengths must be [P={tokens.shape[0]}], got shape {lengths.shape}")
+    if tokens.shape[0] == 0:
+        raise ValueError("no prompts given (P = 0)")
+    if np.any(lengths <= 0):
+        bad = np.nonzero(lengths <= 0)[0].tolist()
+        raise ValueError(f"empty prompt(s) at index {bad}: every prompt needs at least one token (e.g. BOS)")
+    if np.any(lengths > tokens.shape[1]):
+        bad = np.nonzero(lengths > tokens.shape[1])[0].tolist()
+        raise ValueError(f"prompt_lengths at {bad} exceed the padded prompt width {tokens.shape[1]}")
+    return tokens.astype(np.int32), lengths.astype(np.int32)
+
+
+def pad_prompts(tokens: np.ndarray, bucket: int, pad_id: int = 0) -> np.ndarray:
+    P, Lp = tokens.shape
+    out = np.full((P, bucket), pad_id, np.int32)
+    out[:, :Lp] = tokens
+    return out
+
+
+def left_to_right_padded(tokens, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    """Converts a left-padded batch (Hugging Face convention) to right-padded tokens + lengths."""
+    tokens, mask = np.asarray(tokens), np.asarray(attention_mask).astype(bool)
+    out = np.zeros_like(tokens)
+    lengths = mask.sum(-1).astype(np.int32)
+    for b in range(tokens.shape[0]):
+        out[b, : lengths[b]] = tokens[b][mask[b]]
+    return out.astype(np.int32), lengths
+
+
+def token_keys(key: jax.Array, rows_R: jax.Array, epochs_R: jax.Array, t_R: jax.Array) -> jax.Array:
+    """Per-row sampling keys ``fold_in(fold_in(fold_in(fold_in(key, SAMPLE_STREAM), row), epoch), t)``."""
+    base = jax.random.fold_in(key, SAMPLE_STREAM)
+
+    def one(r, e, t):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, r), e), t)
+
+    return jax.vmap(one)(rows_R, epochs_R, t_R)
+
+
+def prefill_prompts(model: ModelFns, params, cache, prompts_PxLb: jax.Array, lengths_P: jax.Array,
+                    rows_P: jax.Array):
+    """Writes the first ``len - 1`` tokens of each prompt into cache row ``rows_P[p]`` (one padded batch).
+
+    Returns ``(cache, pending_token_P, pending_position_P)``: the last prompt token is fed by the first decode
+    step (see module docstring)."""
+    P, Lb = prompts_PxLb.shape
+    positions = jnp.broadcast_to(jnp.arange(Lb, dtype=jnp.int32)[None, :], (P, Lb))
+    segment_ids = (positions < (lengths_P - 1)[:, None]).astype(jnp.int32)
+    cache = model.prefill(params, prompts_PxLb, positions, segment_ids, cache, rows_P)
+    pending = jnp.take_along_axis(prompts_PxLb, (lengths_P - 1)[:, None], axis=1)[:, 0]
+    return cache, pending.astype(jnp.int32), (lengths_P - 1).astype(jnp.int32)
+
+
+def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, position_R, live_R, keys_R):
+    """One decode step for all rows: feed the pending tokens, sample the next ones.
+
+    Dead rows (``~live_R``) are fed position ``L`` (writes dropped). Returns ``(token, policy_logprob,
+    sampling_logprob, entropy, cache)``, each ``[R]``."""
+    L = jax.tree.leaves(cache)[0].shape[2]
+    pos = jnp.where(live_R, position_R, L)
+    logits, cache = model.step(params, pending_R, pos, cache)
+    logits = mask_vocab(logits.astype(jnp.float32), model.sampling_vocab_size)
+    processed = strategy.process(logits)
+    token = strategy.sample(keys_R, logits)
+    policy, sampling, entropy = token_statistics(logits, processed, token, strategy.greedy)
+    return token, policy, sampling, entropy, cache
+
+
+# ----------------------------------------------------------------------------------------------- linear sampler
+@struct.dataclass
+class GenerateOutput:
+    """Linear sampling result, ``N = max_new_tokens``.
+
+    ``tokens [B, N]`` (pad 0 past the end), ``logprobs [B, N]`` (policy, temperature 1), ``sampling_logprobs
+    [B, N]``, ``entropy [B, N]`` (zeros unless requested), ``mask [B, N]`` (True on generated tokens),
+    ``lengths [B]``, ``finish_reason [B]`` (:class:`FinishReason`), ``decoded_tokens`` (scalar),
+    ``prefilled_tokens`` (scalar)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    sampling_logprobs: jax.Array
+    entropy: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    finish_reason: jax.Array
+    decoded_tokens: jax.Array
+    prefilled_tokens: jax.Array
+
+
+def stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    out = jnp.zeros(tokens.shape, bool)
+    for s in stop_ids:
+        out = out | (tokens == s)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "strategy", "stop_ids", "with_entropy"))
+def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_tokens: int, strategy: Strategy,
+                   stop_ids: tuple[int, ...], with_entropy: bool) -> GenerateOutput:
+    _count_trace("generate")
+    B, Lb = prompts.shape
+    N = max_new_tokens
+    L = attention_lib.round_cache_length(Lb + N, model.cache_multiple)
+    cache = model.init_cache(B, L)
+    rows = jnp.arange(B, dtype=jnp.int32)
+    cache, pending, position = prefill_prompts(model, params, cache, prompts, lengths, rows)
+    epochs = jnp.zeros((B,), jnp.int32)
+    f32 = jnp.zeros((B, N), jnp.float32)
+    state = dict(t=jnp.int32(0), cache=cache, pending=pending, position=position, done=jnp.zeros((B,), bool),
+                 reason=jnp.zeros((B,), jnp.int32), tokens=jnp.zeros((B, N), jnp.int32), logp=f32, slogp=f32,
+                 ent=f32, mask=jnp.zeros((B, N), bool))
+
+    def cond(s):
+        return (s["t"] < N) & ~jnp.all(s["done"])
+
+    def body(s):
+        t = s["t"]
+        live = ~s["done"]
+        keys = token_keys(key, rows, epochs, jnp.full((B,), t, jnp.int32))
+        tok, lp, slp, ent, cache = decode_token(model, strategy, params, s["cache"], s["pending"], s["position"],
+                                                live, keys)
+        tok = jnp.where(live, tok, 0)
+        stopped = live & stop_mask(tok, stop_ids)
+        at_len = live & ~stopped & (t + 1 >= N)
+        reason = jnp.where(stopped, int(FinishReason.STOP), jnp.where(at_len, int(FinishReason.LENGTH), s["reason"]))
+        zero = jnp.zeros_like(lp)
+        return dict(t=t + 1, cache=cache, pending=jnp.where(live, tok, s["pending"]),
+                    position=s["position"] + live.astype(jnp.int32), done=s["done"] | stopped | at_len,
+                    reason=reason, tokens=s["tokens"].at[:, t].set(tok),
+                    logp=s["logp"].at[:, t].set(jnp.where(live, lp, zero)),
+                    slogp=s["slogp"].at[:, t].set(jnp.where(live, slp, zero)),
+                    ent=s["ent"].at[:, t].set(jnp.where(live & with_entropy, ent, zero)),
+                    mask=s["mask"].at[:, t].set(live))
+
+    s = lax.while_loop(cond, body, state)
+    n = jnp.sum(s["mask"], axis=-1).astype(jnp.int32)
+    return GenerateOutput(tokens=s["tokens"], logprobs=s["logp"], sampling_logprobs=s["slogp"], entropy=s["ent"],
+                          mask=s["mask"], lengths=n, finish_reason=s["reason"], decoded_tokens=jnp.sum(n),
+                          prefilled_tokens=jnp.sum(lengths - 1))
+
+
+def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.Array, max_new_tokens: int,
+             strategy: Strategy = Greedy(), stop_ids: tuple[int, ...] | None = None,
+             with_entropy: bool = False) -> GenerateOutput:
+    """Linear sampling of ``max_new_tokens`` after each right-padded prompt (``prompts [B, Lp]``, ``lengths [B]``).
+
+    ``stop_ids`` default to the model config's ``eos_token_ids``. A row stops after sampling a stop token (kept in
+    the output) or after ``max_new_tokens``. One compiled program per (batch, prompt bucket, settings); the loop
+    exits early when every row is done.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    fns = as_model_fns(model)
+    if stop_ids is None:
+        stop_ids = tuple(model.eos_token_ids) if isinstance(model, ModelConfig) else ()
+    tokens, lens = validate_prompts(prompts, lengths)
+    bucket = bucket_length(tokens.shape[1])
+    return _generate_core(params, jnp.asarray(pad_prompts(tokens, bucket)), jnp.asarray(lens), key, model=fns,
+                          max_new_tokens=int(max_new_tokens), strategy=strategy, stop_ids=tuple(int(s) for s in stop_ids),
+                          with_entropy=bool(with_entropy))

@@ -10,8 +10,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from treejax.forest import subgroup_masks
+
+
+def materialize(x: jax.Array) -> jax.Array:
+    """Rounds ``x`` to its dtype before it is summed: an optimization barrier keeps XLA from contracting a
+    product into the following add (FMA) under jit, so jitted and op-by-op results are bit-identical."""
+    return jax.lax.optimization_barrier(x)
+
+
+def scaled_sum(x: jax.Array, divisor: int, axis=None) -> jax.Array:
+    """``sum(x) * float32(1 / divisor)`` for a *static* divisor: under jit XLA rewrites a division by a
+    constant into a multiplication by its reciprocal, op-by-op execution does not; writing the
+    multiplication explicitly makes both bit-identical."""
+    return jnp.sum(x, axis=axis) * np.float32(1.0 / max(int(divisor), 1))
 
 
 def centered_by_groups(rewards_W: jax.Array, group_DxWxW: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -20,10 +34,9 @@ def centered_by_groups(rewards_W: jax.Array, group_DxWxW: jax.Array) -> tuple[ja
     ``group_DxWxW[d, i, j]`` says leaf j is in leaf i's group at level d (rows of leaves without a node at
     that level are all False; then ``a = 0`` and size 0).
     """
-    g = group_DxWxW.astype(rewards_W.dtype)
-    size = jnp.sum(g, axis=-1)
+    size = jnp.sum(group_DxWxW.astype(jnp.float32), axis=-1)
     diff = rewards_W[:, None] - rewards_W[None, :]  # [W, W]: R_i - R_j
-    a = jnp.sum(g * diff[None], axis=-1) / jnp.maximum(size, 1.0)
+    a = jnp.sum(jnp.where(group_DxWxW, diff[None], 0.0), axis=-1) / jnp.maximum(size, 1.0)
     return a, size
 
 
@@ -48,14 +61,13 @@ def broadcast_segments(seg_PxWxD: jax.Array, segment_index_PxWxT: jax.Array, los
 
 def whiten_stats(x_PxWxT: jax.Array, mask_PxWxT: jax.Array, eps: float = 1e-8, unbiased: bool = True):
     """``(mu, 1 / sqrt(var + eps))`` of the tokens with mask > 0 (see :func:`masked_whiten`)."""
-    m = (mask_PxWxT > 0).astype(jnp.float32)
-    n = jnp.sum(m)
+    m = mask_PxWxT > 0
+    n = jnp.sum(m.astype(jnp.float32))
     safe_n = jnp.maximum(n, 1.0)
-    mu = jnp.sum(m * x_PxWxT) / safe_n
-    centered = (x_PxWxT - mu) * m
-    var = jnp.sum(centered * centered) / safe_n
-    if unbiased:
-        var = var * jnp.where(n > 1, n / jnp.maximum(n - 1.0, 1.0), 1.0)
+    mu = jnp.sum(jnp.where(m, x_PxWxT, 0.0)) / safe_n
+    centered = jnp.where(m, x_PxWxT - mu, 0.0)
+    denominator = jnp.where(unbiased & (n > 1), n - 1.0, safe_n) if unbiased else safe_n
+    var = materialize(jnp.sum(materialize(centered * centered)) / denominator)
     return mu, jax.lax.rsqrt(var + eps)
 
 

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from treejax.forest import Forest
-from treejax.rl.advantages.common import broadcast_leaves, check_rewards, whiten_stats
+from treejax.rl.advantages.common import broadcast_leaves, check_rewards, materialize, scaled_sum, whiten_stats
 from treejax.rl.advantages.registry import Advantages, register_estimator
 
 
 def _mean_deviation(r_W: jax.Array) -> jax.Array:
     """``R_i - mean(R) = mean_j (R_i - R_j)``: exactly 0 when all rewards are equal."""
-    return jnp.mean(r_W[:, None] - r_W[None, :], axis=-1)
+    return scaled_sum(r_W[:, None] - r_W[None, :], r_W.shape[0], axis=-1)
 
 
 # --------------------------------------------------------------------------------------------------- grpo
@@ -36,8 +36,9 @@ def grpo_core(r_W: jax.Array, options: GRPOOptions) -> jax.Array:
     if not options.scale_by_std:
         return dev
     w = r_W.shape[0]
-    var = jnp.sum(dev * dev) / max(w - 1, 1) if options.unbiased_std else jnp.mean(dev * dev)
-    return dev / (jnp.sqrt(var) + options.eps)
+    sq = materialize(dev * dev)
+    var = scaled_sum(sq, w - 1 if options.unbiased_std else w)
+    return dev * materialize(1.0 / (jnp.sqrt(var) + options.eps))  # see common.materialize
 
 
 @register_estimator("grpo", GRPOOptions)
@@ -63,7 +64,7 @@ class RLOOOptions:
 
 def rloo_core(r_W: jax.Array) -> jax.Array:
     w = r_W.shape[0]
-    return jnp.sum(r_W[:, None] - r_W[None, :], axis=-1) / max(w - 1, 1)
+    return scaled_sum(r_W[:, None] - r_W[None, :], w - 1, axis=-1)
 
 
 @register_estimator("rloo", RLOOOptions)
@@ -132,9 +133,10 @@ def mc_grpo_core(r_W: jax.Array, options: MCGRPOOptions) -> tuple[jax.Array, jax
     scale = mad
     if options.std_fallback:
         centered = r_W[:, None] - r_W[None, :]
-        std = jnp.sqrt(jnp.mean(jnp.mean(centered, axis=-1) ** 2))
+        dev_mean = scaled_sum(centered, w, axis=-1)
+        std = jnp.sqrt(scaled_sum(materialize(dev_mean * dev_mean), w))
         scale = jnp.where(mad > 0, mad, std)
-    adv = dev / (scale + options.eps)
+    adv = dev * materialize(1.0 / (scale + options.eps))
     return jnp.where(is_pivot, 0.0, adv), is_pivot
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from treejax.forest import Forest, subgroup_masks
-from treejax.rl.advantages.common import broadcast_segments, check_rewards, masked_whiten
+from treejax.rl.advantages.common import broadcast_segments, check_rewards, masked_whiten, materialize
 from treejax.rl.advantages.nodes import first_occurrence, gather_path_values
 from treejax.rl.advantages.registry import Advantages, register_estimator
 from treejax.rl.advantages.tree import path_values
@@ -62,7 +62,8 @@ def children_std(leaf_path_WxD1: jax.Array, value_WxD1: jax.Array, num_nodes: in
         cnt = jnp.zeros((num_nodes,), jnp.float32).at[pidx].add(use.astype(jnp.float32), mode="drop")
         s1 = jnp.zeros((num_nodes,), jnp.float32).at[pidx].add(dev, mode="drop")
         mean_dev = s1 / jnp.maximum(cnt, 1.0)
-        sq = jnp.where(use, (dev - mean_dev[jnp.clip(parent, 0, num_nodes - 1)]) ** 2, 0.0)
+        centered = dev - mean_dev[jnp.clip(parent, 0, num_nodes - 1)]
+        sq = jnp.where(use, materialize(centered * centered), 0.0)
         var = jnp.zeros((num_nodes,), jnp.float32).at[pidx].add(sq, mode="drop") / jnp.maximum(cnt, 1.0)
         out.append(jnp.where(parent >= 0, jnp.sqrt(var)[jnp.clip(parent, 0, num_nodes - 1)], 0.0))
     return jnp.stack(out, axis=1)

@@ -8,6 +8,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from treejax.forest import Forest, subgroup_masks
 from treejax.rl.advantages.common import (
@@ -16,6 +17,7 @@ from treejax.rl.advantages.common import (
     centered_by_groups,
     check_rewards,
     masked_whiten,
+    materialize,
     whiten_stats,
 )
 from treejax.rl.advantages.nodes import gather_path_values, node_values_child_mean, node_values_leaf_mean
@@ -49,10 +51,8 @@ def treepo_core(leaf_path_WxD1: jax.Array, rewards_W: jax.Array, options: TreePO
         differs = rewards_W[:, None] != rewards_W[None, :]
         nonconstant = jnp.any(group & differs[None], axis=-1)
         include = include & (is_root | nonconstant)
-    weight = include.astype(jnp.float32)
-    if options.weighting == "group_size":
-        weight = weight * size
-    return jnp.sum(weight * a, axis=0) / jnp.sum(weight, axis=0)
+    weight = jnp.where(include, size if options.weighting == "group_size" else 1.0, 0.0)
+    return jnp.sum(materialize(weight * a), axis=0) / jnp.sum(weight, axis=0)
 
 
 @register_estimator("treepo", TreePOOptions)
@@ -151,9 +151,12 @@ def treepo_segment_core(leaf_path_WxD1, rewards_W, num_nodes: int, options: Tree
     depth = jnp.sum(leaf_path_WxD1[:, 1:] >= 0, axis=-1)  # [W]
     k = jnp.arange(d)[None, :]  # 0-based segment index
     valid = k < depth[:, None]
-    exponent = (depth[:, None] - k).astype(jnp.float32)  # 1 for the leaf's last segment
-    discount = jnp.power(jnp.float32(options.eta), exponent) if options.eta != 1.0 else 1.0
-    seg = v[:, 1:] - discount * v[:, :-1]
+    if options.eta != 1.0:
+        exponent = jnp.clip(depth[:, None] - k, 0, d)  # 1 for the leaf's last segment
+        powers = np.float32(options.eta) ** np.arange(d + 1, dtype=np.float32)  # static table: exact in jit
+        seg = v[:, 1:] - materialize(jnp.asarray(powers)[exponent] * v[:, :-1])
+    else:
+        seg = v[:, 1:] - v[:, :-1]
     return jnp.where(valid, seg, 0.0)
 
 

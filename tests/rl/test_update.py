@@ -159,3 +159,20 @@ def test_updates_raise_logprob_of_positive_advantage_tokens():
     flipped, _ = gap_after(-sign_B)
     assert gap > 0.05 and flipped < -0.05, (gap, flipped)
     np.testing.assert_allclose(float(metrics["learning_rate"]), float(learning_rate_schedule(opt_cfg)(3)))
+
+
+def test_fp32_master_weights_with_bf16_compute():
+    """param_dtype float32 + compute_dtype bfloat16: params, grads and Adam moments stay fp32 and the step
+    moves the loss in the same direction as the fp32 step."""
+    cfg16 = presets.tiny_config("qwen2.5-0.5b", compute_dtype="bfloat16")
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0))
+    params = transformer.init_params(cfg16, jax.random.PRNGKey(6))
+    state = TrainState.create(params, tx, jax.random.PRNGKey(0))
+    batch = make_batch(6, cfg=cfg16)
+    new, m = jax.jit(make_update_fn(cfg16, losses.LossConfig(), tx, num_micro_batches=2))(state, batch)
+    assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.opt_state) if jnp.issubdtype(x.dtype, jnp.floating))
+    changed = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(new.params),
+                                                                               jax.tree.leaves(params))]
+    assert all(changed)

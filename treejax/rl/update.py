@@ -180,13 +180,13 @@ def make_update_fn(
         data["mask"] = mask
         denominator = losses.loss_denominator(mask, loss_config)
         params = state.params
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         if num_micro_batches == 1:
             (loss, metrics), grads = grad_fn(params, data, denominator)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         else:
             micro = jax.tree.map(functools.partial(_split_micro, num_micro=num_micro_batches), data)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
             def body(acc, mb):
                 (l, m), g = grad_fn(params, mb, denominator)

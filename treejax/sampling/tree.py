@@ -434,7 +434,7 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
         decoded_tokens=s["decoded"], prefilled_tokens=jnp.sum(lengths - 1).astype(i32), forks=s["forks"],
         fallbacks=s["fallbacks"], fallback_from_root=s["from_root"], segments=s["it"],
         stops={name: s["stops"][int(code)] for name, code in zip(NodeStatus.names(), NodeStatus)},
-        complete=jnp.all(s["nleaves"] == W), num_nodes=s["next_node"],
+        complete=jnp.all(s["nleaves"] == W), num_nodes=s["next_node"], init_divergence=n_init,
         sampling_logprobs=jnp.where(valid, s["lslogp"].reshape(P, W, T), 0.0),
         entropy=jnp.where(valid, s["lent"].reshape(P, W, T), 0.0))
     return forest, info

@@ -3,6 +3,9 @@ restore-then-continue == uninterrupted on the tiny update step."""
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +34,8 @@ def _assert_tree_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.fixture(scope="module")
-def setup():
+def make_setup():
+    """(initial state, batch(i) data function, jitted update): shared by the tests and the SIGKILL child."""
     params = transformer.init_params(CFG, jax.random.PRNGKey(0))
     state = TrainState.create(params, TX, jax.random.PRNGKey(1))
     B, L = 4, 12
@@ -48,6 +51,11 @@ def setup():
 
     update = jax.jit(make_update_fn(CFG, losses.LossConfig(), TX))
     return state, batch, update
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return make_setup()
 
 
 def test_round_trip_exact_and_into_sharding(tmp_path, setup):
@@ -113,4 +121,49 @@ def test_sigterm_save_exit_then_resume_equals_uninterrupted(tmp_path, setup):
         resumed, data = ck.restore(abstract)
         assert int(resumed.step) == 2
         resumed, _ = _run(resumed, batch, update, data["next_index"], 5)
+    _assert_tree_equal(resumed, uninterrupted)
+
+
+_CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tests.test_checkpoint import make_setup
+from treejax.checkpoint import Checkpointer
+state, batch, update = make_setup()
+ck = Checkpointer({ckdir!r}, max_to_keep=None)  # asynchronous saves
+for i in range(100):
+    state, _ = update(state, batch(i))
+    ck.save(i + 1, state, {{"next_index": i + 1}})
+    if i == 2:
+        ck.wait()
+        print("durable 3", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, setup):
+    """SIGKILL while asynchronous saves are in flight: only finalized checkpoints are visible, and resuming
+    from the newest one reproduces the uninterrupted run exactly."""
+    state0, batch, update = setup
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ckdir = str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CHILD.format(root=root, ckdir=ckdir))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "durable 3", proc.stderr.read()
+        import time
+
+        time.sleep(0.3)  # let a few more (async) saves start
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    with Checkpointer(ckdir) as ck:
+        latest = ck.latest_step()
+        assert latest is not None and latest >= 3
+        resumed, data = ck.restore(abstract_state_with_shardings(jax.eval_shape(lambda: state0)))
+    assert int(resumed.step) == latest == data["next_index"]
+    target = latest + 2
+    resumed, _ = _run(resumed, batch, update, data["next_index"], target)
+    uninterrupted, _ = _run(state0, batch, update, 0, target)
     _assert_tree_equal(resumed, uninterrupted)

@@ -98,3 +98,15 @@ def test_same_update_on_1_and_8_devices():
         np.testing.assert_allclose(gn, ref_gn, rtol=1e-5, err_msg=str(shape))
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(shape)),
                      p, ref_params)
+
+
+def test_distributed_start_is_a_no_op_without_cluster_env(monkeypatch):
+    from treejax.parallel.mesh import maybe_initialize_distributed
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "TREEJAX_DISTRIBUTED"):
+        monkeypatch.delenv(var, raising=False)
+    assert maybe_initialize_distributed() is False
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+    monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
+        maybe_initialize_distributed()

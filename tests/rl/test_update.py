@@ -93,17 +93,31 @@ def smooth_optimizer():
 
 
 def test_micro_batch_accumulation_equals_one_shot(smooth_optimizer):
-    loss_cfg = losses.LossConfig(eps_low=0.2, eps_high=0.28, aggregation="seq-mean-token-mean")
+    loss_cfg = losses.LossConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, aggregation="seq-mean-token-mean",
+                                 kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0)
     params = transformer.init_params(CFG, jax.random.PRNGKey(3))
     batch = make_batch(3)
+    rng = np.random.default_rng(33)  # every optional input goes through the micro-batch split too
+    batch["ref_logp"] = batch["old_logp"] + jnp.asarray(rng.normal(0, 0.2, batch["old_logp"].shape), jnp.float32)
+    batch["sampler_logp"] = batch["old_logp"] + jnp.asarray(rng.normal(0, 0.3, batch["old_logp"].shape),
+                                                            jnp.float32)
+    batch["eps_scale"] = jnp.asarray(rng.uniform(0.5, 2.0, batch["tokens"].shape[0]), jnp.float32)
     results = {}
     for m in (1, 4):
         fn = jax.jit(make_update_fn(CFG, loss_cfg, smooth_optimizer, num_micro_batches=m))
         state = TrainState.create(params, smooth_optimizer, jax.random.PRNGKey(0))
         results[m] = fn(state, batch)
     (s1, m1), (s4, m4) = results[1], results[4]
-    for k in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl", "ratio_max", "ratio_min", "num_tokens"):
+    for k in ("loss", "pg_loss", "grad_norm", "entropy", "kl", "tis_weight_mean", "clip_frac_low", "approx_kl",
+              "ratio_max", "ratio_min", "num_tokens"):
         np.testing.assert_allclose(float(m4[k]), float(m1[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    # the update's loss is policy_loss on freshly recomputed log-probs (direct, un-split computation)
+    logp, ent = jax.jit(lambda p: sequence_logprobs(p, CFG, batch["tokens"], batch["positions"],
+                                                    batch["segment_ids"], with_entropy=True))(params)
+    direct, _ = losses.policy_loss(logp, batch["old_logp"], batch["advantages"], trainable_mask(batch), loss_cfg,
+                                   ref_logp=batch["ref_logp"], entropy=ent, sampler_logp=batch["sampler_logp"],
+                                   eps_scale_B=batch["eps_scale"])
+    np.testing.assert_allclose(float(m1["loss"]), float(direct), rtol=1e-5)
     chex_close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)  # noqa
     jax.tree.map(chex_close, s4.params, s1.params)
     assert int(s4.step) == 1

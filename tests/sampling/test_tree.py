@@ -61,7 +61,7 @@ def make_toy_model() -> decode.ModelFns:
 
 TOY = make_toy_model()
 TOY_TREE = tree.TreeConfig(num_leaves=6, max_depth=4, segment_length=3, branch_factor=2, stop_ids=(TOY_EOS,),
-                           repetition_ngram=2, repetition_count=2, max_response_length=11)
+                           repetition_ngram=2, repetition_count=2, max_response_length=11, row_buckets=3)
 TOY_ROLLOUT = tree.make_tree_rollout(TOY, TOY_TREE)
 
 
@@ -186,6 +186,18 @@ def test_same_key_same_forest_and_different_key_differs():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert int(ia["decoded_tokens"]) == int(ib["decoded_tokens"])
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+
+def test_row_compaction_gives_the_same_forest():
+    """Packing live rows into a smaller decode batch changes cost, never results."""
+    plain = tree.make_tree_rollout(TOY, dataclasses.replace(TOY_TREE, row_buckets=1))
+    for seed, bias in [(0, 0.0), (1, 2.0), (2, -4.0)]:
+        prompts, lengths = _prompts(seed)
+        params = {"eos_bias": jnp.float32(bias)}
+        a, ia = TOY_ROLLOUT(params, prompts, lengths, jax.random.key(seed))
+        b, ib = plain(params, prompts, lengths, jax.random.key(seed))
+        for x, y in zip(jax.tree.leaves((a, ia)), jax.tree.leaves((b, ib))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize("divergence", ["fixed_average_official", "logprob_segment", "logprob_path"])

@@ -87,7 +87,9 @@ class TreeConfig:
     ``divergence`` one of :data:`DIVERGENCE_POLICIES`, ``divergence_sign`` (+1 favours confident paths),
     ``divergence_temperature`` or ``divergence_schedule=(start, end, num_steps)`` over the training step;
     ``max_prompt_length``: prompts longer than this are rejected (the cache is sized from it when given).
-    ``independent=True`` builds the GRPO baseline: W independent chains per prompt (``b = 1``, init = W).
+    ``row_buckets``: the decode step runs on the smallest of ``R, R/2, ..., R/2^(row_buckets-1)`` rows that
+    holds every live path (live rows are packed first at each segment start; 1 = always all ``R`` rows). A tree
+    has few live paths near the root, so this is where its saving in decode cost comes from.
     """
 
     num_leaves: int = 16
@@ -112,6 +114,7 @@ class TreeConfig:
     fallback: bool = True
     max_prompt_length: int | None = None
     with_entropy: bool = False
+    row_buckets: int = 4
 
     def __post_init__(self):
         W, b = self.num_leaves, self.branch_factor
@@ -140,6 +143,8 @@ class TreeConfig:
             raise ValueError(f"repetition_scope must be 'segment' or 'response', got {self.repetition_scope!r}")
         if (self.repetition_ngram > 0) != (self.repetition_count > 0):
             raise ValueError("set both repetition_ngram and repetition_count (> 0) or neither")
+        if self.row_buckets < 1:
+            raise ValueError(f"row_buckets must be >= 1, got {self.row_buckets}")
         if self.max_prompt_length is not None and self.max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
 
@@ -181,6 +186,11 @@ def _rank_within(mask_PxW: jax.Array) -> jax.Array:
 
 def _row_slices(x_RxT: jax.Array, start_R: jax.Array, size: int) -> jax.Array:
     return jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, size))(x_RxT, start_R)
+
+
+def _bucket_sizes(R: int, buckets: int) -> tuple[int, ...]:
+    """Static row counts the decode step may run on: ``R, R/2, ..., R/2^(buckets-1)`` (ascending, >= 1)."""
+    return tuple(sorted({max(1, -(-R // (2 ** i))) for i in range(max(1, buckets))}))
 
 
 def _official_average(live_PxW, total_P):
@@ -258,32 +268,64 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
                           s["rpath"])
         seg_start = s["rlen"]
 
-        # 2. decode up to S tokens
+        # 2. decode up to S tokens (on a compacted prefix of rows when row buckets are enabled)
         def tok_cond(c):
             return (c["j"] < S) & jnp.any(c["active"])
 
-        def tok_body(c):
-            active = c["active"]
-            keys = decode.token_keys(key, rows, s["epoch"], c["rlen"])
-            tok, lp, slp, ent, cache = decode.decode_token(model, tc.strategy, params, c["cache"], c["pending"],
-                                                           c["position"], active, keys)
-            col = jnp.where(active, c["rlen"], T)
-            stopped = active & decode.stop_mask(tok, stop_ids)
-            rlen = c["rlen"] + active.astype(i32)
-            return dict(
-                j=c["j"] + 1, cache=cache, pending=jnp.where(active, tok, c["pending"]),
-                position=c["position"] + active.astype(i32), rlen=rlen,
-                rtok=c["rtok"].at[rows, col].set(tok, mode="drop"),
-                rlogp=c["rlogp"].at[rows, col].set(lp, mode="drop"),
-                rslogp=c["rslogp"].at[rows, col].set(slp, mode="drop"),
-                rent=c["rent"].at[rows, col].set(ent, mode="drop") if tc.with_entropy else c["rent"],
-                eos=c["eos"] | stopped, active=active & ~stopped & (rlen < max_len),
-                decoded=c["decoded"] + jnp.sum(active).astype(i32))
+        def make_tok_body(row_ids, epochs):
+            local = jnp.arange(row_ids.shape[0])
+
+            def tok_body(c):
+                active = c["active"]
+                keys = decode.token_keys(key, row_ids, epochs, c["rlen"])
+                tok, lp, slp, ent, cache = decode.decode_token(model, tc.strategy, params, c["cache"],
+                                                               c["pending"], c["position"], active, keys)
+                col = jnp.where(active, c["rlen"], T)
+                stopped = active & decode.stop_mask(tok, stop_ids)
+                rlen = c["rlen"] + active.astype(i32)
+                return dict(
+                    j=c["j"] + 1, cache=cache, pending=jnp.where(active, tok, c["pending"]),
+                    position=c["position"] + active.astype(i32), rlen=rlen,
+                    rtok=c["rtok"].at[local, col].set(tok, mode="drop"),
+                    rlogp=c["rlogp"].at[local, col].set(lp, mode="drop"),
+                    rslogp=c["rslogp"].at[local, col].set(slp, mode="drop"),
+                    rent=c["rent"].at[local, col].set(ent, mode="drop") if tc.with_entropy else c["rent"],
+                    eos=c["eos"] | stopped, active=active & ~stopped & (rlen < max_len),
+                    decoded=c["decoded"] + jnp.sum(active).astype(i32))
+
+            return tok_body
 
         c0 = dict(j=i32(0), cache=s["cache"], pending=s["pending"], position=s["position"], rlen=s["rlen"],
                   rtok=s["rtok"], rlogp=s["rlogp"], rslogp=s["rslogp"], rent=s["rent"],
                   eos=jnp.zeros((R,), bool), active=alive, decoded=s["decoded"])
-        c = lax.while_loop(tok_cond, tok_body, c0)
+        sizes = _bucket_sizes(R, tc.row_buckets)
+        if len(sizes) == 1:
+            c = lax.while_loop(tok_cond, make_tok_body(rows, s["epoch"]), c0)
+            cache_order = rows
+        else:
+            # live rows first (stable): the decode step then runs on the smallest bucket of rows holding them,
+            # so weights are shared but KV reads and FLOPs follow the number of live paths
+            perm = jnp.argsort(~alive, stable=True).astype(i32)
+            row_keys = ("pending", "position", "rlen", "rtok", "rlogp", "rslogp", "rent", "eos", "active")
+            cache_p = cache_lib.fork_rows(s["cache"], perm)
+
+            def make_branch(nb):
+                def branch(cache_p, c0):
+                    sel = perm[:nb]
+                    sub = {k: (v[sel] if k in row_keys else v) for k, v in c0.items() if k != "cache"}
+                    sub["cache"] = jax.tree.map(lambda x: lax.slice_in_dim(x, 0, nb, axis=1), cache_p)
+                    out = lax.while_loop(tok_cond, make_tok_body(sel, s["epoch"][sel]), sub)
+                    merged = {k: (c0[k].at[sel].set(out[k]) if k in row_keys else out[k]) for k in out
+                              if k != "cache"}
+                    merged["cache"] = jax.tree.map(lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, 1),
+                                                   cache_p, out["cache"])
+                    return merged
+                return branch
+
+            n_alive = jnp.sum(alive)
+            which = jnp.sum(jnp.asarray(sizes[:-1]) < n_alive).astype(i32)
+            c = lax.switch(which, [make_branch(nb) for nb in sizes], cache_p, c0)
+            cache_order = perm  # physical row i of c["cache"] holds logical row perm[i]
         rlen, rtok, rlogp = c["rlen"], c["rtok"], c["rlogp"]
         depth = depth + alive.astype(i32)
 
@@ -406,7 +448,11 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
         pending_n = jnp.where(fb_row, jnp.where(cut_r > 0, prev_tok, last_tok_P[row_prompt]), pending_g)
         position_n = jnp.where(fb_row, last_pos_P[row_prompt] + cut_r * S, position_g)
         reassigned = forked | fb_row
-        cache = cache_lib.fork_rows(c["cache"], src, jnp.any(src != rows))
+        if len(sizes) == 1:
+            cache = cache_lib.fork_rows(c["cache"], src, jnp.any(src != rows))
+        else:  # back to logical order, composed with the forks: one gather
+            inverse = jnp.zeros((R,), i32).at[cache_order].set(rows)
+            cache = cache_lib.fork_rows(c["cache"], inverse[src])
         # a leaf stays resident only while no live path decodes in its row
         lrow = jnp.where((lrow >= 0) & ~new_alive[jnp.maximum(lrow, 0)], lrow, -1)
         return dict(

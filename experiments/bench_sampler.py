@@ -1,0 +1,226 @@
+"""Sampler benchmark: decode tokens/s vs the HBM roofline, and tree vs independent sampling.
+
+Decode table (one row per preset x rows x context): the sampler's decode step (model step with ragged
+attention + vocabulary masking + sampling + log-prob statistics), all rows live at ``context`` KV slots.
+The cache is filled with random keys/values instead of a prefill (decode cost does not depend on the values).
+tokens/s = rows * steps / time; the roofline assumes one pass over the bytes a step must read:
+
+    bytes/step = weight bytes + KV bytes read (2 * layers * rows * context * K * H * bytes) + logits (rows * V * 4)
+    roofline tokens/s = rows / (bytes/step / peak HBM bandwidth)
+
+Peak bandwidth by device kind: H100 SXM 3.35e12 B/s, H200 4.8e12 B/s; on CPU a measured memcpy bandwidth.
+
+Tree table: TreePO rollout (W leaves, branch factor b, depth D, segment S) vs independent sampling (W chains per
+prompt, same API) on the same prompts: decoded tokens and wall time (compiled; random weights, so nearly no path
+stops early: the tree's saving is structural, b^d paths at depth d until W).
+
+Optional ``--hf-baseline`` (needs torch with CUDA): transformers ``generate`` with a static cache and
+``torch.compile`` on the same shapes, decode tokens/s from the difference of two generation lengths.
+
+Examples:
+  python experiments/bench_sampler.py --preset tiny --rows 16 64 --context 256            # CPU smoke run
+  python experiments/bench_sampler.py --preset qwen2.5-0.5b qwen2.5-1.5b --rows 64 256 1024 --context 2048 \
+      --tree-segment 512 --hf-baseline                                                     # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treejax.models import presets
+from treejax.models import transformer as T
+from treejax.sampling import decode, tree
+from treejax.sampling.strategies import Temperature
+
+PEAK_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12}
+
+
+def device_bandwidth() -> tuple[str, float | None, str]:
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", dev.platform)
+    low = kind.lower()
+    for key, bw in PEAK_BANDWIDTH.items():
+        if key in low:
+            return kind, bw, "peak"
+    if dev.platform == "cpu":
+        a = np.ones(64 * 2**20, np.uint8)
+        b = np.empty_like(a)
+        np.copyto(b, a)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            np.copyto(b, a)
+        dt = (time.perf_counter() - t0) / 5
+        return kind, 2 * a.nbytes / dt, "memcpy"
+    return kind, None, "n/a"
+
+
+def get_model_config(name: str, dtype: str):
+    if name == "tiny":
+        cfg = presets.tiny_config("qwen2.5-0.5b")
+    else:
+        cfg = presets.get_config(name)
+    return cfg.replace(param_dtype=dtype, compute_dtype=dtype)
+
+
+def weight_bytes(cfg) -> int:
+    return cfg.num_params() * jnp.dtype(cfg.params_dtype).itemsize
+
+
+def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, attention: str):
+    fns = decode.make_model_fns(cfg, attention=attention, block_size=block, cache_dtype="bfloat16")
+    L = decode.attention_lib.round_cache_length(context + steps, fns.cache_multiple)
+    strategy = Temperature(1.0)
+
+    @jax.jit
+    def make_cache(key):
+        c = fns.init_cache(rows, L)
+        return jax.tree.map(lambda x: (0.5 * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype), c)
+
+    @jax.jit
+    def run(params, cache, key):
+        rows_r = jnp.arange(rows, dtype=jnp.int32)
+
+        def body(i, carry):
+            cache, tok, acc = carry
+            pos = jnp.full((rows,), context - steps, jnp.int32) + i
+            keys = decode.token_keys(key, rows_r, jnp.zeros_like(rows_r), pos)
+            tok, lp, _, _, cache = decode.decode_token(fns, strategy, params, cache, tok, pos,
+                                                       jnp.ones((rows,), bool), keys)
+            return cache, tok, acc + jnp.sum(lp)
+
+        cache, tok, acc = jax.lax.fori_loop(0, steps, body, (cache, jnp.ones((rows,), jnp.int32), 0.0))
+        return tok, acc
+
+    cache = make_cache(jax.random.key(0))
+    jax.block_until_ready(run(params, cache, jax.random.key(1)))  # compile + warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(params, cache, jax.random.key(2)))
+    dt = time.perf_counter() - t0
+    kv_read = 2 * cfg.num_layers * rows * context * cfg.num_kv_heads * cfg.head_dim * 2
+    logits = rows * cfg.vocab_size * 4
+    step_bytes = weight_bytes(cfg) + kv_read + logits
+    return rows * steps / dt, step_bytes
+
+
+def bench_tree(cfg, params, prompts: int, prompt_len: int, W: int, b: int, D: int, S: int, attention: str,
+               block: int, repeats: int = 2):
+    fns = decode.make_model_fns(cfg, attention=attention, block_size=block, cache_dtype="bfloat16")
+    rng = np.random.RandomState(0)
+    toks = rng.randint(3, cfg.sampling_vocab_size, (prompts, prompt_len)).astype(np.int32)
+    lens = np.full((prompts,), prompt_len, np.int32)
+    common = dict(strategy=Temperature(1.0), stop_ids=tuple(cfg.eos_token_ids))
+    tree_ro = tree.make_tree_rollout(fns, tree.TreeConfig(num_leaves=W, max_depth=D, segment_length=S,
+                                                          branch_factor=b, **common))
+    ind_ro = tree.make_independent_rollout(fns, W, D * S, segment_length=S, **common)
+    out = {}
+    for name, ro in (("tree", tree_ro), ("independent", ind_ro)):
+        jax.block_until_ready(ro(params, toks, lens, jax.random.key(0)))
+        times = []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            forest, info = ro(params, toks, lens, jax.random.key(r + 1))
+            jax.block_until_ready(forest)
+            times.append(time.perf_counter() - t0)
+        out[name] = (int(info["decoded_tokens"]), min(times), int(info["segments"]), int(info["forks"]))
+    return out
+
+
+def bench_hf(preset: str, rows: int, context: int, steps: int):
+    import torch
+    import transformers
+
+    cfg = get_model_config(preset, "bfloat16")
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.architecture]
+    hc = getattr(transformers, name + "Config")(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=max(cfg.max_position_embeddings, context + 2 * steps))
+    model = getattr(transformers, name + "ForCausalLM")(hc).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(3, cfg.sampling_vocab_size, (rows, context - steps), device="cuda")
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=True, top_k=0, top_p=1.0,
+                           pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    gen(steps), gen(8)  # compile / warm up both lengths
+    return rows * (steps - 8) / max(gen(steps) - gen(8), 1e-9)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", nargs="+", default=["tiny"], help="model presets ('tiny' = tiny qwen2.5 shape)")
+    ap.add_argument("--rows", nargs="+", type=int, default=[16, 64])
+    ap.add_argument("--context", nargs="+", type=int, default=[256])
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
+    ap.add_argument("--dtype", default=None, help="param/compute dtype (default bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--attention", default="ragged", choices=["ragged", "dense"])
+    ap.add_argument("--block-size", type=int, default=256, help="ragged attention KV block")
+    ap.add_argument("--random-weights", action="store_true", default=True,
+                    help="random weights (the only mode: speed does not depend on the values)")
+    ap.add_argument("--no-tree", action="store_true", help="skip tree vs independent sampling")
+    ap.add_argument("--tree-prompts", type=int, default=4)
+    ap.add_argument("--tree-prompt-len", type=int, default=64)
+    ap.add_argument("--tree-leaves", type=int, default=16)
+    ap.add_argument("--tree-branch", type=int, default=2)
+    ap.add_argument("--tree-depth", type=int, default=4)
+    ap.add_argument("--tree-segment", type=int, default=32)
+    ap.add_argument("--hf-baseline", action="store_true", help="also time transformers generate (needs CUDA)")
+    args = ap.parse_args(argv)
+
+    kind, bw, bw_src = device_bandwidth()
+    dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
+    print(f"device: {kind} ({jax.devices()[0].platform}); bandwidth {bw / 1e9 if bw else float('nan'):.1f} GB/s "
+          f"({bw_src}); dtype {dtype}; attention {args.attention} (block {args.block_size})")
+    hf_ok = False
+    if args.hf_baseline:
+        try:
+            import torch
+            hf_ok = torch.cuda.is_available()
+        except ImportError:
+            pass
+        if not hf_ok:
+            print("--hf-baseline: torch with CUDA not available; skipped")
+    print(f"\n{'preset':<14}{'rows':>6}{'context':>9}{'tok/s':>12}{'roofline':>12}{'ratio':>8}"
+          + (f"{'HF tok/s':>12}{'x HF':>7}" if hf_ok else ""))
+    for preset in args.preset:
+        cfg = get_model_config(preset, dtype)
+        params = jax.jit(lambda k: T.init_params(cfg, k))(jax.random.key(0))
+        for rows in args.rows:
+            for ctx in args.context:
+                if ctx <= args.steps:
+                    raise ValueError(f"--context ({ctx}) must exceed --steps ({args.steps})")
+                tps, step_bytes = bench_decode(cfg, params, rows, ctx, args.steps, args.block_size, args.attention)
+                roof = rows / (step_bytes / bw) if bw else float("nan")
+                line = f"{preset:<14}{rows:>6}{ctx:>9}{tps:>12.0f}{roof:>12.0f}{tps / roof:>8.2f}"
+                if hf_ok:
+                    hf = bench_hf(preset, rows, ctx, args.steps)
+                    line += f"{hf:>12.0f}{tps / hf:>7.2f}"
+                print(line, flush=True)
+        if not args.no_tree:
+            W, b, D, S = args.tree_leaves, args.tree_branch, args.tree_depth, args.tree_segment
+            res = bench_tree(cfg, params, args.tree_prompts, args.tree_prompt_len, W, b, D, S, args.attention,
+                             min(args.block_size, 64) if jax.devices()[0].platform == "cpu" else args.block_size)
+            (tt, ts, tseg, tf), (it, its, iseg, _) = res["tree"], res["independent"]
+            print(f"\n{preset}: {args.tree_prompts} prompts x W={W}, b={b}, D={D}, S={S} "
+                  f"(prompt {args.tree_prompt_len} tokens)")
+            print(f"{'mode':<13}{'decoded':>10}{'wall s':>10}{'segments':>10}{'forks':>8}")
+            print(f"{'tree':<13}{tt:>10}{ts:>10.3f}{tseg:>10}{tf:>8}")
+            print(f"{'independent':<13}{it:>10}{its:>10.3f}{iseg:>10}{'-':>8}")
+            print(f"tree decodes {100 * (1 - tt / it):.1f}% fewer tokens, {its / ts:.2f}x faster\n")
+
+
+if __name__ == "__main__":
+    main()

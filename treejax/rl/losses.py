@@ -192,7 +192,7 @@ def policy_loss(
       mask unless named otherwise): ``pg_loss``, ``clip_frac_low`` (A<0 and r<1-eps_lo: clipped, zero
       gradient), ``clip_frac_high`` (A>0 and r>1+eps_hi), ``clip_frac_dual`` (A<0 and the dual-clip bound is
       active), ``approx_kl`` (k1 of KL(pi_old || pi_theta): mean(old - logp)), ``approx_kl_k3``,
-      ``ratio_mean``/``ratio_min``/``ratio_max``, and when given ``kl``, ``entropy``, ``tis_weight_mean``,
+      ``ratio_mean``/``ratio_min``/``ratio_max`` (+inf / -inf when the mask is empty), ``num_tokens``, and when given ``kl``, ``entropy``, ``tis_weight_mean``,
       ``tis_clip_frac``.
     """
     shape = tuple(logp_BxT.shape)

@@ -147,7 +147,8 @@ def make_update_fn(
     """Builds the pure ``update(state, batch) -> (new_state, metrics)`` (semantics in the module docstring).
 
     ``optimizer`` must be the one that built ``state.opt_state``. ``learning_rate_fn`` (e.g.
-    ``optimizer.learning_rate_schedule(cfg)``) only feeds the ``learning_rate`` metric. The returned function is
+    ``optimizer.learning_rate_schedule(cfg)``) only feeds the ``learning_rate`` metric, evaluated at
+    ``state.step`` (the optimizer's own count lags behind it by the number of skipped non-finite steps). The returned function is
     not jitted: wrap it with ``jax.jit(..., donate_argnames="state")`` or ``treejax.parallel.mesh.jit_update``.
 
     Metrics: every ``losses.policy_loss`` metric (merged over micro-batches), ``loss``, ``grad_norm`` (before

@@ -81,7 +81,8 @@ def pad_nodes(forest: Forest, num_nodes: int) -> Forest:
 
 def random_rewards(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
     """Rewards of a given ``kind``: "pm1" (+-1), "01", "grid" (multiples of 0.25 in [-1, 1], e.g. with an
-    overlong penalty), "equal" (one value per prompt), "mixed" (a random choice of these per prompt)."""
+    overlong penalty), "equal" (one value per prompt), "mixed" (a random choice of these per prompt),
+    "uniform" (continuous in [-1, 1): every product and sum rounds, as with a learned reward model)."""
     p, w = shape
     if kind == "mixed":
         kinds = rng.choice(["pm1", "01", "grid", "equal"], size=p)
@@ -92,9 +93,11 @@ def random_rewards(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
         return rng.choice([0.0, 1.0], size=shape).astype(np.float32)
     if kind == "grid":
         return (rng.integers(-4, 5, size=shape) / 4.0).astype(np.float32)
+    if kind == "uniform":
+        return rng.uniform(-1.0, 1.0, size=shape).astype(np.float32)
     if kind == "equal":
         return np.repeat(rng.choice([-1.0, 0.0, 0.3, 1.0], size=(p, 1)), w, axis=1).astype(np.float32)
-    raise ValueError(f"unknown reward kind {kind!r}; valid: pm1, 01, grid, equal, mixed")
+    raise ValueError(f"unknown reward kind {kind!r}; valid: pm1, 01, grid, equal, mixed, uniform")
 
 
 def forests(num_prompts: int, num_leaves: int, max_depth: int, segment_length: int, reward_kind: str = "mixed"):

@@ -17,7 +17,8 @@ from treejax.rl.advantages.common import (
     centered_by_groups,
     check_rewards,
     masked_whiten,
-    materialize,
+    masked_product,
+    pairwise_sum,
     whiten_stats,
 )
 from treejax.rl.advantages.nodes import gather_path_values, node_values_child_mean, node_values_leaf_mean
@@ -52,7 +53,8 @@ def treepo_core(leaf_path_WxD1: jax.Array, rewards_W: jax.Array, options: TreePO
         nonconstant = jnp.any(group & differs[None], axis=-1)
         include = include & (is_root | nonconstant)
     weight = jnp.where(include, size if options.weighting == "group_size" else 1.0, 0.0)
-    return jnp.sum(materialize(weight * a), axis=0) / jnp.sum(weight, axis=0)
+    # integer weights: their sum is exact in any order; the weighted terms go through the pairwise sum
+    return pairwise_sum(masked_product(weight, a, include), axis=0) / jnp.sum(weight, axis=0)
 
 
 @register_estimator("treepo", TreePOOptions)
@@ -154,7 +156,7 @@ def treepo_segment_core(leaf_path_WxD1, rewards_W, num_nodes: int, options: Tree
     if options.eta != 1.0:
         exponent = jnp.clip(depth[:, None] - k, 0, d)  # 1 for the leaf's last segment
         powers = np.float32(options.eta) ** np.arange(d + 1, dtype=np.float32)  # static table: exact in jit
-        seg = v[:, 1:] - materialize(jnp.asarray(powers)[exponent] * v[:, :-1])
+        seg = v[:, 1:] - masked_product(jnp.asarray(powers)[exponent], v[:, :-1], valid)
     else:
         seg = v[:, 1:] - v[:, :-1]
     return jnp.where(valid, seg, 0.0)

@@ -166,7 +166,7 @@ def main(argv=None):
     ap.add_argument("--context", nargs="+", type=int, default=[256])
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     ap.add_argument("--dtype", default=None, help="param/compute dtype (default bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--attention", default="ragged", choices=["ragged", "dense"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "ragged", "pallas", "dense"])
     ap.add_argument("--block-size", type=int, default=256, help="ragged attention KV block")
     ap.add_argument("--random-weights", action="store_true", default=True,
                     help="random weights (the only mode: speed does not depend on the values)")

@@ -100,10 +100,22 @@ def default_config_dir() -> str | None:
     return path if os.path.isdir(path) else None
 
 
+class _GinSearchNoise(logging.Filter):
+    """gin logs an ERROR for every include it first looks up relative to the working directory."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Path not found:") or msg.startswith("system_path_file_exists"))
+
+
 def parse(gin_files: list[str], gin_params: list[str]):
     """Parses gin files and bindings (unknown names are errors) and returns the built ``RunConfig``."""
     classes = register_configurables()
     from treejax.rl.loop import RunConfig
+
+    for handler_owner in (logging.getLogger(),):
+        if not any(isinstance(f, _GinSearchNoise) for f in handler_owner.filters):
+            handler_owner.addFilter(_GinSearchNoise())
 
     for path in gin_files:
         if not os.path.exists(path):

@@ -166,14 +166,27 @@ def test_ragged_attention_matches_dense():
     rng = np.random.RandomState(0)
     B, L, Q, K, H = 5, 64, 4, 2, 8
     q = jnp.asarray(rng.randn(B, 1, Q, H), jnp.float32)
-    k = jnp.asarray(rng.randn(B, L, K, H), jnp.float32)
-    v = jnp.asarray(rng.randn(B, L, K, H), jnp.float32)
+    k = jnp.asarray(rng.randn(B, K, L, H), jnp.float32)
+    v = jnp.asarray(rng.randn(B, K, L, H), jnp.float32)
     pos = jnp.asarray([0, 15, 16, 40, L])  # the last row is dead
     got = attn.ragged_decode_attention(q, k, v, pos, block_size=16)
     ref = attn.dense_decode_attention(q, k, v, pos)
     np.testing.assert_allclose(np.asarray(got)[:4], np.asarray(ref)[:4], atol=1e-5)
     with pytest.raises(ValueError, match="multiple"):
-        attn.ragged_decode_attention(q, k[:, :60], v[:, :60], pos, block_size=16)
+        attn.ragged_decode_attention(q, k[:, :, :60], v[:, :, :60], pos, block_size=16)
+
+
+def test_pallas_attention_matches_dense_interpreted():
+    """The GPU kernel's wrapper (layout swap, per-row lengths, split choice), run by Pallas' interpreter."""
+    rng = np.random.RandomState(1)
+    B, L, Q, K, H = 3, 256, 4, 2, 16
+    q = jnp.asarray(rng.randn(B, 1, Q, H), jnp.float32)
+    k = jnp.asarray(rng.randn(B, K, L, H), jnp.float32)
+    v = jnp.asarray(rng.randn(B, K, L, H), jnp.float32)
+    pos = jnp.asarray([0, 100, 255])
+    got = attn.pallas_decode_attention(q, k, v, pos, block_size=16, interpret=True)
+    ref = attn.dense_decode_attention(q, k, v, pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
 
 
 def test_no_recompile_within_bucket_and_bad_input():

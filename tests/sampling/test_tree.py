@@ -40,19 +40,19 @@ def make_toy_model() -> decode.ModelFns:
     table = jnp.asarray(_TABLE)
 
     def init_cache(rows, length):
-        return {"tok": jnp.zeros((1, rows, length), jnp.int32)}
+        return {"tok": jnp.zeros((rows, 1, length), jnp.int32)}
 
     def prefill(params, tokens, positions, segment_ids, cache, rows):
         PREFILL_BATCHES.append(tokens.shape)  # trace time: one entry per compiled prefill
         L = cache["tok"].shape[2]
         slots = jnp.where(segment_ids != 0, positions, L)
-        return {"tok": cache["tok"].at[0, rows[:, None], slots].set(tokens, mode="drop")}
+        return {"tok": cache["tok"].at[rows[:, None], 0, slots].set(tokens, mode="drop")}
 
     def step(params, tokens, positions, cache):
-        R, L = cache["tok"].shape[1:]
-        c = cache["tok"].at[0, jnp.arange(R), positions].set(tokens, mode="drop")
+        R, L = cache["tok"].shape[0], cache["tok"].shape[2]
+        c = cache["tok"].at[jnp.arange(R), 0, positions].set(tokens, mode="drop")
         slot = jnp.arange(L)[None, :]
-        h = jnp.sum(jnp.where(slot <= positions[:, None], c[0] * (slot + 1), 0), axis=-1) % TOY_M
+        h = jnp.sum(jnp.where(slot <= positions[:, None], c[:, 0] * (slot + 1), 0), axis=-1) % TOY_M
         z = table[h] + jnp.where(jnp.arange(TOY_V) == TOY_EOS, params["eos_bias"], 0.0)[None, :]
         return z, {"tok": c}
 

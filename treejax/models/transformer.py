@@ -13,9 +13,9 @@ RMS-normalizes every query and key head over ``head_dim`` before RoPE.
 Layers are stacked on a leading ``layers`` axis and run under ``lax.scan``. Parameters carry logical axis
 names (:func:`param_logical_axes`) that ``treejax.parallel`` maps onto a device mesh.
 
-KV cache layout (:func:`init_cache`): ``k, v: [layers, B, L, K, H]`` where cache slot ``t`` of row ``b`` holds
-the key/value of the token at RoPE position ``t``; a row attends to slots ``<= its position``. This makes
-forking a branch a plain row copy (``cache[:, dst] = cache[:, src]``).
+KV cache layout (:func:`init_cache`): one ``[B, K, L, H]`` buffer per layer for keys and one for values; slot
+``t`` of row ``b`` holds the key/value of the token at RoPE position ``t``, and a row attends to slots ``<= its
+position``. Forking a branch is a plain row copy (``buf[dst] = buf[src]`` in every buffer).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ _LOGICAL = {
 #: Logical axes of activations and of the KV cache (mapped to mesh axes by ``treejax.parallel``).
 ACTIVATION_AXES = {
     "tokens": ("batch", "length"), "hidden": ("batch", "length", "embed"),
-    "cache": ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim"),
+    "cache": ("cache_batch", "cache_kv_heads", "cache_length", "cache_head_dim"),  # each per-layer buffer
 }
 
 
@@ -270,9 +270,26 @@ def token_logprobs(params: Params, config: ModelConfig, hidden: jax.Array, targe
 
 # ----------------------------------------------------------------------------------------------- KV cache
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> dict:
-    """Zeroed KV cache ``{"k", "v": [layers, B, L, K, H]}`` (logical axes: ``ACTIVATION_AXES["cache"]``)."""
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    """Zeroed KV cache: ``{"k": (k_0, ..., k_{layers-1}), "v": (...)}``, one ``[B, K, L, H]`` buffer per layer
+    (logical axes ``ACTIVATION_AXES["cache"]``; the row axis is 0 in every leaf).
+
+    One buffer per layer (not a stacked ``[layers, ...]`` array) lets XLA update each layer's cache in place and
+    read it without a copy; heads-major ``[B, K, L, H]`` makes each (row, KV head) a contiguous ``[L, H]``
+    stream for decode attention. Measured on an H200 (qwen2.5-0.5b shape, 256 rows, 2k cache): a stacked cache
+    under ``lax.scan`` ran a decode step in 20.5 ms, per-layer buffers in 4.4 ms (XLA attention) and 3.3 ms
+    (Pallas ragged attention).
+    """
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
+    return {"k": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            "v": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))}
+
+
+def cache_length(cache: dict) -> int:
+    return cache["k"][0].shape[2]
+
+
+def _layer_params(params: Params, layer: int) -> dict:
+    return jax.tree.map(lambda a: a[layer], params["layers"])
 
 
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -282,6 +299,7 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     ``tokens, positions, segment_ids: [Bp, Lp]`` (``segment_ids`` 0 on padding, whose cache slots are not
     written). ``rows: [Bp]`` are the cache rows that receive the prompts (default ``0..Bp-1``). Returns
     ``(hidden [Bp, Lp, E], cache)``; pick ``hidden[b, length_b - 1]`` for the next-token distribution.
+    Layers are unrolled (each writes its own cache buffer in place).
     """
     _check_tokens(tokens, positions)
     Bp, Lp = tokens.shape
@@ -289,23 +307,41 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     causal = jnp.arange(Lp)[:, None] >= jnp.arange(Lp)[None, :]
     same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
     mask = causal[None] & same
-    cache_len = cache["k"].shape[2]
     # Padding tokens are written out of bounds and dropped.
-    slots = jnp.where(segment_ids != 0, positions, cache_len)
+    slots = jnp.where(segment_ids != 0, positions, cache_length(cache))
+    x = embed(params, config, tokens)
+    ks, vs = [], []
+    for layer in range(config.num_layers):
+        ck, cv = cache["k"][layer], cache["v"][layer]
 
-    def layer(x, xs):
-        lp, ck, cv = xs
-
-        def attend(q, k, v):
-            ck2 = ck.at[rows[:, None], slots].set(k.astype(ck.dtype), mode="drop")
-            cv2 = cv.at[rows[:, None], slots].set(v.astype(cv.dtype), mode="drop")
+        def attend(q, k, v, ck=ck, cv=cv):
+            # ck[rows, :, slots] is [Bp, Lp, K, H]: the advanced indices come first.
+            ck2 = ck.at[rows[:, None], :, slots].set(k.astype(ck.dtype), mode="drop")
+            cv2 = cv.at[rows[:, None], :, slots].set(v.astype(cv.dtype), mode="drop")
             return attention(q, k, v, mask), (ck2, cv2)
 
-        x, (ck, cv) = _block(config, lp, x, positions, attend)
-        return x, (ck, cv)
+        x, (ck, cv) = _block(config, _layer_params(params, layer), x, positions, attend)
+        ks.append(ck)
+        vs.append(cv)
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}
 
-    x, (ks, vs) = lax.scan(layer, embed(params, config, tokens), (params["layers"], cache["k"], cache["v"]))
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": ks, "v": vs}
+
+def windowed_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                              window: int | None = None) -> jax.Array:
+    """Masked decode attention of ``q: [B, 1, Q, H]`` over the first ``window`` slots of ``k/v_cache:
+    [B, K, L, H]`` (slot ``t`` visible to row ``b`` iff ``t <= positions[b]``). Scores/softmax in fp32."""
+    B, _, Q, H = q.shape
+    K, L = k_cache.shape[1], k_cache.shape[2]
+    window = L if window is None else min(window, L)
+    kw = lax.slice_in_dim(k_cache, 0, window, axis=2)
+    vw = lax.slice_in_dim(v_cache, 0, window, axis=2)
+    qg = q[:, 0].reshape(B, K, Q // K, H)
+    scores = jnp.einsum("bkgh,bksh->bkgs", qg.astype(kw.dtype), kw, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(H)
+    visible = (jnp.arange(window)[None, :] <= positions[:, None])[:, None, None, :]
+    probs = jax.nn.softmax(jnp.where(visible, scores, _NEG), axis=-1)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs.astype(vw.dtype), vw, preferred_element_type=jnp.float32)
+    return out.reshape(B, 1, Q, H).astype(q.dtype)
 
 
 @functools.partial(jax.named_call, name="decode_step")
@@ -313,37 +349,29 @@ def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, position
                 attend_len: int | None = None, attention_fn=None):
     """One decoding step for every cache row: ``tokens, positions: [B]``.
 
-    Writes the new key/value at slot ``positions[b]`` and attends over slots ``0..positions[b]``. Only the
-    first ``attend_len`` (static) cache slots are read, so a short decode inside a long cache does not pay
-    for the whole allocation; callers guarantee ``positions < attend_len``. Returns
-    ``(hidden [B, E], cache)``.
+    Writes the new key/value at slot ``positions[b]`` (a position ``>= L`` drops the write: dead rows) and
+    attends over slots ``0..positions[b]``. With the default attention only the first ``attend_len`` (static)
+    slots are read; callers guarantee ``positions < attend_len``. Returns ``(hidden [B, E], cache)``.
 
-    ``attention_fn(q [B, 1, Q, H], k_cache [B, L, K, H], v_cache [B, L, K, H], positions [B]) -> [B, 1, Q, H]``
-    optionally replaces the windowed masked attention (e.g. the ragged online-softmax attention of
-    ``treejax.sampling.attention``, whose cost follows the longest live row); it receives the whole cache
-    after this step's write.
+    ``attention_fn(q [B, 1, Q, H], k_cache [B, K, L, H], v_cache [B, K, L, H], positions [B]) -> [B, 1, Q, H]``
+    replaces the windowed masked attention (e.g. ``treejax.sampling.attention``'s ragged kernels, whose cost
+    follows the longest live row); it receives the layer's whole cache after this step's write.
     """
     B = tokens.shape[0]
-    cache_len = cache["k"].shape[2]
-    window = cache_len if attend_len is None else min(attend_len, cache_len)
-    pos2 = positions[:, None]
-    mask = (jnp.arange(window)[None, :] <= positions[:, None])[:, None, :]  # [B, 1, window]
     b_idx = jnp.arange(B)
+    if attention_fn is None:
+        attention_fn = functools.partial(windowed_decode_attention, window=attend_len)
+    x = embed(params, config, tokens[:, None])
+    ks, vs = [], []
+    for layer in range(config.num_layers):
+        ck, cv = cache["k"][layer], cache["v"][layer]
 
-    def layer(x, xs):
-        lp, ck, cv = xs
+        def attend(q, k, v, ck=ck, cv=cv):
+            ck2 = ck.at[b_idx, :, positions].set(k[:, 0].astype(ck.dtype), mode="drop")
+            cv2 = cv.at[b_idx, :, positions].set(v[:, 0].astype(cv.dtype), mode="drop")
+            return attention_fn(q, ck2, cv2, positions), (ck2, cv2)
 
-        def attend(q, k, v):
-            ck2 = ck.at[b_idx, positions].set(k[:, 0].astype(ck.dtype), mode="drop")
-            cv2 = cv.at[b_idx, positions].set(v[:, 0].astype(cv.dtype), mode="drop")
-            if attention_fn is not None:
-                return attention_fn(q, ck2, cv2, positions), (ck2, cv2)
-            kw = lax.slice_in_dim(ck2, 0, window, axis=1).astype(q.dtype)
-            vw = lax.slice_in_dim(cv2, 0, window, axis=1).astype(q.dtype)
-            return attention(q, kw, vw, mask), (ck2, cv2)
-
-        x, (ck, cv) = _block(config, lp, x, pos2, attend)
-        return x, (ck, cv)
-
-    x, (ks, vs) = lax.scan(layer, embed(params, config, tokens[:, None]), (params["layers"], cache["k"], cache["v"]))
-    return rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps), {"k": ks, "v": vs}
+        x, (ck, cv) = _block(config, _layer_params(params, layer), x, positions[:, None], attend)
+        ks.append(ck)
+        vs.append(cv)
+    return rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}

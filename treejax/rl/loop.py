@@ -237,8 +237,8 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     start_step = 0
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
-        pipeline.set_state(data_state)
-        start_step = int(state.step) // max(1, cfg.epochs * cfg.mini_batches)
+        pipeline.set_state(data_state["pipeline"])
+        start_step = int(data_state["rl_step"])
         log.info("resumed from step %d", start_step)
 
     timings: dict[str, float] = {}
@@ -278,8 +278,9 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
                 idx = jnp.asarray(perm[m * per_mini: (m + 1) * per_mini])
                 mini = {k: v[idx] for k, v in batch.items()}
                 if update is None:
-                    update = jit_update(update_fn, state_sh, batch_sharding(mesh, mini), mesh)
-                state, metrics = update(state, mini)
+                    mini_sh = batch_sharding(mesh, mini)
+                    update = jit_update(update_fn, state_sh, mini_sh, mesh)
+                state, metrics = update(state, jax.device_put(mini, mini_sh))
                 update_metrics.append(metrics)
         update_metrics = jax.device_get(update_metrics)
         t_update = time.perf_counter() - t2
@@ -307,9 +308,11 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
                           title=f"step {step + 1}: prompt 0, {cfg.rollout.num_leaves} leaves")
             writer.write_image(step + 1, "rollout/tree", picture)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            checkpointer.save(step + 1, state, pipeline.get_state())
+            checkpointer.save(step + 1, state, {"pipeline": pipeline.get_state(), "rl_step": step + 1})
 
-    checkpointer.save(cfg.num_steps, state, pipeline.get_state(), force=True)
+    if checkpointer.latest_step() != cfg.num_steps:
+        checkpointer.save(cfg.num_steps, state, {"pipeline": pipeline.get_state(), "rl_step": cfg.num_steps},
+                          force=True)
     checkpointer.wait()
     eval_after = _timed(timings, "eval_after", lambda: evaluate(
         state.params, model_config, tokenizer, task, eval_examples, prompt_width, cfg.eval_max_new_tokens,

@@ -1,22 +1,26 @@
-"""Ragged decode attention: cost follows the longest *live* row, not the allocated cache length.
+"""Decode attention over a per-layer KV cache ``[B, K, L, H]``: cost follows the longest *live* row.
 
-One decode step of row ``b`` attends its query ``q_b`` to cache slots ``0..pos_b``. With a cache of ``L`` slots
-allocated for the longest possible rollout, a plain masked attention reads all ``L`` slots of every row at every
-step. Here the slots are visited in blocks of ``C`` with an online (streaming) softmax (Milakov & Gimelshein 2018;
-FlashAttention's decode form):
+One decode step of row ``b`` attends its query ``q_b`` to cache slots ``0..pos_b``. The cache is allocated for the
+longest possible rollout (``L`` slots), so a plain masked attention reads all ``L`` slots of every row at every
+step. Three implementations share the ``attention_fn`` hook of :func:`treejax.models.transformer.decode_step`
+(``fn(q [B, 1, Q, H], k_cache [B, K, L, H], v_cache [B, K, L, H], positions [B]) -> [B, 1, Q, H]``):
 
-    for blocks i = 0 .. n-1,  n = floor(max_b pos_b / C) + 1   (a dynamic trip count: lax.fori_loop)
-        s   = q k_i^T / sqrt(H)          masked to slots <= pos_b
-        m'  = max(m, max s);   l = l e^{m - m'} + sum e^{s - m'};   acc = acc e^{m - m'} + e^{s - m'} v_i
-    out = acc / l
+* ``"ragged"`` (XLA, any backend): slots are visited in blocks of ``C`` with an online (streaming) softmax
+  (Milakov & Gimelshein 2018; FlashAttention's decode form)::
 
-so the KV bytes read per step are ``n * C`` slots per row instead of ``L``. Rows with ``pos_b >= L`` are *dead*
-(their key/value write is dropped by the caller); they are excluded from the bound and return zeros.
+      for blocks i = 0 .. n-1,  n = floor(max_b pos_b / C) + 1   (a dynamic trip count: lax.fori_loop)
+          s   = q k_i^T / sqrt(H)          masked to slots <= pos_b
+          m'  = max(m, max s);   l = l e^{m - m'} + sum e^{s - m'};   acc = acc e^{m - m'} + e^{s - m'} v_i
+      out = acc / l
 
-The function matches the ``attention_fn`` hook of :func:`treejax.models.transformer.decode_step`:
-``fn(q [B, 1, Q, H], k_cache [B, L, K, H], v_cache [B, L, K, H], positions [B]) -> [B, 1, Q, H]``.
-Scores and the softmax statistics are fp32; ``L`` must be a multiple of the block size (the sampler allocates
-caches that way, :func:`round_cache_length`).
+  so the KV bytes read per step are ``n * C`` slots per row instead of ``L``.
+* ``"pallas"`` (GPU): JAX's Pallas/Triton split-K decode kernel (``jax.experimental.pallas.ops.gpu``) with the
+  per-row length ``pos_b + 1``: blocks past a row's length are skipped, so cost follows each row's own length.
+* ``"dense"``: masked attention over the whole cache (the reference).
+
+Rows with ``pos_b >= L`` are *dead* (their key/value write is dropped by the caller); they are excluded from the
+ragged bound. Scores and the softmax statistics are fp32; ``L`` must be a multiple of the block size (the sampler
+allocates caches that way, :func:`round_cache_length`).
 """
 
 from __future__ import annotations
@@ -28,24 +32,32 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+ATTENTION_IMPLS = ("ragged", "pallas", "dense", "auto")
+
 
 def round_cache_length(length: int, block_size: int) -> int:
     """Smallest multiple of ``block_size`` that is ``>= length``."""
     return -(-length // block_size) * block_size
 
 
+def _check(q, k_cache):
+    if q.shape[1] != 1:
+        raise ValueError(f"decode attention expects one query per row, got q of shape {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"k_cache must be [B, K, L, H] with B = {q.shape[0]}, got {k_cache.shape}")
+
+
 def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                             block_size: int = 256) -> jax.Array:
-    """Online-softmax decode attention over KV blocks up to the maximum live position (see module docstring)."""
-    B, one, Q, H = q.shape
-    L, K = k_cache.shape[1], k_cache.shape[2]
-    if one != 1:
-        raise ValueError(f"decode attention expects one query per row, got q of shape {q.shape}")
+    """Online-softmax decode attention over KV blocks up to the maximum live position (module docstring)."""
+    _check(q, k_cache)
+    B, _, Q, H = q.shape
+    K, L = k_cache.shape[1], k_cache.shape[2]
     C = min(block_size, L)
     if L % C:
         raise ValueError(f"cache length {L} must be a multiple of the attention block size {C}")
     G = Q // K
-    qg = q[:, 0].reshape(B, K, G, H).astype(jnp.float32) / math.sqrt(H)
+    qg = (q[:, 0].reshape(B, K, G, H).astype(jnp.float32) / math.sqrt(H)).astype(k_cache.dtype)
     live = positions < L
     max_pos = jnp.max(jnp.where(live, positions, 0))
     num_blocks = max_pos // C + 1
@@ -53,9 +65,9 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     def body(i, carry):
         m, l, acc = carry
         start = i * C
-        kb = lax.dynamic_slice_in_dim(k_cache, start, C, axis=1)  # [B, C, K, H]
-        vb = lax.dynamic_slice_in_dim(v_cache, start, C, axis=1)
-        s = jnp.einsum("bkgh,bckh->bkgc", qg.astype(kb.dtype), kb, preferred_element_type=jnp.float32)
+        kb = lax.dynamic_slice_in_dim(k_cache, start, C, axis=2)  # [B, K, C, H]
+        vb = lax.dynamic_slice_in_dim(v_cache, start, C, axis=2)
+        s = jnp.einsum("bkgh,bkch->bkgc", qg, kb, preferred_element_type=jnp.float32)
         slot = start + jnp.arange(C)
         valid = (slot[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, C]
         s = jnp.where(valid, s, -jnp.inf)
@@ -64,7 +76,7 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         scale = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l = l * scale + jnp.sum(p, axis=-1)
-        acc = acc * scale[..., None] + jnp.einsum("bkgc,bckh->bkgh", p.astype(vb.dtype), vb,
+        acc = acc * scale[..., None] + jnp.einsum("bkgc,bkch->bkgh", p.astype(vb.dtype), vb,
                                                   preferred_element_type=jnp.float32)
         return m_new, l, acc
 
@@ -75,15 +87,56 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     return out.reshape(B, 1, Q, H).astype(q.dtype)
 
 
-def make_ragged_attention(block_size: int = 256):
-    """``attention_fn`` for ``decode_step`` with a fixed block size."""
-    return functools.partial(ragged_decode_attention, block_size=block_size)
+def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                            block_size: int = 128, k_splits: int = 16, interpret: bool = False) -> jax.Array:
+    """GPU decode attention through JAX's Pallas (Triton) split-K kernel, per-row length ``positions + 1``.
+
+    The kernel takes ``[B, L, K, H]`` and swaps to heads-major internally; passing our ``[B, K, L, H]`` buffers
+    swapped makes the two transposes cancel, so no copy of the cache is made. Needs ``L % k_splits == 0`` and
+    ``L / k_splits`` a multiple of ``min(block_size, L / k_splits) >= 16``.
+    """
+    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_ops
+
+    _check(q, k_cache)
+    L = k_cache.shape[2]
+    splits = k_splits
+    while splits > 1 and (L % splits or L // splits < 16):
+        splits //= 2
+    block = min(block_size, L // splits)
+    live = positions < L
+    lengths = jnp.where(live, positions + 1, 1)
+    out = pallas_ops.gqa(q[:, 0], jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2), kv_seq_len=lengths,
+                         k_splits=splits, block_k=block, interpret=interpret)
+    return out[:, None].astype(q.dtype)
 
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
     """Reference: masked attention over the whole cache (reads all ``L`` slots every step)."""
-    from treejax.models.transformer import attention
+    from treejax.models.transformer import windowed_decode_attention
 
-    L = k_cache.shape[1]
-    mask = (jnp.arange(L)[None, :] <= positions[:, None])[:, None, :]
-    return attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    _check(q, k_cache)
+    return windowed_decode_attention(q, k_cache, v_cache, positions)
+
+
+def resolve_impl(name: str) -> str:
+    """``"auto"`` -> ``"pallas"`` on GPU, ``"ragged"`` elsewhere."""
+    if name not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {name!r}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "ragged"
+    return name
+
+
+def make_decode_attention(name: str = "auto", block_size: int = 256):
+    """The ``attention_fn`` named ``name`` (see module docstring)."""
+    impl = resolve_impl(name)
+    if impl == "ragged":
+        return functools.partial(ragged_decode_attention, block_size=block_size)
+    if impl == "pallas":
+        return functools.partial(pallas_decode_attention, block_size=min(block_size, 128))
+    return dense_decode_attention
+
+
+def make_ragged_attention(block_size: int = 256):
+    """``attention_fn`` for ``decode_step`` with a fixed block size."""
+    return functools.partial(ragged_decode_attention, block_size=block_size)

@@ -1,10 +1,10 @@
 """KV-cache pytree of static capacity for the sampler, and row forking.
 
-The cache is ``{"k", "v": [layers, R, L, K, H]}`` (bf16 by default; logical axes
-:data:`CACHE_LOGICAL_AXES`, mapped onto the mesh by ``treejax.parallel``): ``R`` rows (one per live path /
-sample) by ``L`` slots, slot ``t`` holding the key/value of the token at RoPE position ``t``. Any pytree whose
-leaves carry the row axis at position 1 works with :func:`fork_rows` (the scripted toy policies of the tests use
-that).
+The cache is ``{"k": (k_0, ..., k_{layers-1}), "v": (...)}``: one ``[R, K, L, H]`` buffer per layer (bf16 by
+default; logical axes :data:`CACHE_LOGICAL_AXES`, mapped onto the mesh by ``treejax.parallel``): ``R`` rows (one
+per live path / sample) by ``L`` slots, slot ``t`` holding the key/value of the token at RoPE position ``t``. Any
+pytree whose leaves carry the row axis at position 0 (and the slot axis at 2) works with :func:`fork_rows` (the
+scripted toy policies of the tests use that).
 
 Forking a branch is a row copy: child row ``r`` takes parent row ``src[r]``'s whole cache row (the parent's
 prefix is then exactly the child's prefix; slots past the fork point are overwritten as the child decodes
@@ -17,19 +17,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from treejax.models import transformer
 from treejax.models.config import ModelConfig
-from treejax.models.transformer import ACTIVATION_AXES
 
-#: Logical axis names of each cache leaf (``layers, cache_batch, cache_length, cache_kv_heads, cache_head_dim``).
-CACHE_LOGICAL_AXES = {"k": ACTIVATION_AXES["cache"], "v": ACTIVATION_AXES["cache"]}
+#: Logical axis names of each per-layer cache buffer (``cache_batch, cache_kv_heads, cache_length, cache_head_dim``).
+CACHE_LOGICAL_AXES = transformer.ACTIVATION_AXES["cache"]
 
 
 def init_kv_cache(config: ModelConfig, rows: int, length: int, dtype=jnp.bfloat16) -> dict:
-    """Zeroed cache ``{"k", "v": [layers, rows, length, K, H]}``."""
+    """Zeroed cache of ``rows x length`` slots (see :func:`treejax.models.transformer.init_cache`)."""
     if rows <= 0 or length <= 0:
         raise ValueError(f"cache rows and length must be positive, got rows={rows}, length={length}")
-    shape = (config.num_layers, rows, length, config.num_kv_heads, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return transformer.init_cache(config, rows, length, dtype)
 
 
 def cache_bytes(config: ModelConfig, rows: int, length: int, dtype=jnp.bfloat16) -> int:
@@ -40,12 +39,12 @@ def cache_bytes(config: ModelConfig, rows: int, length: int, dtype=jnp.bfloat16)
 def fork_rows(cache, src_R: jax.Array, any_copy: jax.Array | None = None):
     """Row ``r`` of the result is row ``src_R[r]`` of ``cache`` (identity where ``src_R[r] == r``).
 
-    One gather per cache leaf along the row axis (axis 1). ``any_copy`` (bool scalar) skips the gather when no
+    One gather per cache leaf along the row axis (axis 0). ``any_copy`` (bool scalar) skips the gather when no
     row changes (the common case deep in a tree that has stopped branching).
     """
 
     def gather(c):
-        return jax.tree.map(lambda x: jnp.take(x, src_R, axis=1), c)
+        return jax.tree.map(lambda x: jnp.take(x, src_R, axis=0), c)
 
     if any_copy is None:
         return gather(cache)

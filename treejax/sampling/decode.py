@@ -59,7 +59,7 @@ class FinishReason(enum.IntEnum):
 class ModelFns:
     """The model as the sampler sees it (static, hashable by identity; injectable for scripted test policies).
 
-    ``init_cache(rows, length) -> cache`` (every leaf has the row axis at position 1);
+    ``init_cache(rows, length) -> cache`` (every leaf has the row axis at position 0 and the slot axis at 2);
     ``prefill(params, tokens [B, Lp], positions [B, Lp], segment_ids [B, Lp], cache, rows [B]) -> cache``;
     ``step(params, tokens [R], positions [R], cache) -> (logits [R, V] fp32, cache)``.
     ``cache_multiple``: allocated cache lengths are rounded up to a multiple of it (the attention block).
@@ -75,17 +75,17 @@ class ModelFns:
 
 
 @functools.lru_cache(maxsize=64)
-def make_model_fns(config: ModelConfig, attention: str = "ragged", block_size: int = 256,
+def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int = 256,
                    cache_dtype: str = "bfloat16") -> ModelFns:
     """:class:`ModelFns` of the treejax transformer.
 
-    ``attention``: ``"ragged"`` (online softmax over ``block_size`` KV blocks up to the longest live row, cost
-    follows the live length) or ``"dense"`` (masked attention over the whole allocated cache).
+    ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
+    blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"dense"``
+    (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU, ragged elsewhere).
     """
-    if attention not in ("ragged", "dense"):
-        raise ValueError(f"attention must be 'ragged' or 'dense', got {attention!r}")
+    attention = attention_lib.resolve_impl(attention)
     dtype = jnp.dtype(cache_dtype)
-    attn_fn = attention_lib.make_ragged_attention(block_size) if attention == "ragged" else None
+    attn_fn = attention_lib.make_decode_attention(attention, block_size)
 
     def init_cache(rows, length):
         return cache_lib.init_kv_cache(config, rows, length, dtype)
@@ -98,7 +98,7 @@ def make_model_fns(config: ModelConfig, attention: str = "ragged", block_size: i
         return transformer.logits(params, config, hidden), cache
 
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
-                    cache_multiple=block_size if attention == "ragged" else 1,
+                    cache_multiple=block_size if attention != "dense" else 1,
                     name=f"transformer[{attention}]")
 
 

@@ -313,11 +313,11 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
                 def branch(cache_p, c0):
                     sel = perm[:nb]
                     sub = {k: (v[sel] if k in row_keys else v) for k, v in c0.items() if k != "cache"}
-                    sub["cache"] = jax.tree.map(lambda x: lax.slice_in_dim(x, 0, nb, axis=1), cache_p)
+                    sub["cache"] = jax.tree.map(lambda x: lax.slice_in_dim(x, 0, nb, axis=0), cache_p)
                     out = lax.while_loop(tok_cond, make_tok_body(sel, s["epoch"][sel]), sub)
                     merged = {k: (c0[k].at[sel].set(out[k]) if k in row_keys else out[k]) for k in out
                               if k != "cache"}
-                    merged["cache"] = jax.tree.map(lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, 1),
+                    merged["cache"] = jax.tree.map(lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, 0),
                                                    cache_p, out["cache"])
                     return merged
                 return branch

@@ -1,0 +1,79 @@
+"""The main job's CLI: gin parsing with name checks, and a full (tiny) run writing every artifact."""
+
+import glob
+import json
+import os
+
+import jax
+import pytest
+
+from treejax import train
+from treejax.models import presets, transformer
+from treejax.models.export import export_hf
+from treejax.models.registry import embedded_model_path
+from treejax.models.tokenizer import TextTokenizer
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@pytest.mark.parametrize("name", ["quickstart.gin", "treepo_smollm2.gin", "grpo_smollm2.gin",
+                                  "treepo_qwen2.5_math.gin"])
+def test_shipped_configs_parse(name):
+    cfg = train.parse([os.path.join(CONFIGS, name)], [])
+    assert cfg.rollout.num_leaves >= 8
+    if name == "grpo_smollm2.gin":
+        treepo = train.parse([os.path.join(CONFIGS, "treepo_smollm2.gin")], [])
+        assert cfg.estimator == "grpo" and cfg.rollout.branch_factor == 1
+        # same rollout budget: leaves per prompt and tokens per leaf
+        assert cfg.rollout.num_leaves == treepo.rollout.num_leaves
+        assert cfg.rollout.max_length == treepo.rollout.max_length
+
+
+def test_misspelled_binding_names_closest():
+    with pytest.raises(ValueError, match="did you mean RunConfig.num_steps"):
+        train.parse([], ["RunConfig.num_stpes = 3"])
+    with pytest.raises(ValueError, match="TreeConfig.segment_length"):
+        train.parse([], ["TreeConfig.segment_lenght = 3"])
+
+
+def test_missing_gin_file():
+    with pytest.raises(FileNotFoundError, match="nope.gin"):
+        train.parse(["nope.gin"], [])
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's real tokenizer, exported as an HF folder."""
+    tok = TextTokenizer.from_gguf(embedded_model_path("smollm2-135m-instruct"))
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=49152, eos_token_ids=tuple(tok.eos_ids), pad_token_id=2)
+    params = transformer.init_params(cfg, jax.random.key(0))
+    folder = str(tmp_path_factory.mktemp("tiny_hf"))
+    export_hf(params, cfg, folder, tok)
+    return folder
+
+
+def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):
+    log_dir = str(tmp_path / "run")
+    params = [
+        f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{log_dir}'", "RunConfig.num_steps = 2",
+        "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
+        "TreeConfig.segment_length = 4", "RunConfig.eval_size = 4", "RunConfig.eval_max_new_tokens = 8",
+        "RunConfig.checkpoint_every = 1",
+    ]
+    summary = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
+                         + sum((["--gin_param", p] for p in params), []))
+    assert len(summary["history"]) == 2
+    assert glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert os.path.exists(os.path.join(log_dir, "operative_config.gin"))
+    assert os.path.exists(summary["tree_picture"]) and summary["tree_picture"].endswith(".png")
+    assert os.path.exists(os.path.join(summary["hf_export"], "config.json"))
+    assert os.path.exists(os.path.join(summary["hf_export"], "model.safetensors"))
+    with open(os.path.join(log_dir, "summary.json")) as f:
+        assert json.load(f)["steps"] == 2
+    steps = sorted(int(d) for d in os.listdir(summary["checkpoint_dir"]) if d.isdigit())
+    assert steps[-1] == 2
+    # A longer run in the same folder resumes at step 2 and trains only the missing step.
+    resumed = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
+                         + sum((["--gin_param", p] for p in params[:2] + ["RunConfig.num_steps = 3"] + params[3:]),
+                               []))
+    assert len(resumed["history"]) == 1

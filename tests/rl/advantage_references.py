@@ -1,11 +1,25 @@
 """Slow, loop-based NumPy (float64) references written straight from each estimator's formula.
 
 Groups and nodes are identified by path *prefixes* (tuples of node ids), as the official TreePO code does
-with its "#"-joined path strings, independently of the JAX implementation's node tables."""
+with its "#"-joined path strings, independently of the JAX implementation's node tables.
+
+Discrete decisions ("this subgroup's rewards are all equal", "these children's values are all equal") are
+made in exact rational arithmetic (``fractions.Fraction`` of the float32 rewards), never by testing a float
+std against 0: a float64 ``np.std`` of equal values can be ~1e-17 instead of 0 (e.g. means of 0.3 over groups
+of different sizes), which would flip the decision the float32 kernel makes exactly (it compares rewards, or
+values computed so that equal means are bit-equal).
+"""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
+
+
+def all_equal(values) -> bool:
+    """Exact test: every value equal (as rationals; a float converts to Fraction exactly)."""
+    return len({Fraction(float(v)) for v in values}) <= 1
 
 
 def prefixes(row) -> list[tuple]:
@@ -93,7 +107,7 @@ def treepo_raw(paths, R, weighting="average", reject_zero_std=False):
                 rs = R[p, members]
                 if d > 0 and len(members) <= 1:
                     continue
-                if d > 0 and reject_zero_std and np.std(rs) == 0:
+                if d > 0 and reject_zero_std and all_equal(rs):
                     continue
                 terms.append(R[p, i] - rs.mean())
                 sizes.append(len(members))
@@ -102,21 +116,23 @@ def treepo_raw(paths, R, weighting="average", reject_zero_std=False):
     return out
 
 
-def node_values(paths_W, r_W, node_value="leaf_mean"):
+def node_values(paths_W, r_W, node_value="leaf_mean", exact=False):
+    """{path prefix: V}; ``exact=True`` gives the values as Fractions (for tie decisions), else floats."""
     groups = leaves_under(paths_W)
     ends = {tuple(prefixes(row)[-1]): i for i, row in enumerate(paths_W)}
+    num = (lambda x: Fraction(float(x))) if exact else float
     if node_value == "leaf_mean":
-        return {key: float(np.mean(r_W[m])) for key, m in groups.items()}
-    values: dict[tuple, float] = {}
+        return {key: sum(num(r_W[i]) for i in m) / len(m) for key, m in groups.items()}
+    values: dict = {}
 
     def value(key):
         if key in values:
             return values[key]
         if key in ends:
-            v = float(r_W[ends[key]])
+            v = num(r_W[ends[key]])
         else:
             children = sorted({k for k in groups if len(k) == len(key) + 1 and k[:-1] == key})
-            v = float(np.mean([value(c) for c in children]))
+            v = sum(value(c) for c in children) / len(children)
         values[key] = v
         return v
 
@@ -147,14 +163,16 @@ def spo_tree_raw(paths, R, normalize=False, eps=1e-6, node_value="leaf_mean"):
     out = np.zeros((P, W, D1 - 1))
     for p in range(P):
         V = node_values(paths[p], R[p], node_value)
+        exact = node_values(paths[p], R[p], node_value, exact=True) if normalize else None
         for i in range(W):
             pre = prefixes(paths[p, i])
             for k in range(len(pre) - 1):
                 a = V[pre[k + 1]] - V[pre[k]]
                 if normalize:
                     children = {key for key in V if len(key) == k + 2 and key[:-1] == pre[k]}
+                    # std == 0 exactly iff all children's values are equal: decided on exact values
                     std = np.std([V[c] for c in children])
-                    a = a / (std + eps) if std > 0 else 0.0
+                    a = 0.0 if len({exact[c] for c in children}) == 1 else a / (std + eps)
                 out[p, i, k] = a
     return out
 

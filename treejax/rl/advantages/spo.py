@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from treejax.forest import Forest, subgroup_masks
 from treejax.rl.advantages.common import broadcast_segments, check_rewards, masked_whiten, materialize
-from treejax.rl.advantages.nodes import first_occurrence, gather_path_values
+from treejax.rl.advantages.nodes import first_occurrence, gather_path_values, leaf_mean_differences
 from treejax.rl.advantages.registry import Advantages, register_estimator
 from treejax.rl.advantages.tree import path_values
 
@@ -71,11 +71,17 @@ def children_std(leaf_path_WxD1: jax.Array, value_WxD1: jax.Array, num_nodes: in
 
 def spo_tree_core(leaf_path_WxD1, rewards_W, num_nodes: int, options: SPOTreeOptions) -> jax.Array:
     """One prompt: per-segment advantages [W, D] (0 past each leaf's last segment)."""
-    v = path_values(leaf_path_WxD1, rewards_W, num_nodes, options.node_value, "mean")
     d = leaf_path_WxD1.shape[1] - 1
     depth = jnp.sum(leaf_path_WxD1[:, 1:] >= 0, axis=-1)
     valid = jnp.arange(d)[None, :] < depth[:, None]
-    seg = v[:, 1:] - v[:, :-1]
+    if options.node_value == "leaf_mean":
+        seg = leaf_mean_differences(leaf_path_WxD1, rewards_W)  # V(child) - V(parent), rounded once
+        # The std over the children of one parent is shift-invariant: std_c V(c) = std_c (V(c) - V(parent)),
+        # so the accurate differences serve as the children's values.
+        v = jnp.concatenate([jnp.zeros_like(seg[:, :1]), seg], axis=1)
+    else:
+        v = path_values(leaf_path_WxD1, rewards_W, num_nodes, options.node_value, "mean")
+        seg = v[:, 1:] - v[:, :-1]
     if options.normalize:
         std = children_std(leaf_path_WxD1, v, num_nodes)
         seg = jnp.where(std > 0, seg / (std + options.eps), 0.0)

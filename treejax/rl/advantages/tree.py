@@ -21,7 +21,12 @@ from treejax.rl.advantages.common import (
     pairwise_sum,
     whiten_stats,
 )
-from treejax.rl.advantages.nodes import gather_path_values, node_values_child_mean, node_values_leaf_mean
+from treejax.rl.advantages.nodes import (
+    gather_path_values,
+    leaf_mean_differences,
+    node_values_child_mean,
+    node_values_leaf_mean,
+)
 from treejax.rl.advantages.registry import Advantages, register_estimator
 
 
@@ -148,6 +153,8 @@ def path_values(leaf_path_WxD1, rewards_W, num_nodes: int, node_value: str, root
 
 def treepo_segment_core(leaf_path_WxD1, rewards_W, num_nodes: int, options: TreePOSegmentOptions) -> jax.Array:
     """One prompt: per-segment advantages [W, D] before whitening (0 past each leaf's last segment)."""
+    if options.node_value == "leaf_mean" and options.root_value == "mean" and options.eta == 1.0:
+        return leaf_mean_differences(leaf_path_WxD1, rewards_W)  # same value, one rounding (see there)
     v = path_values(leaf_path_WxD1, rewards_W, num_nodes, options.node_value, options.root_value)
     d = leaf_path_WxD1.shape[1] - 1
     depth = jnp.sum(leaf_path_WxD1[:, 1:] >= 0, axis=-1)  # [W]

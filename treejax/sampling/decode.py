@@ -72,6 +72,7 @@ class ModelFns:
     sampling_vocab_size: int
     cache_multiple: int = 1
     name: str = "model"
+    prepare: Callable = lambda params: params  # noqa: E731  once per call, before the decode loops
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,7 +100,7 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
 
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
                     cache_multiple=block_size if attention != "dense" else 1,
-                    name=f"transformer[{attention}]")
+                    name=f"transformer[{attention}]", prepare=transformer.unstack_layers)
 
 
 def as_model_fns(model: ModelConfig | ModelFns) -> ModelFns:
@@ -225,6 +226,7 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
     L = attention_lib.round_cache_length(Lb + N, model.cache_multiple)
     cache = model.init_cache(B, L)
     rows = jnp.arange(B, dtype=jnp.int32)
+    params = model.prepare(params)
     cache, pending, position = prefill_prompts(model, params, cache, prompts, lengths, rows)
     epochs = jnp.zeros((B,), jnp.int32)
     f32 = jnp.zeros((B, N), jnp.float32)

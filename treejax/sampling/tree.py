@@ -217,6 +217,7 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
 
     # ---- prefill once per prompt, then copy each prompt's KV into all of its rows
     cache = model.init_cache(R, L)
+    params = model.prepare(params)  # e.g. unstack the layers once, outside the decode loops
     cache, last_tok_P, last_pos_P = decode.prefill_prompts(model, params, cache, prompts, lengths,
                                                            jnp.arange(P, dtype=i32) * W)
     cache = cache_lib.broadcast_prompt_rows(cache, row_prompt * W)

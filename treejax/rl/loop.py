@@ -70,6 +70,8 @@ class RunConfig:
     mini_batches: int = 1
     micro_batches: int = 1
     nonfinite: str = "skip"
+    attention_impl: str = "auto"  # training attention: cudnn flash on GPU (bf16), XLA elsewhere
+    remat: bool = False  # per-layer rematerialisation in the update's forward
     eval_size: int = 32
     eval_max_new_tokens: int = 128
     compare_independent: bool = True
@@ -222,7 +224,8 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     state = jax.jit(create, out_shardings=state_sh)(params)
     del params
     update_fn = make_update_fn(model_config, cfg.loss, optimizer, num_micro_batches=cfg.micro_batches,
-                               nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer))
+                               nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer),
+                               attention_impl=cfg.attention_impl, remat=cfg.remat)
     update = None  # jitted with the batch shardings once the first batch's shapes are known
 
     # Data: the train split streams through grain; the eval split is held out by content hash.

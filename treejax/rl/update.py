@@ -60,13 +60,15 @@ def sequence_logprobs(
     chunk_size: int = 8192,
     with_entropy: bool = False,
     remat: bool = False,
+    attention_impl: str = "xla",
 ):
     """``logp[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` aligned with ``tokens`` (``logp[:, 0] = 0``).
 
     Runs the training forward once and scores each next token in vocabulary chunks. With ``with_entropy`` also
     returns the entropy of the next-token distribution that produced ``tokens[b, t]`` (0 at ``t = 0``).
     """
-    hidden = transformer.forward(params, model_config, tokens_BxL, positions_BxL, segment_ids_BxL, remat=remat)
+    hidden = transformer.forward(params, model_config, tokens_BxL, positions_BxL, segment_ids_BxL, remat=remat,
+                                 attention_impl=attention_impl)
     next_BxL = jnp.roll(tokens_BxL, -1, axis=1)  # targets of hidden[:, t] are tokens[:, t + 1]
     out = transformer.token_logprobs(params, model_config, hidden, next_BxL, chunk_size=chunk_size,
                                      with_entropy=with_entropy)
@@ -143,6 +145,7 @@ def make_update_fn(
     logprob_chunk_size: int = 8192,
     remat: bool = False,
     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
+    attention_impl: str = "xla",
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the pure ``update(state, batch) -> (new_state, metrics)`` (semantics in the module docstring).
 
@@ -163,7 +166,7 @@ def make_update_fn(
     def micro_loss(params, mb, denominator):
         logp, entropy = sequence_logprobs(
             params, model_config, mb["tokens"], mb["positions"], mb.get("segment_ids"),
-            chunk_size=logprob_chunk_size, with_entropy=with_entropy, remat=remat)
+            chunk_size=logprob_chunk_size, with_entropy=with_entropy, remat=remat, attention_impl=attention_impl)
         return losses.policy_loss(
             logp, mb["old_logp"], mb["advantages"], mb["mask"], loss_config,
             ref_logp=mb.get("ref_logp"), entropy=entropy, sampler_logp=mb.get("sampler_logp"),

@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
     from treejax.rl.report import format_summary
 
     summary = run(cfg, operative_config=gin.config_str())
+    if "preempted_at" in summary:
+        print(f"preempted: saved step {summary['preempted_at']} to {summary['checkpoint_dir']}; "
+              "rerun the same command to resume")
+        return summary
     print(format_summary(summary))
     return summary
 

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -250,6 +251,12 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
         system_prompt=cfg.system_prompt, instruction=cfg.instruction))
     writer.write_scalars(0, {"eval/accuracy": eval_before["accuracy"]})
 
+    # SIGTERM (preemptible VMs): finish the current step, save, skip the rest, exit cleanly; rerunning the same
+    # command resumes from that checkpoint and reproduces the uninterrupted run.
+    preemption = ckpt_lib.PreemptionHandler()
+    if threading.current_thread() is threading.main_thread():
+        preemption.install()
+    preempted_at = None
     totals = {"tree_decoded": 0, "independent_decoded": 0, "tree_time": 0.0, "independent_time": 0.0}
     picture = None
     history = []
@@ -312,6 +319,21 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             writer.write_image(step + 1, "rollout/tree", picture)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpointer.save(step + 1, state, {"pipeline": pipeline.get_state(), "rl_step": step + 1})
+        if preemption.should_stop(step + 1, checkpointer):
+            preempted_at = step + 1
+            if checkpointer.latest_step() != step + 1:
+                checkpointer.save(step + 1, state, {"pipeline": pipeline.get_state(), "rl_step": step + 1},
+                                  force=True)
+            log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume",
+                        step + 1)
+            break
+    preemption.uninstall()
+    if preempted_at is not None:
+        checkpointer.wait()
+        checkpointer.close()
+        writer.close()
+        return {"preempted_at": preempted_at, "log_dir": os.path.abspath(cfg.log_dir),
+                "checkpoint_dir": os.path.abspath(checkpointer.directory), "history": history}
 
     if checkpointer.latest_step() != cfg.num_steps:
         checkpointer.save(cfg.num_steps, state, {"pipeline": pipeline.get_state(), "rl_step": cfg.num_steps},

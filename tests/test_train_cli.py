@@ -125,3 +125,19 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tiny_checkpoint, tmp_path
     assert resumed["history"][0] == {**straight["history"][1], **{k: v for k, v in resumed["history"][0].items()
                                                                    if k.startswith("time/") or k.endswith("per_s")}}
     assert _export_bytes(resumed) == _export_bytes(straight)
+
+
+def test_dynamic_sampling_masks_degenerate_prompts(tiny_checkpoint, tmp_path):
+    """A tiny random model solves nothing: every prompt has zero reward std, the refills find none either, and
+    the slots are filled with masked-out prompts — the update then has no gradient (no entropy/KL terms)."""
+    log_dir = str(tmp_path / "ds")
+    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{log_dir}'", "RunConfig.num_steps = 1",
+              "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
+              "TreeConfig.segment_length = 4", "RunConfig.eval_size = 2", "RunConfig.eval_max_new_tokens = 4",
+              "RunConfig.compare_independent = False", "RunConfig.dynamic_sampling = True",
+              "RunConfig.max_refills = 1", "RunConfig.export_hf = False"]
+    summary = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
+                         + sum((["--gin_param", p] for p in params), []))
+    row = summary["history"][0]
+    assert row["reward/mean"] == -1.0
+    assert row["update/grad_norm"] == 0.0 and row["update/loss"] == 0.0

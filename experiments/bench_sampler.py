@@ -176,6 +176,7 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", default=True,
                     help="random weights (the only mode: speed does not depend on the values)")
     ap.add_argument("--no-tree", action="store_true", help="skip tree vs independent sampling")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode table")
     ap.add_argument("--tree-prompts", type=int, default=4)
     ap.add_argument("--tree-prompt-len", type=int, default=64)
     ap.add_argument("--tree-leaves", type=int, default=16)
@@ -213,7 +214,7 @@ def main(argv=None):
     for preset in args.preset:
         cfg = get_model_config(preset, dtype)
         params = jax.jit(lambda k: T.init_params(cfg, k))(jax.random.key(0))
-        for rows in args.rows:
+        for rows in ([] if args.no_decode else args.rows):
             for ctx in args.context:
                 if ctx <= args.steps:
                     raise ValueError(f"--context ({ctx}) must exceed --steps ({args.steps})")

@@ -22,7 +22,7 @@ from typing import Optional
 
 from treejax.data.tasks import RECORD_FIELDS, Task
 
-__all__ = ["TaskRecordsBuilder", "build_task_dataset", "open_task_source"]
+__all__ = ["build_task_dataset", "open_task_source"]
 
 DATASET_NAME = "treejax_task_records"
 

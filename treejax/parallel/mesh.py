@@ -19,7 +19,6 @@ import os
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.forest import Forest, NodeStatus
+from treejax.forest import Forest
 from treejax.parallel.mesh import (MeshConfig, batch_sharding, jit_update, logical_to_sharding, make_mesh,
                                    train_state_shardings)
 from treejax.rl import rewards as rewards_lib

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from treejax.forest import Forest, subgroup_masks
 from treejax.rl.advantages.common import broadcast_segments, check_rewards, masked_whiten, materialize
-from treejax.rl.advantages.nodes import first_occurrence, gather_path_values, leaf_mean_differences
+from treejax.rl.advantages.nodes import first_occurrence, leaf_mean_differences
 from treejax.rl.advantages.registry import Advantages, register_estimator
 from treejax.rl.advantages.tree import path_values
 

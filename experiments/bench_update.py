@@ -33,6 +33,7 @@ from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
 
 ATTENTION = "auto"  # set by --attention
+REMAT = True  # set by --no-remat
 PEAK_FLOPS = {"h100": 989e12, "h200": 989e12}
 
 
@@ -77,7 +78,7 @@ def bench_update(preset: str, rows: int, seq: int, micro: int, repeats: int = 3)
     state = jax.jit(lambda p: TrainState.create(p, optimizer, jax.random.key(1)))(params)
     del params
     update = jax.jit(make_update_fn(cfg, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
-                                    num_micro_batches=micro, remat=True, logprob_chunk_size=16384,
+                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=16384,
                                     attention_impl=ATTENTION),
                      donate_argnames=("state",))
     batch = make_batch(cfg, rows, seq, jax.random.key(2))
@@ -106,7 +107,7 @@ def bench_rl_step(preset: str, prompts: int, W: int, D: int, S: int, micro: int)
     spec = estimator_spec("treepo")
     estimator = jax.jit(lambda f, r: spec.fn(f, r, spec.default_options()))
     update = jax.jit(make_update_fn(cfg, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
-                                    num_micro_batches=micro, remat=True, logprob_chunk_size=16384,
+                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=16384,
                                     attention_impl=ATTENTION),
                      donate_argnames=("state",))
     rng = np.random.RandomState(0)
@@ -140,15 +141,17 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--rl-step", action="store_true")
+    ap.add_argument("--no-remat", action="store_true", help="keep activations instead of per-layer remat")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
                     help="training attention (auto: cudnn on GPU)")
     ap.add_argument("--rl-prompts", type=int, default=16)
     args = ap.parse_args(argv)
-    global ATTENTION
+    global ATTENTION, REMAT
     ATTENTION = args.attention
+    REMAT = not args.no_remat
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; "
-          f"training attention {args.attention}")
+          f"training attention {args.attention}; remat {not args.no_remat}")
     print(f"\n{'preset':<14}{'rows':>6}{'seq':>7}{'micro':>7}{'step s':>9}{'TFLOP/s':>10}{'MFU':>8}")
     for preset in args.preset:
         dt, flops, _ = bench_update(preset, args.rows, args.seq, args.micro)

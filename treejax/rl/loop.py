@@ -274,6 +274,7 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             totals["independent_time"] += time.perf_counter() - t1
             totals["independent_decoded"] += int(info_ind["decoded_tokens"])
         totals["tree_time"] += t_rollout
+        # per rollout call (dynamic-sampling refills make several), to compare with one independent call
         totals["tree_decoded"] += int(info["decoded_tokens"]) // n_rollouts
 
         t2 = time.perf_counter()

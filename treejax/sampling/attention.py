@@ -146,7 +146,3 @@ def make_decode_attention(name: str = "auto", block_size: int = 256):
         return functools.partial(pallas_decode_attention, block_size=min(block_size, 128))
     return dense_decode_attention
 
-
-def make_ragged_attention(block_size: int = 256):
-    """``attention_fn`` for ``decode_step`` with a fixed block size."""
-    return functools.partial(ragged_decode_attention, block_size=block_size)

@@ -39,6 +39,8 @@ from treejax.sampling import decode, tree
 from treejax.sampling.strategies import Temperature
 
 PEAK_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12}
+PROFILE = None  # --profile: folder for perfetto traces of one timed decode run
+FUSE = None  # --no-fuse sets False (None: the sampler's default, fused on one device)
 
 
 def device_bandwidth() -> tuple[str, float | None, str]:
@@ -73,7 +75,8 @@ def weight_bytes(cfg) -> int:
 
 
 def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, attention: str):
-    fns = decode.make_model_fns(cfg, attention=attention, block_size=block, cache_dtype="bfloat16")
+    fns = decode.make_model_fns(cfg, attention=attention, block_size=block, cache_dtype="bfloat16",
+                                fuse=None if FUSE else False)
     L = decode.attention_lib.round_cache_length(context + steps, fns.cache_multiple)
     strategy = Temperature(1.0)
 
@@ -85,13 +88,14 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
     @functools.partial(jax.jit, donate_argnums=(1,))
     def run(params, cache, key):
         rows_r = jnp.arange(rows, dtype=jnp.int32)
+        params = fns.prepare(params)  # as the sampler does: unstack (and fuse) the layers once, outside the loop
 
         def body(i, carry):
             cache, tok, acc = carry
             pos = jnp.full((rows,), context - steps, jnp.int32) + i
             keys = decode.token_keys(key, rows_r, jnp.zeros_like(rows_r), pos)
             tok, lp, _, _, cache = decode.decode_token(fns, strategy, params, cache, tok, pos,
-                                                       jnp.ones((rows,), bool), keys)
+                                                       jnp.ones((rows,), bool), keys, with_entropy=False)
             return cache, tok, acc + jnp.sum(lp)
 
         cache, tok, acc = jax.lax.fori_loop(0, steps, body, (cache, jnp.ones((rows,), jnp.int32), 0.0))
@@ -105,6 +109,9 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
         cache, *_ = jax.block_until_ready(run(params, cache, jax.random.key(2 + r)))
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
+    if PROFILE:
+        with jax.profiler.trace(f"{PROFILE}/decode_{cfg.num_layers}L_{rows}rows", create_perfetto_trace=True):
+            cache, *_ = jax.block_until_ready(run(params, cache, jax.random.key(9)))
     kv_read = 2 * cfg.num_layers * rows * context * cfg.num_kv_heads * cfg.head_dim * 2
     logits = rows * cfg.vocab_size * 4
     step_bytes = weight_bytes(cfg) + kv_read + logits
@@ -175,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=256, help="ragged attention KV block")
     ap.add_argument("--random-weights", action="store_true", default=True,
                     help="random weights (the only mode: speed does not depend on the values)")
+    ap.add_argument("--no-fuse", action="store_true", help="decode with unfused q/k/v and gate/up projections")
+    ap.add_argument("--profile", default=None, help="folder for a perfetto trace of one decode run per row")
     ap.add_argument("--no-tree", action="store_true", help="skip tree vs independent sampling")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode table")
     ap.add_argument("--tree-prompts", type=int, default=4)
@@ -187,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--hf-only", action="store_true",
                     help="only the transformers baseline (run it in its own process so JAX holds no GPU memory)")
     args = ap.parse_args(argv)
+    global PROFILE, FUSE
+    PROFILE, FUSE = args.profile, not args.no_fuse
 
     kind, bw, bw_src = device_bandwidth()
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")

@@ -33,7 +33,9 @@ from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
 
 ATTENTION = "auto"  # set by --attention
-REMAT = True  # set by --no-remat
+REMAT = "full"  # set by --remat / --no-remat
+CHUNK = 16384  # set by --logprob-chunk
+PROFILE = None  # set by --profile
 PEAK_FLOPS = {"h100": 989e12, "h200": 989e12}
 
 
@@ -78,7 +80,7 @@ def bench_update(preset: str, rows: int, seq: int, micro: int, repeats: int = 3)
     state = jax.jit(lambda p: TrainState.create(p, optimizer, jax.random.key(1)))(params)
     del params
     update = jax.jit(make_update_fn(cfg, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
-                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=16384,
+                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=CHUNK,
                                     attention_impl=ATTENTION),
                      donate_argnames=("state",))
     batch = make_batch(cfg, rows, seq, jax.random.key(2))
@@ -90,6 +92,10 @@ def bench_update(preset: str, rows: int, seq: int, micro: int, repeats: int = 3)
         state, m = update(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
+    if PROFILE:
+        with jax.profiler.trace(f"{PROFILE}/{preset}", create_perfetto_trace=True):
+            state, m = update(state, batch)
+            jax.block_until_ready(m)
     return float(np.median(times)), step_flops(cfg, rows, seq), cfg
 
 
@@ -107,7 +113,7 @@ def bench_rl_step(preset: str, prompts: int, W: int, D: int, S: int, micro: int)
     spec = estimator_spec("treepo")
     estimator = jax.jit(lambda f, r: spec.fn(f, r, spec.default_options()))
     update = jax.jit(make_update_fn(cfg, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
-                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=16384,
+                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=CHUNK,
                                     attention_impl=ATTENTION),
                      donate_argnames=("state",))
     rng = np.random.RandomState(0)
@@ -142,16 +148,22 @@ def main(argv=None):
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--rl-step", action="store_true")
     ap.add_argument("--no-remat", action="store_true", help="keep activations instead of per-layer remat")
+    ap.add_argument("--remat", default="full", choices=["none", "full", "dots"],
+                    help="per-layer remat policy (transformer.forward); --no-remat = none")
+    ap.add_argument("--logprob-chunk", type=int, default=16384, help="vocabulary chunk of the log-prob head")
+    ap.add_argument("--profile", default=None, help="write a perfetto trace of one update step to this folder")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
                     help="training attention (auto: cudnn on GPU)")
     ap.add_argument("--rl-prompts", type=int, default=16)
     args = ap.parse_args(argv)
-    global ATTENTION, REMAT
+    global ATTENTION, REMAT, CHUNK, PROFILE
     ATTENTION = args.attention
-    REMAT = not args.no_remat
+    REMAT = "none" if args.no_remat else args.remat
+    CHUNK = args.logprob_chunk
+    PROFILE = args.profile
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; "
-          f"training attention {args.attention}; remat {not args.no_remat}")
+          f"training attention {args.attention}; remat {REMAT}; log-prob chunk {CHUNK}")
     print(f"\n{'preset':<14}{'rows':>6}{'seq':>7}{'micro':>7}{'step s':>9}{'TFLOP/s':>10}{'MFU':>8}")
     for preset in args.preset:
         dt, flops, _ = bench_update(preset, args.rows, args.seq, args.micro)

@@ -70,7 +70,8 @@ def test_greedy_matches_transformers_generate(preset):
         ref = model.generate(torch.tensor(left), attention_mask=torch.tensor(mask), max_new_tokens=64,
                              do_sample=False, pad_token_id=0, eos_token_id=None).numpy()[:, 12:]
     right, lens = decode.left_to_right_padded(left, mask)
-    fns = decode.make_model_fns(cfg, block_size=32, cache_dtype="float32")
+    # Qwen2 (q/k/v biases) and Qwen3 (q/k norms) decode through the fused projections, Llama through the plain ones.
+    fns = decode.make_model_fns(cfg, block_size=32, cache_dtype="float32", fuse=preset != "smollm2-135m")
     out = decode.generate(params, fns, right, lens, jax.random.key(0), 64, S.Greedy(), stop_ids=())
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     assert np.all(np.asarray(out.finish_reason) == int(decode.FinishReason.LENGTH))
@@ -94,10 +95,10 @@ def _full_forward_logprobs(params, cfg, prompt, new_tokens):
     return np.asarray(lp[np.arange(len(new_tokens)), new_tokens]), z
 
 
-@pytest.mark.parametrize("attention", ["ragged", "dense"])
-def test_logprobs_equal_full_forward(attention):
+@pytest.mark.parametrize("attention,fuse", [("ragged", True), ("dense", False)])
+def test_logprobs_equal_full_forward(attention, fuse):
     cfg, params = _tiny(true_vocab_size=200)
-    fns = decode.make_model_fns(cfg, attention=attention, block_size=16, cache_dtype="float32")
+    fns = decode.make_model_fns(cfg, attention=attention, block_size=16, cache_dtype="float32", fuse=fuse)
     rng = np.random.RandomState(0)
     lengths = np.array([9, 4, 6])
     prompts = rng.randint(3, 200, (3, 9))
@@ -162,6 +163,49 @@ def test_strategies_against_numpy():
         S.get_strategy("beam")
 
 
+@pytest.mark.parametrize("V,block", [(50, 128), (1000, 128), (1003, 16)])
+def test_inverse_cdf_sample_frequencies(V, block):
+    """The one-uniform-per-row sampler draws softmax(z) exactly (chi-square-sized tolerance) and never a masked id."""
+    rng = np.random.RandomState(V)
+    z = rng.randn(V).astype(np.float32) * 3
+    z[rng.rand(V) < 0.3] = -np.inf  # masked ids (e.g. padded vocabulary, top-k)
+    z[-1] = -np.inf  # the last block's tail is masked too
+    p = np.exp(_np_log_softmax(z))
+    n = 40000
+    draws = np.asarray(jax.jit(S.inverse_cdf_sample, static_argnames="block")(
+        jax.random.split(jax.random.key(3), n), jnp.broadcast_to(jnp.asarray(z), (n, V)), block=block))
+    assert np.all(np.isfinite(z[draws]))
+    freq = np.bincount(draws, minlength=V) / n
+    # 5 binomial standard deviations, plus 5 draws of slack for ids too rare for the normal approximation
+    bound = 5 * np.sqrt(p * (1 - p) / n) + 5 / n
+    worst = np.argmax(np.abs(freq - p) - bound)
+    assert np.all(np.abs(freq - p) <= bound), f"id {worst}: frequency {freq[worst]:.5f} vs probability {p[worst]:.5f}"
+    # a point mass anywhere (first id, a block edge, the last id) is always drawn
+    for hot in sorted({h for h in (0, block - 1, block, V - 1) if h < V}):
+        zz = np.full((8, V), -np.inf, np.float32)
+        zz[:, hot] = 0.0
+        got = np.asarray(S.inverse_cdf_sample(jax.random.split(jax.random.key(hot), 8), jnp.asarray(zz), block))
+        assert np.all(got == hot)
+
+
+def test_token_statistics_match_log_softmax():
+    rng = np.random.RandomState(0)
+    z = rng.randn(5, 40).astype(np.float32) * 2
+    z[:, 30:] = -np.inf
+    zp = z / 0.7
+    tok = rng.randint(0, 30, 5)
+    pol, samp, ent = S.token_statistics(jnp.asarray(z), jnp.asarray(zp), jnp.asarray(tok), greedy=False)
+    lp = _np_log_softmax(z)
+    np.testing.assert_allclose(np.asarray(pol), lp[np.arange(5), tok], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(samp), _np_log_softmax(zp)[np.arange(5), tok], atol=1e-5)
+    pr = np.exp(lp)
+    np.testing.assert_allclose(np.asarray(ent), -np.sum(np.where(pr > 0, pr * lp, 0), -1), atol=1e-5)
+    zj = jnp.asarray(z)
+    pol2, samp2, ent2 = S.token_statistics(zj, zj, jnp.asarray(tok), greedy=False, with_entropy=False)
+    np.testing.assert_array_equal(np.asarray(samp2), np.asarray(pol2))
+    assert not np.any(np.asarray(ent2))
+
+
 def test_ragged_attention_matches_dense():
     rng = np.random.RandomState(0)
     B, L, Q, K, H = 5, 64, 4, 2, 8
@@ -184,9 +228,12 @@ def test_pallas_attention_matches_dense_interpreted():
     k = jnp.asarray(rng.randn(B, K, L, H), jnp.float32)
     v = jnp.asarray(rng.randn(B, K, L, H), jnp.float32)
     pos = jnp.asarray([0, 100, 255])
-    got = attn.pallas_decode_attention(q, k, v, pos, block_size=16, interpret=True)
     ref = attn.dense_decode_attention(q, k, v, pos)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
+    for splits in (None, 1, 3):  # default (many splits for 3 rows), one split, a non-power-of-two request
+        got = attn.pallas_decode_attention(q, k, v, pos, block_size=16, k_splits=splits, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
+    assert attn._pallas_tiling(2304, 128, 16) == (9, 128)  # 18 blocks: 9 splits, not the power-of-two 2
+    assert attn._pallas_tiling(2304, 128, 1) == (1, 128)
 
 
 def test_no_recompile_within_bucket_and_bad_input():

@@ -72,7 +72,7 @@ class RunConfig:
     micro_batches: int = 1
     nonfinite: str = "skip"
     attention_impl: str = "auto"  # training attention: cudnn flash on GPU (bf16), XLA elsewhere
-    remat: bool = False  # per-layer rematerialisation in the update's forward
+    remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
     eval_size: int = 32
     eval_max_new_tokens: int = 128
     compare_independent: bool = True

@@ -59,7 +59,7 @@ def sequence_logprobs(
     *,
     chunk_size: int = 8192,
     with_entropy: bool = False,
-    remat: bool = False,
+    remat: bool | str = False,
     attention_impl: str = "xla",
 ):
     """``logp[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` aligned with ``tokens`` (``logp[:, 0] = 0``).
@@ -143,7 +143,7 @@ def make_update_fn(
     num_micro_batches: int = 1,
     nonfinite: str = "skip",
     logprob_chunk_size: int = 8192,
-    remat: bool = False,
+    remat: bool | str = False,
     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
     attention_impl: str = "xla",
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:

@@ -88,17 +88,22 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
 
 def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                            block_size: int = 128, k_splits: int = 16, interpret: bool = False) -> jax.Array:
+                            block_size: int = 128, k_splits: int | None = None, interpret: bool = False,
+                            target_programs: int = 512) -> jax.Array:
     """GPU decode attention through JAX's Pallas (Triton) split-K kernel, per-row length ``positions + 1``.
 
     The kernel takes ``[B, L, K, H]`` and swaps to heads-major internally; passing our ``[B, K, L, H]`` buffers
-    swapped makes the two transposes cancel, so no copy of the cache is made. Needs ``L % k_splits == 0`` and
-    ``L / k_splits`` a multiple of ``min(block_size, L / k_splits) >= 16``.
+    swapped makes the two transposes cancel, so no copy of the cache is made. The grid is rows x KV heads x
+    splits; ``k_splits`` (default: ``ceil(target_programs / (B K))``, at most 16) splits each row's slots only
+    when rows are too few to fill the GPU: measured on an H200 (qwen2.5-0.5b cache, 2048 live slots), one split
+    ran 256 rows in 75-77 us vs 82 us with 9 splits, and 1024 rows in 255-263 us vs 273 us.
     """
     from jax.experimental.pallas.ops.gpu import decode_attention as pallas_ops
 
     _check(q, k_cache)
-    L = k_cache.shape[2]
+    B, K, L = k_cache.shape[:3]
+    if k_splits is None:
+        k_splits = min(16, max(1, -(-target_programs // (B * K))))
     splits, block = _pallas_tiling(L, block_size, k_splits)
     live = positions < L
     lengths = jnp.where(live, positions + 1, 1)
@@ -108,16 +113,27 @@ def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
 
 def _pallas_tiling(L: int, block_size: int, k_splits: int) -> tuple[int, int]:
-    """Largest ``(splits, block)`` with ``L % (splits * block) == 0``, block a power of two in [16, block_size]."""
+    """``(splits, block)`` with ``L == splits * block * n``: block a power of two in [16, block_size], splits any
+    divisor of ``L / block`` up to ``k_splits``.
+
+    The first (largest) block that allows at least ``k_splits / 2`` splits wins, else the most splits: few splits
+    leave the GPU idle when rows are few (e.g. the sampler's 2304-slot caches = 18 blocks of 128 -> 9 splits; a
+    power-of-two-only rule gave 2).
+    """
     block = 1 << (max(16, min(block_size, L)).bit_length() - 1)
+    best = None
     while block >= 16:
-        splits = k_splits
-        while splits >= 1:
-            if L % (splits * block) == 0:
+        if L % block == 0:
+            n = L // block
+            splits = max(d for d in range(1, min(k_splits, n) + 1) if n % d == 0)
+            if 2 * splits >= k_splits:
                 return splits, block
-            splits //= 2
+            if best is None or splits > best[0]:
+                best = (splits, block)
         block //= 2
-    raise ValueError(f"cache length {L} must be a multiple of 16 for the Pallas decode kernel")
+    if best is None:
+        raise ValueError(f"cache length {L} must be a multiple of 16 for the Pallas decode kernel")
+    return best
 
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:

@@ -77,13 +77,18 @@ class ModelFns:
 
 @functools.lru_cache(maxsize=64)
 def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int = 256,
-                   cache_dtype: str = "bfloat16") -> ModelFns:
+                   cache_dtype: str = "bfloat16", fuse: bool | None = None) -> ModelFns:
     """:class:`ModelFns` of the treejax transformer.
 
     ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
     blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"dense"``
     (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU, ragged elsewhere).
+    ``fuse``: decode with fused q|k|v and gate|up projections (:func:`treejax.models.transformer.
+    fuse_projections`); ``None`` = fuse on a single device only (on a mesh the concatenation would cross a
+    tensor-sharded heads axis).
     """
+    if fuse is None:
+        fuse = jax.device_count() == 1
     attention = attention_lib.resolve_impl(attention)
     dtype = jnp.dtype(cache_dtype)
     attn_fn = attention_lib.make_decode_attention(attention, block_size)
@@ -100,7 +105,8 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
 
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
                     cache_multiple=block_size if attention != "dense" else 1,
-                    name=f"transformer[{attention}]", prepare=transformer.unstack_layers)
+                    name=f"transformer[{attention}]",
+                    prepare=transformer.fuse_projections if fuse else transformer.unstack_layers)
 
 
 def as_model_fns(model: ModelConfig | ModelFns) -> ModelFns:
@@ -174,18 +180,19 @@ def prefill_prompts(model: ModelFns, params, cache, prompts_PxLb: jax.Array, len
     return cache, pending.astype(jnp.int32), (lengths_P - 1).astype(jnp.int32)
 
 
-def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, position_R, live_R, keys_R):
+def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, position_R, live_R, keys_R,
+                 with_entropy: bool = True):
     """One decode step for all rows: feed the pending tokens, sample the next ones.
 
     Dead rows (``~live_R``) are fed position ``L`` (writes dropped). Returns ``(token, policy_logprob,
-    sampling_logprob, entropy, cache)``, each ``[R]``."""
+    sampling_logprob, entropy, cache)``, each ``[R]`` (entropy zeros unless ``with_entropy``)."""
     L = jax.tree.leaves(cache)[0].shape[2]
     pos = jnp.where(live_R, position_R, L)
     logits, cache = model.step(params, pending_R, pos, cache)
     logits = mask_vocab(logits.astype(jnp.float32), model.sampling_vocab_size)
     processed = strategy.process(logits)
     token = strategy.sample(keys_R, logits)
-    policy, sampling, entropy = token_statistics(logits, processed, token, strategy.greedy)
+    policy, sampling, entropy = token_statistics(logits, processed, token, strategy.greedy, with_entropy)
     return token, policy, sampling, entropy, cache
 
 
@@ -242,7 +249,7 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
         live = ~s["done"]
         keys = token_keys(key, rows, epochs, jnp.full((B,), t, jnp.int32))
         tok, lp, slp, ent, cache = decode_token(model, strategy, params, s["cache"], s["pending"], s["position"],
-                                                live, keys)
+                                                live, keys, with_entropy)
         tok = jnp.where(live, tok, 0)
         stopped = live & stop_mask(tok, stop_ids)
         at_len = live & ~stopped & (t + 1 >= N)

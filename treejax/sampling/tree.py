@@ -280,7 +280,8 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
                 active = c["active"]
                 keys = decode.token_keys(key, row_ids, epochs, c["rlen"])
                 tok, lp, slp, ent, cache = decode.decode_token(model, tc.strategy, params, c["cache"],
-                                                               c["pending"], c["position"], active, keys)
+                                                               c["pending"], c["position"], active, keys,
+                                                               tc.with_entropy)
                 col = jnp.where(active, c["rlen"], T)
                 stopped = active & decode.stop_mask(tok, stop_ids)
                 rlen = c["rlen"] + active.astype(i32)

@@ -85,7 +85,7 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
         c = fns.init_cache(rows, L)
         return jax.tree.map(lambda x: 0.5 * jax.random.normal(key, x.shape, x.dtype), c)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
     def run(params, cache, key):
         rows_r = jnp.arange(rows, dtype=jnp.int32)
         params = fns.prepare(params)  # as the sampler does: unstack (and fuse) the layers once, outside the loop

@@ -12,7 +12,7 @@ MFU = FLOPs / time / peak dense bf16 FLOP/s (H100/H200 SXM: 989e12). Remat recom
 RL-step split (``--rl-step``): prompts -> TreePO tree rollout -> rewards (a synthetic per-token reward, no
 verifier) -> TreePO advantages -> batch -> one update, each stage timed after a warm-up call.
 
-  python experiments/bench_update.py --preset qwen2.5-0.5b qwen2.5-1.5b --rows 64 --seq 2048 --micro 8 --rl-step
+  python experiments/bench_update.py --preset qwen2.5-0.5b qwen2.5-1.5b --rows 64 --seq 2048 --micro 4 --remat dots --rl-step
 """
 
 from __future__ import annotations

@@ -503,7 +503,8 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     if stop_ids is None:
         stop_ids = tuple(model.eos_token_ids) if isinstance(model, ModelConfig) else ()
     stop_ids = tuple(int(x) for x in stop_ids)
-    core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids))
+    core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids),
+                   compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
 
     def rollout(params, prompt_tokens, prompt_lengths, key, step=0):
         tokens, lens = decode.validate_prompts(prompt_tokens, prompt_lengths)

@@ -57,7 +57,7 @@ def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):
     params = [
         f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{log_dir}'", "RunConfig.num_steps = 2",
         "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
-        "TreeConfig.segment_length = 4", "RunConfig.eval_size = 4", "RunConfig.eval_max_new_tokens = 8",
+        "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
         "RunConfig.checkpoint_every = 1",
     ]
     summary = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
@@ -76,7 +76,9 @@ def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):
     resumed = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
                          + sum((["--gin_param", p] for p in params[:2] + ["RunConfig.num_steps = 3"] + params[3:]),
                                []))
-    assert len(resumed["history"]) == 1
+    # the history is kept across the resume and the run appends to it; "before" stays the original evaluation
+    assert [row["step"] for row in resumed["history"]] == [1, 2, 3]
+    assert resumed["eval_before"] == summary["eval_before"]
 
 
 def _export_bytes(summary):
@@ -94,8 +96,8 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tiny_checkpoint, tmp_path
     def params_for(log_dir):
         return [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{log_dir}'",
                 "RunConfig.num_steps = 2", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-                "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4", "RunConfig.eval_size = 2",
-                "RunConfig.eval_max_new_tokens = 4", "RunConfig.compare_independent = False",
+                "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2",
+                "EvalConfig.max_new_tokens = 4", 
                 "OptimizerConfig.learning_rate = 1e-3",
                 # an entropy bonus gives gradients that depend on the sampled rollouts even when every reward
                 # is equal (a tiny random model solves nothing): resume must reproduce data order and keys
@@ -121,8 +123,8 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tiny_checkpoint, tmp_path
     assert interrupted["preempted_at"] == 1
     monkeypatch.setattr(viz, "draw_tree", original)
     resumed = main(str(tmp_path / "resumed"))
-    assert len(resumed["history"]) == 1
-    assert resumed["history"][0] == {**straight["history"][1], **{k: v for k, v in resumed["history"][0].items()
+    assert len(resumed["history"]) == 2
+    assert resumed["history"][1] == {**straight["history"][1], **{k: v for k, v in resumed["history"][1].items()
                                                                    if k.startswith("time/") or k.endswith("per_s")}}
     assert _export_bytes(resumed) == _export_bytes(straight)
 
@@ -133,8 +135,8 @@ def test_dynamic_sampling_masks_degenerate_prompts(tiny_checkpoint, tmp_path):
     log_dir = str(tmp_path / "ds")
     params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{log_dir}'", "RunConfig.num_steps = 1",
               "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
-              "TreeConfig.segment_length = 4", "RunConfig.eval_size = 2", "RunConfig.eval_max_new_tokens = 4",
-              "RunConfig.compare_independent = False", "RunConfig.dynamic_sampling = True",
+              "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 4",
+              "RunConfig.dynamic_sampling = True",
               "RunConfig.max_refills = 1", "RunConfig.export_hf = False"]
     summary = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
                          + sum((["--gin_param", p] for p in params), []))

@@ -98,11 +98,11 @@ class MetricsWriter:
         self.print_fn = print_fn
         self._t0 = time.time()
 
-    def write_scalars(self, step: int, metrics: dict[str, Any]) -> None:
+    def write_scalars(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
         scalars = to_host_scalars(metrics)
         for k, v in scalars.items():
             self._writer.add_scalar(k, v, global_step=step)
-        if self.console_every and step % self.console_every == 0:
+        if console and self.console_every and step % self.console_every == 0:
             line = format_console(step, scalars, self.console_keys, self.total_steps)
             self.print_fn(f"{line} | elapsed {time.time() - self._t0:.1f}s")
 

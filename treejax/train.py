@@ -29,7 +29,9 @@ def register_configurables() -> dict[str, type]:
     """Registers treejax's configuration dataclasses with gin (once); returns ``{name: class}``."""
     global _REGISTERED
     from treejax.parallel.mesh import MeshConfig
+    from treejax.precision import Precision
     from treejax.rl.advantages import registry as adv_registry
+    from treejax.rl.evaluation import EvalConfig
     from treejax.rl.loop import RunConfig
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig
@@ -37,7 +39,8 @@ def register_configurables() -> dict[str, type]:
     from treejax.sampling.tree import TreeConfig
 
     classes = {"RunConfig": RunConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
-               "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Greedy": strategies.Greedy,
+               "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Precision": Precision,
+               "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,
                "Temperature": strategies.Temperature, "TopK": strategies.TopK, "TopP": strategies.TopP,
                "MinP": strategies.MinP}
     for name in adv_registry.list_estimators():

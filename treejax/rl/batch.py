@@ -33,11 +33,15 @@ def response_to_sequence(x_PxWxT: jax.Array, prompt_lengths_P: jax.Array, seq_le
 
 def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, forest: Forest,
                     advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None,
-                    pad_id: int = 0) -> dict[str, jax.Array]:
+                    pad_id: int = 0, eps_scale_PxW: jax.Array | None = None) -> dict[str, jax.Array]:
     """The update batch (``treejax.rl.update`` layout) for all ``P * W`` leaves of ``forest``.
 
-    ``old_logp`` is the sampler's log-prob under the policy at temperature 1 (the rollout's params are the
-    update's starting params, so this is pi_old exactly). ``loss_mask`` defaults to the forest's.
+    ``old_logp`` and ``sampler_logp`` both hold the sampler's log-probs of the policy at temperature 1. They are
+    NOT the trainer's log pi_old: the sampler runs other kernels, a bf16 KV cache and bf16 weights on
+    accelerators (on SmolLM2 the two differ by up to ~0.03 nats). ``treejax.rl.step`` replaces ``old_logp`` by
+    the trainer's own forward (default) and keeps ``sampler_logp`` for truncated importance sampling; a caller
+    that trains on this batch directly uses the sampler's values as pi_old. ``loss_mask`` defaults to the
+    forest's; ``eps_scale_PxW`` (optional) becomes the per-sequence clip-range multiplier ``eps_scale``.
     """
     P, Lp = prompt_tokens_PxLp.shape
     W, T = forest.num_leaves, forest.max_response_length
@@ -54,11 +58,16 @@ def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, 
     tokens = jnp.where(real, tokens, pad_id).astype(jnp.int32)
     mask = forest.loss_mask if loss_mask_PxWxT is None else loss_mask_PxWxT
     valid = forest.segment_index >= 0
-    return {
+    sampler_logp = response_to_sequence(forest.logprobs, lens, L)
+    out = {
         "tokens": tokens,
         "positions": jnp.broadcast_to(j, tokens.shape).astype(jnp.int32),
         "segment_ids": real.astype(jnp.int32),
         "loss_mask": response_to_sequence(jnp.where(valid, mask, 0.0).astype(jnp.float32), lens, L),
-        "old_logp": response_to_sequence(forest.logprobs, lens, L),
+        "old_logp": sampler_logp,
+        "sampler_logp": sampler_logp,
         "advantages": response_to_sequence(advantages_PxWxT.astype(jnp.float32), lens, L),
     }
+    if eps_scale_PxW is not None:
+        out["eps_scale"] = eps_scale_PxW.reshape(P * W).astype(jnp.float32)
+    return out

@@ -1,19 +1,28 @@
-"""The RL loop: prompts -> tree rollout -> rewards -> (dynamic sampling) -> advantages -> PPO updates.
+"""The RL loop: setup -> step loop -> finish, around :func:`treejax.rl.step.rl_step`.
 
-One iteration (TreePO's recipe, DAPO details; every stage is a pure function of explicit inputs):
+One step (TreePO's recipe, DAPO details; every stage is a pure function of explicit inputs):
 
 1. ``P`` prompts from the grain pipeline, rendered with the tokenizer's chat template and tokenized;
-2. ``rollout(params, prompts, lengths, fold_in(key, step))`` decodes the segment tree (or ``W`` independent
-   samples) as one jitted program and returns the :class:`~treejax.forest.Forest`;
-3. each leaf's text is scored by the task's verifier -> reward (±1 or {0, 1}), plus DAPO's overlong penalty;
-4. dynamic sampling (optional): prompts whose ``W`` rewards are all equal are dropped and up to
-   ``max_refills`` extra rollout batches refill the ``P`` slots (unfilled slots train on nothing);
-5. the registered advantage estimator maps (forest, rewards) to per-token advantages;
-6. ``epochs`` passes over ``mini_batches`` shuffled mini-batches, each one optax step (gradient accumulation over
-   ``micro_batches``), with ``old_logp`` = the sampler's log-probs under the policy at temperature 1.
+2. the sampler reads a copy of the weights in the policy's sampler dtype (bf16 on GPU/TPU), cast once per step,
+   and decodes the segment tree (or ``W`` independent samples) as one jitted program -> a ``Forest``;
+3. each leaf's text is scored by the task's verifier -> reward (±1 or {0, 1}) plus DAPO's overlong penalty;
+   rollout accuracy is the share of leaves whose verifier score is 1 (not the shaped reward's sign);
+4. dynamic sampling (optional): prompts whose ``W`` rewards are all equal are dropped and up to ``max_refills``
+   extra rollout batches refill the ``P`` slots (unfilled slots train on nothing);
+5. the estimator's declared inputs (ReMax: one greedy rollout per prompt, scored by the verifier), then its
+   per-token advantages;
+6. old log-probs from the trainer's forward under the pre-update weights (``old_logp='trainer'``), reference
+   log-probs from the frozen initial weights when ``LossConfig.kl_coef > 0``; the sampler's log-probs feed TIS;
+7. ``epochs`` passes over ``mini_batches`` shuffled mini-batches, each one optax step (gradient accumulation over
+   ``micro_batches``).
 
-The loop is host-side Python around jitted pieces; nothing recompiles between steps (fixed ``P``, ``W``, ``T``
-and bucketed prompt lengths).
+Held-out evaluation (greedy accuracy, and pass@k / maj@k from k samples when ``EvalConfig.k > 0``) runs before
+training, every ``eval_every`` steps and at the end; TensorBoard gets it against the step (``eval/...``) and
+against wall-clock seconds since the start (``eval_wallclock/...``). Metrics of step N are read after step N+1
+was dispatched (:class:`treejax.metrics.DeferredMetrics`).
+
+Precision: :class:`treejax.precision.Precision` (``RunConfig.precision``) — fp32 master weights and optimizer
+state; bf16 compute, sampler weights and KV cache on GPU/TPU; fp32 with full-precision matmuls on CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +42,15 @@ import numpy as np
 from treejax.forest import Forest
 from treejax.parallel.mesh import (MeshConfig, batch_sharding, jit_update, logical_to_sharding, make_mesh,
                                    train_state_shardings)
+from treejax.precision import Precision, warn_if_updates_round_away
 from treejax.rl import rewards as rewards_lib
-from treejax.rl.advantages import estimator_spec
-from treejax.rl.batch import forest_to_batch
+from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from treejax.rl.step import Rollouts, StepConfig, initial_reference, make_step_fns, rl_step
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
+from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
 
 log = logging.getLogger(__name__)
@@ -47,17 +58,28 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything one training run needs (the gin-facing surface; see ``configs/*.gin``)."""
+    """Everything one training run needs (the gin-facing surface; see ``configs/*.gin``).
+
+    The defaults are the quickstart (``configs/quickstart.gin``): a few TreePO steps of the embedded SmolLM2 on
+    ``chain_sum_2x1``. ``old_logp``: ``"trainer"`` (recompute log pi_old with the trainer's forward, one extra
+    forward per step) or ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1).
+    ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
+    (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
+    ``eval_every``: held-out evaluation every N steps (0: only before and after training).
+    """
 
     model: str = "smollm2-135m-instruct"
-    param_dtype: str = "float32"
+    precision: Precision = Precision()
     task: str = "chain_sum_2x1"
-    task_options: dict = dataclasses.field(default_factory=dict)
+    task_options: dict = dataclasses.field(default_factory=lambda: {
+        "size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
+        "instruction": "Answer with just the number.", "extraction": "last_number"})
     system_prompt: str | None = None  # None: the task's own
     instruction: str | None = None  # None: the task's own
-    prompts_per_step: int = 4
+    prompts_per_step: int = 2
     num_steps: int = 3
-    rollout: TreeConfig = TreeConfig(num_leaves=8, max_depth=4, segment_length=32, branch_factor=2)
+    rollout: TreeConfig = TreeConfig(num_leaves=8, max_depth=3, segment_length=16, branch_factor=2,
+                                     strategy=Temperature(1.0), repetition_ngram=4, repetition_count=4)
     estimator: str = "treepo"
     estimator_options: Any = None  # None: the estimator's defaults
     reward_style: str = "pm1"
@@ -66,16 +88,18 @@ class RunConfig:
     dynamic_sampling: bool = False
     max_refills: int = 0
     loss: LossConfig = LossConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=10.0, aggregation="token-mean")
-    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=1000)
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-5, warmup_steps=0, total_steps=3,
+                                                 weight_decay=0.1, max_grad_norm=1.0)
+    old_logp: str = "trainer"
+    clip_scale_fn: Callable | None = None
     epochs: int = 1
     mini_batches: int = 1
     micro_batches: int = 1
     nonfinite: str = "skip"
     attention_impl: str = "auto"  # training attention: cudnn flash on GPU (bf16), XLA elsewhere
     remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
-    eval_size: int = 32
-    eval_max_new_tokens: int = 128
-    compare_independent: bool = True
+    eval: EvalConfig = EvalConfig(num_problems=32, max_new_tokens=48)
+    eval_every: int = 0
     log_dir: str = "runs/quickstart"
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
@@ -93,6 +117,15 @@ class RunConfig:
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         if self.reward_style not in ("pm1", "01"):
             raise ValueError(f"RunConfig.reward_style must be 'pm1' or '01', got {self.reward_style!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
+        self.step_config()  # validates old_logp, TIS and the estimator's inputs
+
+    def step_config(self, pad_id: int = 0) -> StepConfig:
+        return StepConfig(estimator=self.estimator, estimator_options=self.estimator_options, loss=self.loss,
+                          old_logp=self.old_logp, epochs=self.epochs, mini_batches=self.mini_batches,
+                          micro_batches=self.micro_batches, pad_id=pad_id, attention_impl=self.attention_impl,
+                          clip_scale_fn=self.clip_scale_fn)
 
 
 # ----------------------------------------------------------------------------------------------- prompts
@@ -146,75 +179,154 @@ def shaped_rewards(scores_PxW: np.ndarray, forest: Forest, cfg: RunConfig) -> ja
     return r
 
 
+# ----------------------------------------------------------------------------------------------- rollout source
+class TaskRollouts:
+    """The loop's :class:`~treejax.rl.step.RolloutSource`: prompts from the grain pipeline, the tree sampler,
+    the task's verifier, DAPO's dynamic sampling with refills, and ReMax's greedy baseline."""
+
+    def __init__(self, cfg: RunConfig, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int,
+                 pad_id: int):
+        self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
+        self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
+        self.prompt_width, self.pad_id = prompt_width, pad_id
+
+    def sample(self, params, key, step) -> Rollouts:
+        cfg, P = self.cfg, self.cfg.prompts_per_step
+        kept: list[tuple] = []
+        info: dict[str, Any] = {"time/scoring_s": 0.0}
+        have = 0
+        for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
+            records = next(self.pipeline)
+            records = [dict(zip(records, vals)) for vals in zip(*records.values())]
+            examples, toks = encode_prompts(self.tokenizer, self.task, records, cfg.system_prompt, cfg.instruction)
+            prompts, lens = pad_token_lists(toks, self.prompt_width, self.pad_id)
+            forest, rinfo = self.rollout(params, prompts, lens, jax.random.fold_in(key, attempt), step)
+            for k, v in dict(rinfo, **{f"stops/{k}": v for k, v in rinfo.get("stops", {}).items()}).items():
+                if not isinstance(v, dict) and np.ndim(v) == 0:
+                    info[k] = info.get(k, 0) + int(v)
+            t = time.perf_counter()
+            scores = score_forest(self.tokenizer, self.task, examples, forest)
+            info["time/scoring_s"] += time.perf_counter() - t
+            rewards = np.asarray(shaped_rewards(scores, forest, cfg))
+            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(rewards))) if cfg.dynamic_sampling
+                    else np.ones(P, bool))
+            idx = np.nonzero(keep)[0][: P - have]
+            kept.append((_take_prompts(forest, idx), rewards[idx], scores[idx], [examples[i] for i in idx],
+                         prompts[idx], lens[idx]))
+            have += len(idx)
+            if have >= P:
+                break
+        info["rollout_calls"] = attempt + 1
+        if have < P:
+            # Not enough informative prompts after the refills: fill the remaining slots with the last rollout's
+            # first prompts, masked out of the loss (they carry no gradient and no whitening weight).
+            idx = np.arange(P - have)
+            filler = _take_prompts(forest, idx)
+            kept.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
+                         [examples[i] for i in idx], prompts[idx], lens[idx]))
+            info["filler_prompts"] = int(P - have)
+        forests, rewards, scores, examples, prompts, lens = zip(*kept)
+        return Rollouts(forest=_concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
+                        scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
+                        lengths_P=np.concatenate(lens), info=info, examples=[e for ex in examples for e in ex])
+
+    def greedy_rewards(self, params, ro: Rollouts) -> np.ndarray:
+        """ReMax's baseline: the shaped reward of one greedy completion per prompt (same length budget)."""
+        from treejax.sampling.decode import generate
+        from treejax.sampling.strategies import Greedy
+
+        out = generate(params, self.sampler_fns, ro.prompts_PxLp, ro.lengths_P, jax.random.key(0),
+                       self.cfg.rollout.max_length, Greedy(), stop_ids=self.cfg.rollout.stop_ids)
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        scores = np.array([self.task.score(self.tokenizer.decode(tokens[p, : lengths[p]].tolist(),
+                                                                 skip_special_tokens=True), ex)
+                           for p, ex in enumerate(ro.examples)], np.float32)
+        r = np.asarray(rewards_lib.verifier_reward(jnp.asarray(scores >= 1.0), self.cfg.reward_style))
+        if self.cfg.overlong_buffer > 0:
+            r = r + np.asarray(rewards_lib.overlong_penalty(jnp.asarray(lengths), self.cfg.rollout.max_length,
+                                                            self.cfg.overlong_buffer, self.cfg.overlong_factor))
+        return r
+
+
 def _concat_forests(forests: list[Forest]) -> Forest:
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *forests)
+    return forests[0] if len(forests) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *forests)
 
 
 def _take_prompts(forest: Forest, idx: np.ndarray) -> Forest:
     return jax.tree.map(lambda x: x[jnp.asarray(idx)], forest)
 
 
-# ----------------------------------------------------------------------------------------------- evaluation
-def evaluate(params, model_config, tokenizer, task, examples, prompt_width: int, max_new_tokens: int,
-             batch_size: int = 32, system_prompt=None, instruction=None) -> dict[str, float]:
-    """Greedy accuracy on held-out examples (fixed batch size: the last batch is padded, one compile)."""
-    from treejax.sampling.decode import generate
-    from treejax.sampling.strategies import Greedy
-
-    correct, lengths = [], []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start: start + batch_size]
-        toks = encode_examples(tokenizer, chunk, system_prompt, instruction)
-        toks = toks + [toks[0]] * (batch_size - len(toks))
-        prompts, lens = pad_token_lists(toks, prompt_width, tokenizer.pad_id or 0)
-        out = generate(params, model_config, prompts, lens, jax.random.key(0), max_new_tokens, Greedy(),
-                       stop_ids=tokenizer.eos_ids)
-        out_tokens, out_lens = np.asarray(out.tokens), np.asarray(out.lengths)
-        for i, ex in enumerate(chunk):
-            text = tokenizer.decode(out_tokens[i, : out_lens[i]].tolist(), skip_special_tokens=True)
-            correct.append(task.score(text, ex) >= 1.0)
-            lengths.append(out_lens[i])
-    return {"accuracy": float(np.mean(correct)), "mean_length": float(np.mean(lengths)), "n": len(correct)}
-
-
 # ----------------------------------------------------------------------------------------------- the run
+@dataclasses.dataclass
+class _Run:
+    """What setup builds and the step loop uses (host-side objects; no hidden globals)."""
+
+    cfg: RunConfig
+    precision: Any
+    model_config: Any
+    tokenizer: Any
+    task: Any
+    sampler_fns: Any
+    source: TaskRollouts
+    step_fns: Any
+    state: Any
+    ref_params: Any
+    eval_examples: list
+    prompt_width: int
+    writer: Any
+    checkpointer: Any
+    start_step: int
+    data_state: dict
+    t_start: float
+
+
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     """Runs training as configured and returns the summary (also written to ``log_dir/summary.json``)."""
+    r = _setup(cfg, operative_config)
+    try:
+        with r.precision.matmul_context():
+            preempted_at = _train(r)
+        if preempted_at is not None:
+            return _finish_preempted(r, preempted_at)
+        with r.precision.matmul_context():
+            return _finish(r)
+    except BaseException as e:  # record where the run stopped, then let the error surface unchanged
+        _record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e)
+        raise
+
+
+def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     from treejax import checkpoint as ckpt_lib
     from treejax import metrics as metrics_lib
-    from treejax import viz
     from treejax.data import get_task, make_prompt_pipeline
     from treejax.models import transformer
-    from treejax.models.export import export_hf
     from treejax.models.registry import load_model
+    from treejax.sampling.decode import make_model_fns
     from treejax.sampling.tree import make_tree_rollout
 
     t_start = time.perf_counter()
+    prec = cfg.precision.resolve()
     os.makedirs(cfg.log_dir, exist_ok=True)
     if operative_config is not None:
         with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
             f.write(operative_config)
 
-    model_config, params, tokenizer = load_model(cfg.model, param_dtype=cfg.param_dtype)
     task = get_task(cfg.task, **dict(cfg.task_options))
+    train_records = task.records("train")
+    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
+             prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
+    model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
+                                                 compute_dtype=prec.compute_dtype)
+    warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    stop_ids = tuple(tokenizer.eos_ids)
-    tree_cfg = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or stop_ids)
-    rollout = make_tree_rollout(model_config, tree_cfg)
-    independent = None
-    if cfg.compare_independent:
-        from treejax.sampling.tree import independent_config
-        independent = make_tree_rollout(model_config, independent_config(
-            tree_cfg.num_leaves, tree_cfg.max_length, tree_cfg.segment_length, strategy=tree_cfg.strategy,
-            stop_ids=tree_cfg.stop_ids))
-
-    spec = estimator_spec(cfg.estimator)
-    est_options = cfg.estimator_options if cfg.estimator_options is not None else spec.default_options()
-    estimator = jax.jit(lambda f, r: spec.fn(f, r, est_options))
+    tree_cfg = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
+    cfg = dataclasses.replace(cfg, rollout=tree_cfg)
+    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
+    rollout = make_tree_rollout(sampler_fns, tree_cfg)
 
     # Sharding: params placed by their logical axes; the state is created under jit with explicit out
-    # shardings; the update is jitted with explicit in/out shardings and donates the state. The sampler reads
-    # the same (sharded) params: no host copies between rollout and update.
+    # shardings; the update is jitted with explicit in/out shardings and donates the state.
     mesh = make_mesh(cfg.mesh)
     param_sh = logical_to_sharding(transformer.param_logical_axes(model_config), mesh, shapes=params)
     params = jax.device_put(params, param_sh)
@@ -223,153 +335,159 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     create = lambda p: TrainState.create(p, optimizer, jax.random.fold_in(key, 1))  # noqa: E731
     state_sh = train_state_shardings(jax.eval_shape(create, params), param_sh, optimizer, mesh)
     state = jax.jit(create, out_shardings=state_sh)(params)
+    ref_params = initial_reference(state.params, cfg.loss)
     del params
     update_fn = make_update_fn(model_config, cfg.loss, optimizer, num_micro_batches=cfg.micro_batches,
                                nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer),
                                attention_impl=cfg.attention_impl, remat=cfg.remat)
-    update = None  # jitted with the batch shardings once the first batch's shapes are known
+    jitted = {}
 
-    # Data: the train split streams through grain; the eval split is held out by content hash.
-    train_records = task.records("train")
+    def update(state, mini):  # jitted with the batch shardings once the first mini-batch's shapes are known
+        if "fn" not in jitted:
+            jitted["sh"] = batch_sharding(mesh, mini)
+            jitted["fn"] = jit_update(update_fn, state_sh, jitted["sh"], mesh)
+        return jitted["fn"](state, jax.device_put(mini, jitted["sh"]))
+
+    step_fns = make_step_fns(model_config, cfg.step_config(pad_id), prec, update)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    eval_examples = list(task.examples("eval"))[: cfg.eval_size]
     prompt_width = _prompt_width(tokenizer, task, train_records, eval_examples, cfg)
+    source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 
-    writer = metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps)
+    writer = metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
+                                       console_keys=_CONSOLE_KEYS)
     checkpointer = ckpt_lib.Checkpointer(os.path.join(os.path.abspath(cfg.log_dir), "checkpoints"),
                                          max_to_keep=cfg.keep_checkpoints)
-    start_step = 0
+    data_state: dict = {"rl_step": 0}
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
-        start_step = int(data_state["rl_step"])
-        log.info("resumed from step %d", start_step)
+        log.info("resumed from step %d", int(data_state["rl_step"]))
+    return _Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, step_fns, state, ref_params,
+                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start)
 
-    timings: dict[str, float] = {}
-    eval_before = _timed(timings, "eval_before", lambda: evaluate(
-        state.params, model_config, tokenizer, task, eval_examples, prompt_width, cfg.eval_max_new_tokens,
-        system_prompt=cfg.system_prompt, instruction=cfg.instruction))
-    writer.write_scalars(0, {"eval/accuracy": eval_before["accuracy"]})
 
-    # SIGTERM (preemptible VMs): finish the current step, save, skip the rest, exit cleanly; rerunning the same
-    # command resumes from that checkpoint and reproduces the uninterrupted run.
+_CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "rollout/decoded_tokens", "update/loss", "update/grad_norm",
+                 "mismatch/abs_max", "time/rollout_s", "time/update_s", "eval/accuracy")
+
+
+def _evaluate(r: _Run, step: int) -> dict:
+    """Held-out evaluation with the sampler's weights; logged against the step and the wall clock."""
+    from treejax.rl.evaluation import evaluate
+
+    t = time.perf_counter()
+    out = evaluate(r.step_fns.sampler_params(r.state.params), r.sampler_fns, r.tokenizer, r.task,
+                   r.eval_examples, r.prompt_width, r.cfg.eval, system_prompt=r.cfg.system_prompt,
+                   instruction=r.cfg.instruction)
+    out = dict(out, step=step, wall_s=time.perf_counter() - r.t_start, eval_s=time.perf_counter() - t)
+    scalars = {f"eval/{k}": v for k, v in out.items() if k not in ("n", "step", "wall_s")}
+    r.writer.write_scalars(step, scalars)
+    r.writer.write_scalars(int(out["wall_s"]), {f"eval_wallclock/{k.split('/', 1)[1]}": v
+                                                for k, v in scalars.items()}, console=False)
+    return out
+
+
+def _train(r: _Run) -> int | None:
+    """The step loop; returns the step at which a preemption signal stopped it (``None`` if it ran through)."""
+    from treejax import checkpoint as ckpt_lib
+    from treejax import metrics as metrics_lib
+    from treejax import viz
+
+    cfg = r.cfg
+    key = jax.random.key(cfg.seed)
+    evals = r.data_state.setdefault("evals", [])
+    if not evals:
+        evals.append(_evaluate(r, 0))
     preemption = ckpt_lib.PreemptionHandler()
     if threading.current_thread() is threading.main_thread():
         preemption.install()
+    deferred = metrics_lib.DeferredMetrics()
+    pending_host: dict[int, dict] = {}
+    history = r.data_state.setdefault("history", [])
+
+    def write(ready):
+        for s, values in ready:
+            row = dict(pending_host.pop(s), **values)
+            r.writer.write_scalars(s, row)
+            history.append(dict(row, step=s))
+
     preempted_at = None
-    totals = {"tree_decoded": 0, "independent_decoded": 0, "tree_time": 0.0, "independent_time": 0.0}
-    picture = None
-    history = []
-    for step in range(start_step, cfg.num_steps):
-        step_key = jax.random.fold_in(key, step)
-        t0 = time.perf_counter()
-        forest, info, rewards, examples, prompts, lens, n_rollouts = _collect(
-            cfg, rollout, state.params, tokenizer, task, pipeline, prompt_width, pad_id, step_key, step)
-        jax.block_until_ready(forest.tokens)
-        t_rollout = time.perf_counter() - t0
-        if independent is not None:
-            t1 = time.perf_counter()
-            f_ind, info_ind = independent(state.params, prompts, lens, jax.random.fold_in(step_key, 7))
-            jax.block_until_ready(f_ind.tokens)
-            totals["independent_time"] += time.perf_counter() - t1
-            totals["independent_decoded"] += int(info_ind["decoded_tokens"])
-        totals["tree_time"] += t_rollout
-        # per rollout call (dynamic-sampling refills make several), to compare with one independent call
-        totals["tree_decoded"] += int(info["decoded_tokens"]) // n_rollouts
+    try:
+        for step in range(r.start_step, cfg.num_steps):
+            r.state, ro, device_metrics, host = rl_step(r.step_fns, r.state, r.source, jax.random.fold_in(key, step),
+                                                        step, r.ref_params)
+            pending_host[step + 1] = dict(host, **{"time/step_s": time.perf_counter() - r.t_start})
+            write(deferred.push(step + 1, device_metrics))
+            done = step + 1
+            r.data_state.update(rl_step=done, pipeline=r.source.pipeline.get_state())
+            if cfg.tree_picture_every and done % cfg.tree_picture_every == 0:
+                picture = os.path.join(cfg.log_dir, f"tree_step{done}.png")
+                viz.draw_tree(ro.forest, np.asarray(ro.rewards_PxW), picture, prompt=0,
+                              title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves")
+                r.writer.write_image(done, "rollout/tree", picture)
+                r.data_state["tree_picture"] = os.path.abspath(picture)
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.num_steps:
+                write(deferred.flush())
+                evals.append(_evaluate(r, done))
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                write(deferred.flush())
+                r.checkpointer.save(done, r.state, r.data_state)
+            if preemption.should_stop(done, r.checkpointer):
+                preempted_at = done
+                write(deferred.flush())
+                if r.checkpointer.latest_step() != done:
+                    r.checkpointer.save(done, r.state, r.data_state, force=True)
+                log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume", done)
+                break
+        write(deferred.flush())
+    finally:
+        preemption.uninstall()
+    return preempted_at
 
-        t2 = time.perf_counter()
-        adv = estimator(forest, rewards)
-        batch = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv.tokens, adv.loss_mask, pad_id)
-        rows = batch["tokens"].shape[0]
-        per_mini = rows // cfg.mini_batches
-        update_metrics = []
-        for epoch in range(cfg.epochs):
-            perm = np.asarray(jax.random.permutation(jax.random.fold_in(step_key, 100 + epoch), rows))
-            for m in range(cfg.mini_batches):
-                idx = jnp.asarray(perm[m * per_mini: (m + 1) * per_mini])
-                mini = {k: v[idx] for k, v in batch.items()}
-                if update is None:
-                    mini_sh = batch_sharding(mesh, mini)
-                    update = jit_update(update_fn, state_sh, mini_sh, mesh)
-                state, metrics = update(state, jax.device_put(mini, mini_sh))
-                update_metrics.append(metrics)
-        update_metrics = jax.device_get(update_metrics)
-        t_update = time.perf_counter() - t2
 
-        r = np.asarray(rewards)
-        scores_correct = r > (0.0 if cfg.reward_style == "pm1" else 0.5)
-        row = {
-            "reward/mean": float(r.mean()), "reward/accuracy": float(scores_correct.mean()),
-            "rollout/decoded_tokens": int(info["decoded_tokens"]), "rollout/forks": int(info.get("forks", 0)),
-            "rollout/fallbacks": int(info.get("fallbacks", 0)),
-            **{f"rollout/{k}": v for k, v in info.items() if k.startswith("stops/")},
-            "rollout/mean_leaf_length":
-                float(np.asarray(forest.leaf_length).mean()), "time/rollout_s": t_rollout, "time/update_s": t_update,
-            "rollout/tokens_per_s": int(info["decoded_tokens"]) / max(t_rollout, 1e-9),
-        }
-        for k in ("loss", "grad_norm", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy", "skipped"):
-            vals = [float(np.asarray(mm[k])) for mm in update_metrics if k in mm]
-            if vals:
-                row[f"update/{k}"] = float(np.mean(vals))
-        writer.write_scalars(step + 1, row)
-        history.append(row)
-        if cfg.tree_picture_every and (step + 1) % cfg.tree_picture_every == 0:
-            picture = os.path.join(cfg.log_dir, f"tree_step{step + 1}.png")
-            viz.draw_tree(forest, np.asarray(rewards), picture, prompt=0,
-                          title=f"step {step + 1}: prompt 0, {cfg.rollout.num_leaves} leaves")
-            writer.write_image(step + 1, "rollout/tree", picture)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            checkpointer.save(step + 1, state, {"pipeline": pipeline.get_state(), "rl_step": step + 1})
-        if preemption.should_stop(step + 1, checkpointer):
-            preempted_at = step + 1
-            if checkpointer.latest_step() != step + 1:
-                checkpointer.save(step + 1, state, {"pipeline": pipeline.get_state(), "rl_step": step + 1},
-                                  force=True)
-            log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume",
-                        step + 1)
-            break
-    preemption.uninstall()
-    if preempted_at is not None:
-        checkpointer.wait()
-        checkpointer.close()
-        writer.close()
-        return {"preempted_at": preempted_at, "log_dir": os.path.abspath(cfg.log_dir),
-                "checkpoint_dir": os.path.abspath(checkpointer.directory), "history": history}
+def _finish_preempted(r: _Run, preempted_at: int) -> dict:
+    r.checkpointer.wait()
+    r.checkpointer.close()
+    r.writer.close()
+    return {"preempted_at": preempted_at, "log_dir": os.path.abspath(r.cfg.log_dir),
+            "checkpoint_dir": os.path.abspath(r.checkpointer.directory), "history": r.data_state["history"]}
 
-    if checkpointer.latest_step() != cfg.num_steps:
-        checkpointer.save(cfg.num_steps, state, {"pipeline": pipeline.get_state(), "rl_step": cfg.num_steps},
-                          force=True)
-    checkpointer.wait()
-    eval_after = _timed(timings, "eval_after", lambda: evaluate(
-        state.params, model_config, tokenizer, task, eval_examples, prompt_width, cfg.eval_max_new_tokens,
-        system_prompt=cfg.system_prompt, instruction=cfg.instruction))
-    writer.write_scalars(cfg.num_steps, {"eval/accuracy": eval_after["accuracy"]})
+
+def _finish(r: _Run) -> dict:
+    from treejax.models.export import export_hf
+
+    cfg, evals = r.cfg, r.data_state["evals"]
+    if evals[-1]["step"] != cfg.num_steps:
+        evals.append(_evaluate(r, cfg.num_steps))
+    if r.checkpointer.latest_step() != cfg.num_steps:
+        r.checkpointer.save(cfg.num_steps, r.state, r.data_state, force=True)
+    r.checkpointer.wait()
     export_dir = None
     if cfg.export_hf:
         export_dir = os.path.join(cfg.log_dir, "hf_export")
-        export_hf(jax.device_get(state.params), model_config, export_dir, tokenizer)
-    writer.close()
-    checkpointer.close()
-
+        export_hf(jax.device_get(r.state.params), r.model_config, export_dir, r.tokenizer)
+    r.writer.close()
+    r.checkpointer.close()
+    history = r.data_state["history"]
     summary = {
         "model": cfg.model, "task": cfg.task, "estimator": cfg.estimator, "steps": cfg.num_steps,
-        "eval_before": eval_before, "eval_after": eval_after, "history": history,
-        "tree_decoded_tokens": totals["tree_decoded"], "independent_decoded_tokens": totals["independent_decoded"],
-        "tree_rollout_s": totals["tree_time"], "independent_rollout_s": totals["independent_time"],
-        "timings": timings, "total_s": time.perf_counter() - t_start,
-        "log_dir": os.path.abspath(cfg.log_dir), "checkpoint_dir": os.path.abspath(checkpointer.directory),
-        "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": picture and os.path.abspath(picture),
+        "precision": dataclasses.asdict(r.precision),
+        "eval_before": evals[0], "eval_after": evals[-1], "evals": evals, "history": history,
+        "decoded_tokens": int(sum(h.get("rollout/decoded_tokens", 0) for h in history)),
+        "total_s": time.perf_counter() - r.t_start,
+        "log_dir": os.path.abspath(cfg.log_dir), "checkpoint_dir": os.path.abspath(r.checkpointer.directory),
+        "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
     }
     with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=float)
     return summary
 
 
-def _timed(timings, name, fn):
-    t = time.perf_counter()
-    out = fn()
-    timings[name] = time.perf_counter() - t
-    return out
+def _record_failure(log_dir: str, step: int, exc: BaseException) -> None:
+    try:
+        from treejax.errors import record_failure
+    except ImportError:  # pragma: no cover
+        return
+    record_failure(log_dir, step, exc)
 
 
 def _prompt_width(tokenizer, task, train_records, eval_examples, cfg) -> int:
@@ -381,47 +499,3 @@ def _prompt_width(tokenizer, task, train_records, eval_examples, cfg) -> int:
     etoks = encode_examples(tokenizer, eval_examples, cfg.system_prompt, cfg.instruction)
     longest = max(len(t) for t in toks + etoks)
     return bucket_length(longest + 8)
-
-
-def _collect(cfg, rollout, params, tokenizer, task, pipeline, prompt_width, pad_id, key, step):
-    """Rollout(s) for one step, with DAPO dynamic sampling when enabled; returns exactly ``P`` prompts."""
-    P = cfg.prompts_per_step
-    kept_forests, kept_rewards, kept_examples, kept_prompts, kept_lens = [], [], [], [], []
-    info_total: dict[str, int] = {}
-    n = 0
-    for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
-        records = next(pipeline)
-        records = [dict(zip(records, vals)) for vals in zip(*records.values())]
-        examples, toks = encode_prompts(tokenizer, task, records, cfg.system_prompt, cfg.instruction)
-        prompts, lens = pad_token_lists(toks, prompt_width, pad_id)
-        forest, info = rollout(params, prompts, lens, jax.random.fold_in(key, attempt), step)
-        n += 1
-        counters = dict(info, **{f"stops/{k}": v for k, v in info.get("stops", {}).items()})
-        for k, v in counters.items():
-            if not isinstance(v, dict) and np.ndim(v) == 0:
-                info_total[k] = info_total.get(k, 0) + int(v)
-        rewards = shaped_rewards(score_forest(tokenizer, task, examples, forest), forest, cfg)
-        keep = np.asarray(rewards_lib.dynamic_sampling_keep(rewards)) if cfg.dynamic_sampling else np.ones(P, bool)
-        idx = np.nonzero(keep)[0]
-        kept_forests.append(_take_prompts(forest, idx))
-        kept_rewards.append(np.asarray(rewards)[idx])
-        kept_examples += [examples[i] for i in idx]
-        kept_prompts.append(prompts[idx])
-        kept_lens.append(lens[idx])
-        if sum(len(x) for x in kept_lens) >= P:
-            break
-    have = sum(len(x) for x in kept_lens)
-    if have < P:
-        # Not enough informative prompts after the refills: fill the remaining slots with the last rollout's
-        # first prompts, masked out of the loss (they carry no gradient and no whitening weight).
-        idx = np.arange(P - have)
-        filler = _take_prompts(forest, idx)
-        kept_forests.append(filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)))
-        kept_rewards.append(np.asarray(rewards)[idx])
-        kept_examples += [examples[i] for i in idx]
-        kept_prompts.append(prompts[idx])
-        kept_lens.append(lens[idx])
-    forest = _take_prompts(_concat_forests(kept_forests), np.arange(P))
-    rewards = np.concatenate(kept_rewards)[:P]
-    prompts, lens = np.concatenate(kept_prompts)[:P], np.concatenate(kept_lens)[:P]
-    return forest, info_total, jnp.asarray(rewards), kept_examples[:P], prompts, lens, n

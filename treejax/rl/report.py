@@ -15,15 +15,12 @@ def format_summary(s: dict) -> str:
     ]
     if s["history"]:
         last = s["history"][-1]
-        lines.append(f"  last step: reward {last['reward/mean']:+.3f}, rollout accuracy {last['reward/accuracy']:.1%}"
-                     f", rollout {last['time/rollout_s']:.1f} s, update {last['time/update_s']:.1f} s")
-    tree, ind = s["tree_decoded_tokens"], s["independent_decoded_tokens"]
-    if ind:
-        lines.append(f"  decoded tokens: tree {tree} vs independent sampling {ind} "
-                     f"({1 - tree / ind:+.1%} saved); rollout time {s['tree_rollout_s']:.1f} s vs "
-                     f"{s['independent_rollout_s']:.1f} s")
-    else:
-        lines.append(f"  decoded tokens (tree): {tree}")
+        acc = f", rollout accuracy {last['reward/accuracy']:.1%}" if "reward/accuracy" in last else ""
+        lines.append(f"  last step: reward {last['reward/mean']:+.3f}{acc}, rollout {last['time/rollout_s']:.1f} s, "
+                     f"scoring {last['time/scoring_s']:.1f} s, old log-probs {last['time/logp_s']:.1f} s, "
+                     f"update {last['time/update_s']:.1f} s")
+    lines.append(f"  decoded tokens: {s['decoded_tokens']} in {s['steps']} steps; precision: "
+                 f"{s['precision']['param_dtype']} master, {s['precision']['compute_dtype']} compute")
     lines += [
         f"  TensorBoard logs: {s['log_dir']}",
         f"  checkpoint:       {s['checkpoint_dir']}",

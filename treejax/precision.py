@@ -1,0 +1,140 @@
+"""The precision policy: one object decides every dtype of a run, so kernels never see mixed inputs by accident.
+
+Roles (mixed-precision training as in Micikevicius et al. 2018; MaxText's ``weight_dtype`` / ``dtype``)::
+
+    param_dtype       master weights and optimizer state (fp32: updates of size lr * O(1) must not round away)
+    compute_dtype     activations and matmul inputs of the update's forward/backward and of the sampler
+    sampler_dtype     the weight copy the sampler reads, cast ONCE per RL step (not per token)
+    cache_dtype       the sampler's KV cache (equal to the compute dtype by default: the decode attention then
+                      sees queries and keys of one dtype)
+    matmul_precision  how float32 matmuls run: "highest" = full fp32 products; "tensorfloat32" = TF32 (GPU) /
+                      bf16x3 passes (TPU); "default" = the backend's default (TF32 on Ampere+/Hopper GPUs)
+
+``"auto"`` resolves per platform: bf16 compute, sampler weights and cache on GPU/TPU, fp32 everywhere on CPU;
+matmul precision "highest" when the compute dtype is float32 (so "fp32" means fp32 on a GPU too: XLA would
+otherwise run fp32 products as TF32 and lose about three digits), "default" for 16-bit compute (bf16 products
+with fp32 accumulation).
+
+bf16 master weights and small learning rates. A bf16 number has 8 significant bits: the spacing of weights of
+magnitude ``|w|`` is ``ulp(w) = 2^(floor(log2 |w|) - 7)``, and an update smaller than half of it rounds away
+(round to nearest even). Adam's per-step update has magnitude ~``lr``, so with bf16 ``param_dtype`` a learning
+rate below ``ulp(median |w|) / 2`` leaves most weights unchanged: :func:`warn_if_updates_round_away` says so
+with both numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_PRECISIONS = ("highest", "tensorfloat32", "default")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The gin-facing precision policy (``RunConfig.precision``); ``"auto"`` fields resolve per platform."""
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "auto"
+    sampler_dtype: str = "auto"
+    cache_dtype: str = "auto"
+    matmul_precision: str = "auto"
+
+    def __post_init__(self):
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"Precision.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
+        for name in ("compute_dtype", "sampler_dtype", "cache_dtype"):
+            value = getattr(self, name)
+            if value != "auto" and value not in DTYPES:
+                raise ValueError(f"Precision.{name} must be 'auto' or one of {DTYPES}, got {value!r}")
+        if self.matmul_precision != "auto" and self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"Precision.matmul_precision must be 'auto' or one of {MATMUL_PRECISIONS}, "
+                             f"got {self.matmul_precision!r}")
+
+    def resolve(self, backend: str | None = None) -> "ResolvedPrecision":
+        """Concrete dtypes for ``backend`` (default: ``jax.default_backend()``)."""
+        backend = backend or jax.default_backend()
+        compute = self.compute_dtype
+        if compute == "auto":
+            compute = "float32" if backend == "cpu" else "bfloat16"
+        sampler = compute if self.sampler_dtype == "auto" else self.sampler_dtype
+        cache = compute if self.cache_dtype == "auto" else self.cache_dtype
+        matmul = self.matmul_precision
+        if matmul == "auto":
+            matmul = "highest" if compute == "float32" else "default"
+        return ResolvedPrecision(self.param_dtype, compute, sampler, cache, matmul)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedPrecision:
+    """A :class:`Precision` with every ``"auto"`` replaced by a dtype / precision name (hashable)."""
+
+    param_dtype: str
+    compute_dtype: str
+    sampler_dtype: str
+    cache_dtype: str
+    matmul_precision: str
+
+    def matmul_context(self):
+        """Context under which jitted programs are traced: float32 matmuls run at ``matmul_precision``.
+
+        ``jax.default_matmul_precision`` is part of jit's cache key, so programs traced inside and outside
+        the context never share a compiled executable."""
+        if self.matmul_precision == "default":
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision)
+
+    def sampler_params(self, params: Any) -> Any:
+        """The weight copy the sampler reads (a cast of the floating leaves; identity when dtypes agree)."""
+        return cast_floating(params, self.sampler_dtype)
+
+
+def cast_floating(tree: Any, dtype: str) -> Any:
+    """Casts the floating-point leaves of ``tree`` to ``dtype`` (others, and leaves already in it, unchanged)."""
+    dt = jnp.dtype(dtype)
+
+    def cast(x):
+        return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt else x
+
+    return jax.tree.map(cast, tree)
+
+
+def bf16_update_resolution(params: Any, dtype: str = "bfloat16", sample: int = 1 << 16) -> float:
+    """Half the spacing of ``dtype`` numbers at the median ``|w|`` of the weight matrices (ndim >= 2).
+
+    An optimizer update below this value leaves a median-sized weight unchanged (round to nearest)."""
+    mant = {"bfloat16": 8, "float16": 11, "float32": 24}[dtype]
+    mats = [np.asarray(jax.device_get(x)).ravel() for x in jax.tree.leaves(params) if np.ndim(x) >= 2]
+    if not mats:
+        return 0.0
+    vals = np.concatenate([m[:: max(1, m.size // sample)] for m in mats]).astype(np.float32)
+    vals = np.abs(vals[vals != 0])
+    if vals.size == 0:
+        return 0.0
+    med = float(np.median(vals))
+    return 2.0 ** (math.floor(math.log2(med)) - (mant - 1)) / 2
+
+
+def warn_if_updates_round_away(params: Any, param_dtype: str, learning_rate: float) -> str | None:
+    """Logs (and returns) a warning when 16-bit master weights cannot represent updates of size ``learning_rate``."""
+    if param_dtype == "float32":
+        return None
+    res = bf16_update_resolution(params, param_dtype)
+    if learning_rate >= res:
+        return None
+    msg = (f"param_dtype={param_dtype} with learning rate {learning_rate:g}: updates below {res:.3g} (half the "
+           f"{param_dtype} spacing at the median weight magnitude) round away, so most weights will not change; "
+           "keep fp32 master weights (Precision.param_dtype='float32', the default) and set a 16-bit "
+           "Precision.compute_dtype instead")
+    log.warning(msg)
+    return msg

@@ -1,0 +1,269 @@
+"""One RL step as one function: rollouts -> estimator inputs -> advantages -> batch -> old / reference log-probs
+-> PPO updates. The training loop (:mod:`treejax.rl.loop`), ``experiments/bench_update.py`` and the learning-signal
+test all call :func:`rl_step`; they differ only in where rollouts and rewards come from (a :class:`RolloutSource`).
+
+Log-probabilities (verl's and tunix's practice)::
+
+    sampler_logp   log q(y_t | y_<t)   from the sampler (bf16 weights and KV cache on GPU, decode kernels)
+    old_logp       log pi_old(y_t | y_<t)  the trainer's own forward under the pre-update parameters
+                   (``old_logp="trainer"``, default; same forward, dtypes and micro-batching as the update),
+                   or the sampler's (``old_logp="sampler"``: no extra forward, but the first PPO ratio is then
+                   exp(log pi_old - log q) != 1 wherever the two numerics differ)
+    ref_logp       log pi_ref(y_t | y_<t)  the initial weights, kept frozen, when ``LossConfig.kl_coef > 0``
+
+With trainer-side ``old_logp`` the first mini-batch's ratio ``exp(logp - old_logp)`` is 1 up to the forward's
+run-to-run reproducibility, and truncated importance sampling (``LossConfig.tis_cap``) weights each token by
+``min(exp(old_logp - sampler_logp), C)``, correcting for the sampler/trainer mismatch. The step reports that
+mismatch: ``mismatch/abs_mean`` and ``mismatch/abs_max`` of ``old_logp - sampler_logp`` over trained tokens.
+
+Estimator inputs: an estimator's ``EstimatorSpec.inputs`` are supplied by the step — ``greedy_reward_P`` (ReMax)
+is the verifier reward of one greedy rollout per prompt, asked of the rollout source.
+
+Timing: each phase (rollout, scoring, old/ref log-probs, update) is closed with ``block_until_ready`` on its output
+so the split is real; no metric is copied to the host here (the caller reads them one step late,
+``treejax.metrics.DeferredMetrics``), and the mini-batch shuffle runs on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treejax.forest import Forest
+from treejax.models.config import ModelConfig
+from treejax.precision import ResolvedPrecision
+from treejax.rl.advantages import estimator_spec
+from treejax.rl.batch import forest_to_batch
+from treejax.rl.losses import LossConfig
+from treejax.rl.update import sequence_logprobs, trainable_mask
+
+OLD_LOGP_SOURCES = ("trainer", "sampler")
+KNOWN_INPUTS = ("greedy_reward_P",)
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """What a rollout source returns for one step (``P`` prompts, ``W`` leaves each).
+
+    ``scores_PxW`` are verifier scores in [0, 1] (``None`` when there is no verifier: accuracy is then not
+    reported); ``rewards_PxW`` the shaped rewards the estimator sees. ``info`` holds host ints (decoded tokens,
+    forks, stop counts) and ``time/scoring_s``.
+    """
+
+    forest: Forest
+    rewards_PxW: jax.Array
+    scores_PxW: np.ndarray | None
+    prompts_PxLp: np.ndarray
+    lengths_P: np.ndarray
+    info: dict[str, Any]
+    examples: list | None = None
+
+
+class RolloutSource(Protocol):
+    def sample(self, params: Any, key: jax.Array, step: int) -> Rollouts:
+        """Rollouts of ``P`` prompts from the sampler's ``params``."""
+
+    def greedy_rewards(self, params: Any, rollouts: Rollouts) -> np.ndarray:
+        """``[P]`` reward of one greedy completion of each prompt of ``rollouts`` (ReMax's baseline)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of :func:`rl_step` (a subset of ``RunConfig``)."""
+
+    estimator: str = "treepo"
+    estimator_options: Any = None
+    loss: LossConfig = LossConfig()
+    old_logp: str = "trainer"
+    epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+    pad_id: int = 0
+    logprob_chunk_size: int = 8192
+    attention_impl: str = "auto"
+    clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
+
+    def __post_init__(self):
+        if self.old_logp not in OLD_LOGP_SOURCES:
+            raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
+        if self.old_logp == "sampler" and self.loss.tis_cap is not None:
+            raise ValueError("LossConfig.tis_cap needs old_logp='trainer': with old_logp='sampler' the sampler's "
+                             "log-probs are both the PPO denominator and the TIS reference, so TIS is a no-op")
+        for name in ("epochs", "mini_batches", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        missing = [i for i in estimator_spec(self.estimator).inputs if i not in KNOWN_INPUTS]
+        if missing:
+            raise ValueError(f"estimator {self.estimator!r} needs inputs {missing} that the RL step cannot supply "
+                             f"(supplied: {KNOWN_INPUTS})")
+
+
+def make_logprob_fn(model_config: ModelConfig, num_micro_batches: int, chunk_size: int = 8192,
+                    attention_impl: str = "auto") -> Callable:
+    """``fn(params, batch) -> logp [B, L]``: the update's forward without gradients, micro-batched the same way
+    (strided micro-batches, ``lax.map``), so old/reference log-probs have the update's numerics."""
+
+    def one(params, tokens, positions, segment_ids):
+        return sequence_logprobs(params, model_config, tokens, positions, segment_ids, chunk_size=chunk_size,
+                                 attention_impl=attention_impl)
+
+    def fn(params, batch):
+        args = (batch["tokens"], batch["positions"], batch.get("segment_ids", jnp.ones_like(batch["tokens"])))
+        if num_micro_batches == 1:
+            return one(params, *args)
+        B = args[0].shape[0]
+        split = lambda x: jnp.swapaxes(x.reshape((B // num_micro_batches, num_micro_batches) + x.shape[1:]), 0, 1)  # noqa: E731
+        out = jax.lax.map(lambda xs: one(params, *xs), tuple(split(a) for a in args))  # [M, B/M, L]
+        return jnp.swapaxes(out, 0, 1).reshape((B,) + out.shape[2:])
+
+    return fn
+
+
+def logp_mismatch(old_logp_BxL: jax.Array, sampler_logp_BxL: jax.Array, mask_BxL: jax.Array) -> dict:
+    """Mean and max ``|old_logp - sampler_logp|`` over trained tokens (0 when none)."""
+    on = mask_BxL > 0
+    d = jnp.where(on, jnp.abs(old_logp_BxL - sampler_logp_BxL), 0.0)
+    return {"mismatch/abs_mean": jnp.sum(d) / jnp.maximum(jnp.sum(on), 1), "mismatch/abs_max": jnp.max(d)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepFns:
+    """Jitted pieces of :func:`rl_step`, built once per run by :func:`make_step_fns`."""
+
+    config: StepConfig
+    precision: ResolvedPrecision
+    sampler_params: Callable
+    estimator: Callable
+    to_batch: Callable
+    logprobs: Callable
+    prepare: Callable  # (batch, old_logp, ref_logp) -> batch with old/ref/sampler log-probs and metrics
+    take_rows: Callable
+    update: Callable  # (state, mini_batch) -> (state, metrics): jitted with shardings + donation by the caller
+
+
+def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision,
+                  update: Callable, batch_sharding: Callable | None = None) -> StepFns:
+    """Builds :class:`StepFns`. ``update`` is the jitted ``update(state, batch)``; ``batch_sharding(batch)`` (optional)
+    places each mini-batch before it (e.g. ``jax.device_put`` with the mesh's batch sharding)."""
+    spec = estimator_spec(cfg.estimator)
+    options = cfg.estimator_options if cfg.estimator_options is not None else spec.default_options()
+    estimator = jax.jit(lambda f, r, inputs: spec.fn(f, r, options, **inputs))
+
+    @jax.jit
+    def to_batch(prompts, lens, forest, adv_tokens, adv_mask, eps_scale_PxW):
+        return forest_to_batch(prompts, lens, forest, adv_tokens, adv_mask, cfg.pad_id, eps_scale_PxW=eps_scale_PxW)
+
+    logprobs = jax.jit(make_logprob_fn(model_config, cfg.micro_batches, cfg.logprob_chunk_size,
+                                       cfg.attention_impl))
+
+    @jax.jit
+    def prepare(batch, old_logp, ref_logp):
+        batch = dict(batch)
+        sampler = batch["sampler_logp"]
+        metrics = {}
+        if old_logp is not None:
+            batch["old_logp"] = old_logp
+            metrics = logp_mismatch(old_logp, sampler, trainable_mask(batch))
+        else:
+            batch["old_logp"] = sampler
+            del batch["sampler_logp"]
+        if ref_logp is not None:
+            batch["ref_logp"] = ref_logp
+        return batch, metrics
+
+    take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda v: jnp.take(v, idx, axis=0), batch))
+    place = batch_sharding or (lambda b: b)
+    same = precision.sampler_dtype == precision.param_dtype
+    sampler_params = (lambda p: p) if same else jax.jit(precision.sampler_params)  # cast once per step
+    return StepFns(cfg, precision, sampler_params, estimator, to_batch, logprobs, prepare,
+                   take_rows, lambda state, batch: update(state, place(batch)))
+
+
+def _sync(x):
+    jax.block_until_ready(x)
+    return time.perf_counter()
+
+
+def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: int,
+            ref_params: Any = None) -> tuple[Any, Rollouts, dict, dict]:
+    """One RL step (module docstring). Returns ``(state, rollouts, device_metrics, host_info)``.
+
+    ``device_metrics``: the update metrics of every mini-batch (``update/...``: means over mini-batches, ratio
+    extremes of the *first* mini-batch as ``update/first_ratio_min|max``) and the log-prob mismatch, all still on
+    the device. ``host_info``: decoded-token counters, rollout accuracy and the phase times (seconds).
+    """
+    cfg = fns.config
+    t0 = time.perf_counter()
+    with fns.precision.matmul_context():
+        sampler_params = fns.sampler_params(state.params)
+        ro = source.sample(sampler_params, key, step)
+        t_rollout = _sync(ro.forest.tokens)
+        inputs = {}
+        spec = estimator_spec(cfg.estimator)
+        if "greedy_reward_P" in spec.inputs:
+            inputs["greedy_reward_P"] = jnp.asarray(source.greedy_rewards(sampler_params, ro), jnp.float32)
+        t_inputs = time.perf_counter()
+        adv = fns.estimator(ro.forest, ro.rewards_PxW, inputs)
+        P, W = ro.rewards_PxW.shape
+        eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
+                     else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
+        batch = fns.to_batch(jnp.asarray(ro.prompts_PxLp), jnp.asarray(ro.lengths_P), ro.forest, adv.tokens,
+                             adv.loss_mask, eps_scale)
+        old = fns.logprobs(state.params, batch) if cfg.old_logp == "trainer" else None
+        ref = fns.logprobs(ref_params, batch) if cfg.loss.kl_coef > 0 else None
+        batch, mismatch = fns.prepare(batch, old, ref)
+        t_logp = _sync(batch["old_logp"])
+
+        rows = batch["tokens"].shape[0]
+        per_mini = rows // cfg.mini_batches
+        all_metrics = []
+        for epoch in range(cfg.epochs):
+            perm = jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), epoch), rows)
+            for m in range(cfg.mini_batches):
+                mini = fns.take_rows(batch, perm[m * per_mini: (m + 1) * per_mini])
+                state, metrics = fns.update(state, mini)
+                all_metrics.append(metrics)
+        t_update = _sync(state.step)
+
+    device_metrics = {f"update/{k}": v for k, v in _mean_metrics(all_metrics).items()}
+    device_metrics["update/first_ratio_min"] = all_metrics[0]["ratio_min"]
+    device_metrics["update/first_ratio_max"] = all_metrics[0]["ratio_max"]
+    device_metrics.update(mismatch)
+    info = dict(ro.info)
+    t_scoring = float(info.pop("time/scoring_s", 0.0))
+    host = {
+        "time/rollout_s": t_rollout - t0 - t_scoring, "time/scoring_s": t_scoring + (t_inputs - t_rollout),
+        "time/logp_s": t_logp - t_inputs, "time/update_s": t_update - t_logp,
+        "rollout/decoded_tokens": int(info.get("decoded_tokens", 0)),
+        "rollout/mean_leaf_length": float(np.asarray(ro.forest.leaf_length).mean()),
+        "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
+        **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
+    }
+    if ro.scores_PxW is not None:
+        host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
+    return state, ro, device_metrics, host
+
+
+def _mean_metrics(metrics: list[dict]) -> dict:
+    """Means over mini-batches (extremes: max / min), computed on the device."""
+    out = {}
+    for k in metrics[0]:
+        vals = jnp.stack([jnp.asarray(m[k], jnp.float32) for m in metrics])
+        out[k] = jnp.max(vals) if k.endswith("_max") else jnp.min(vals) if k.endswith("_min") else jnp.mean(vals)
+    return out
+
+
+def initial_reference(params: Any, loss: LossConfig) -> Any:
+    """The frozen reference policy for the KL term: a copy of the initial weights (``None`` when KL is off)."""
+    if loss.kl_coef <= 0:
+        return None
+    return jax.tree.map(jnp.copy, params)
+
+
+__all__ = ["Rollouts", "RolloutSource", "StepConfig", "StepFns", "make_step_fns", "make_logprob_fn", "rl_step",
+           "logp_mismatch", "initial_reference", "OLD_LOGP_SOURCES"]

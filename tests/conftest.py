@@ -24,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's real tokenizer, exported as an HF folder (for runs of the whole loop)."""
+    from treejax.models import presets, transformer
+    from treejax.models.export import export_hf
+    from treejax.models.registry import embedded_model_path
+    from treejax.models.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_gguf(embedded_model_path("smollm2-135m-instruct"))
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=49152, eos_token_ids=tuple(tok.eos_ids), pad_token_id=2)
+    params = transformer.init_params(cfg, jax.random.key(0))
+    folder = str(tmp_path_factory.mktemp("tiny_hf"))
+    export_hf(params, cfg, folder, tok)
+    return folder

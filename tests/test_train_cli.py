@@ -4,14 +4,9 @@ import glob
 import json
 import os
 
-import jax
 import pytest
 
 from treejax import train
-from treejax.models import presets, transformer
-from treejax.models.export import export_hf
-from treejax.models.registry import embedded_model_path
-from treejax.models.tokenizer import TextTokenizer
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -39,17 +34,6 @@ def test_misspelled_binding_names_closest():
 def test_missing_gin_file():
     with pytest.raises(FileNotFoundError, match="nope.gin"):
         train.parse(["nope.gin"], [])
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's real tokenizer, exported as an HF folder."""
-    tok = TextTokenizer.from_gguf(embedded_model_path("smollm2-135m-instruct"))
-    cfg = presets.tiny_config("smollm2-135m", vocab_size=49152, eos_token_ids=tuple(tok.eos_ids), pad_token_id=2)
-    params = transformer.init_params(cfg, jax.random.key(0))
-    folder = str(tmp_path_factory.mktemp("tiny_hf"))
-    export_hf(params, cfg, folder, tok)
-    return folder
 
 
 def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):

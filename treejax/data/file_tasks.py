@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
 from treejax.data.tasks import Example, Task, register_task
+from treejax.errors import UserFileError
 
 __all__ = ["DEFAULT_INSTRUCTION", "FileTask", "read_rows"]
 
@@ -39,7 +40,7 @@ def read_rows(path: str) -> Iterator[tuple[str, dict]]:
     ``location`` is ``"<path>:<line>"`` (1-based line) or ``"<path>:row <i>"``; blank lines are skipped.
     """
     if not os.path.exists(path):
-        raise FileNotFoundError(f"task file not found: {path}")
+        raise UserFileError(f"task file not found: {path}")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 

@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
 import json
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
 from treejax.data.splits import check_split
+from treejax.errors import DataError
 
 __all__ = [
     "RECORD_FIELDS",
     "Example",
     "Task",
+    "check_task_name",
     "decode_record",
     "get_task",
     "register_task",
@@ -142,11 +145,17 @@ def task_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_task(name: str, **config: Any) -> Task:
-    """Build the task registered under ``name`` with its config; an unknown name lists the valid ones."""
+def check_task_name(name: str) -> None:
+    """Raises :class:`~treejax.errors.DataError` unless ``name`` is registered, naming up to 3 close names."""
     _load_builtins()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; valid task names: {', '.join(sorted(_REGISTRY))}") from None
-    return factory(**config)
+    if name in _REGISTRY:
+        return
+    close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise DataError(f"unknown task {name!r}{hint} (all {len(_REGISTRY)} names: treejax.data.task_names())")
+
+
+def get_task(name: str, **config: Any) -> Task:
+    """Build the task registered under ``name`` with its config; an unknown name suggests the closest ones."""
+    check_task_name(name)
+    return _REGISTRY[name](**config)

@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from treejax.errors import UserError
 from treejax.models.config import ModelConfig
 from treejax.models.transformer import param_shapes
 
@@ -45,8 +46,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder or file cannot be loaded; the message names the file and the problem."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint folder or file cannot be loaded; the message names the file and the problem (a user error:
+    ``treejax-train`` prints it as one line)."""
 
 
 # ----------------------------------------------------------------------------------------------- config.json

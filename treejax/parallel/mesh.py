@@ -22,6 +22,7 @@ import jax
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from treejax.errors import ConfigError
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules, rules_dict
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -159,7 +160,7 @@ def maybe_initialize_distributed() -> bool:
         num = os.environ.get("JAX_NUM_PROCESSES")
         pid = os.environ.get("JAX_PROCESS_ID")
         if num is None or pid is None:
-            raise ValueError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not")
+            raise ConfigError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not")
         jax.distributed.initialize(coordinator_address=addr, num_processes=int(num), process_id=int(pid))
     elif os.environ.get("TREEJAX_DISTRIBUTED", "0") == "1":
         jax.distributed.initialize()

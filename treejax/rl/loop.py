@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from treejax.errors import record_failure
 from treejax.forest import Forest
 from treejax.parallel.mesh import (MeshConfig, batch_sharding, jit_update, logical_to_sharding, make_mesh,
                                    train_state_shardings)
@@ -291,7 +292,7 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
         with r.precision.matmul_context():
             return _finish(r)
     except BaseException as e:  # record where the run stopped, then let the error surface unchanged
-        _record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e)
+        record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e)
         raise
 
 
@@ -480,14 +481,6 @@ def _finish(r: _Run) -> dict:
     with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=float)
     return summary
-
-
-def _record_failure(log_dir: str, step: int, exc: BaseException) -> None:
-    try:
-        from treejax.errors import record_failure
-    except ImportError:  # pragma: no cover
-        return
-    record_failure(log_dir, step, exc)
 
 
 def _prompt_width(tokenizer, task, train_records, eval_examples, cfg) -> int:

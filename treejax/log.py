@@ -1,0 +1,48 @@
+"""Logging for the main job: the ``treejax`` logger gets its own handler.
+
+``logging.basicConfig`` does nothing once the root logger has a handler, and importing ``orbax.checkpoint``
+installs one (leaving the root at WARNING), so ``basicConfig(level=INFO)`` in ``main()`` silently lost the
+per-step lines. Instead the
+``treejax`` logger (parent of every ``treejax.*`` module logger) gets its own stderr handler and does not
+propagate, whatever a library did to the root logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "treejax"
+FORMAT = "%(asctime)s %(message)s"
+NOISY_LOGGERS = ("absl", "jax._src", "orbax", "grain")
+
+
+class _TreejaxHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record is emitted (pytest and notebooks replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        del value  # always the current sys.stderr
+
+
+def configure_logging(quiet: bool = False) -> logging.Logger:
+    """Sends ``treejax.*`` records to stderr (INFO and up, WARNING and up when ``quiet``); returns the logger.
+
+    Idempotent: a second call replaces the handler of the first (its class marks it). The libraries of
+    ``NOISY_LOGGERS`` are lowered to WARNING.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in [h for h in logger.handlers if isinstance(h, _TreejaxHandler)]:
+        logger.removeHandler(handler)
+    handler = _TreejaxHandler()
+    handler.setFormatter(logging.Formatter(FORMAT))
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return logger

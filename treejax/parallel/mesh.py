@@ -89,6 +89,13 @@ def logical_to_spec(logical_axes: tuple, mesh: Mesh, rules: Rules = DEFAULT_RULE
     return PartitionSpec(*spec)
 
 
+def with_logical_constraint(x: jax.Array, logical_axes: tuple, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:
+    """``jax.lax.with_sharding_constraint`` of ``x`` to its logical axes (spec from :func:`logical_to_spec` with
+    ``x``'s shape, so non-dividing mesh axes are dropped). For use inside ``jax.jit``."""
+    spec = logical_to_spec(tuple(logical_axes), mesh, rules, tuple(x.shape))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 

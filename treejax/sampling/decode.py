@@ -34,6 +34,7 @@ from jax import lax
 
 from treejax.models import transformer
 from treejax.models.config import ModelConfig
+from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
 from treejax.sampling.strategies import Greedy, Strategy, mask_vocab, token_statistics
@@ -68,6 +69,10 @@ class ModelFns:
     ``prefill(params, tokens [B, Lp], positions [B, Lp], segment_ids [B, Lp], cache, rows [B]) -> cache``;
     ``step(params, tokens [R], positions [R], cache) -> (logits [R, V] fp32, cache)``.
     ``cache_multiple``: allocated cache lengths are rounded up to a multiple of it (the attention block).
+    ``mesh`` / ``rules``: with a mesh, the samplers constrain the cache (:meth:`shard_cache`) and the per-row
+    state (:meth:`shard_rows`) to their logical shardings wherever they are rebuilt; params are expected already
+    placed by ``transformer.param_logical_axes`` (e.g. ``logical_to_sharding(..., mesh, shapes=params)``).
+    ``None``: nothing is constrained.
     """
 
     init_cache: Callable[[int, int], Any]
@@ -78,11 +83,22 @@ class ModelFns:
     cache_multiple: int = 1
     name: str = "model"
     prepare: Callable = lambda params: params  # noqa: E731  once per call, before the decode loops
+    mesh: Any = None  # jax.sharding.Mesh | None
+    rules: Rules = DEFAULT_RULES
+
+    def shard_cache(self, cache):
+        """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
+        return cache if self.mesh is None else cache_lib.shard_cache(cache, self.mesh, self.rules)
+
+    def shard_rows(self, tree):
+        """Arrays with the row axis first, constrained to be sharded over rows (identity without a mesh)."""
+        return tree if self.mesh is None else cache_lib.shard_rows(tree, self.mesh, self.rules)
 
 
 @functools.lru_cache(maxsize=64)
 def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int = 256,
-                   cache_dtype: str = "bfloat16", fuse: bool | None = None) -> ModelFns:
+                   cache_dtype: str = "bfloat16", fuse: bool | None = None, mesh=None,
+                   rules: Rules = DEFAULT_RULES) -> ModelFns:
     """:class:`ModelFns` of the treejax transformer.
 
     ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
@@ -90,7 +106,8 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU, ragged elsewhere).
     ``fuse``: decode with fused q|k|v and gate|up projections (:func:`treejax.models.transformer.
     fuse_projections`); ``None`` = fuse on a single device only (on a mesh the concatenation would cross a
-    tensor-sharded heads axis).
+    tensor-sharded heads axis). ``mesh`` (a ``jax.sharding.Mesh``) / ``rules``: run sharded (see
+    :class:`ModelFns`; :mod:`treejax.sampling.cache` says how the cache is laid out).
     """
     if fuse is None:
         fuse = jax.device_count() == 1
@@ -111,11 +128,25 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
                     cache_multiple=block_size if attention != "dense" else 1,
                     name=f"transformer[{attention}]",
-                    prepare=transformer.fuse_projections if fuse else transformer.unstack_layers)
+                    prepare=transformer.fuse_projections if fuse else transformer.unstack_layers,
+                    mesh=mesh, rules=rules)
 
 
-def as_model_fns(model: ModelConfig | ModelFns) -> ModelFns:
-    return model if isinstance(model, ModelFns) else make_model_fns(model)
+def as_model_fns(model: ModelConfig | ModelFns, mesh=None, rules: Rules = DEFAULT_RULES) -> ModelFns:
+    """``model`` as :class:`ModelFns`; a ``mesh`` builds (or, for given fns without a mesh, attaches) the sharded
+    variant. Fns that already carry a different mesh are an error."""
+    if not isinstance(model, ModelFns):
+        return make_model_fns(model, mesh=mesh, rules=rules)
+    if mesh is None or (model.mesh == mesh and model.rules == rules):
+        return model
+    if model.mesh is not None:
+        raise ValueError(f"ModelFns {model.name!r} already carry a mesh; pass mesh=None or build them for this mesh")
+    return _with_mesh(model, mesh, rules)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_mesh(fns: ModelFns, mesh, rules: Rules) -> ModelFns:
+    return dataclasses.replace(fns, mesh=mesh, rules=rules)  # cached: the jitted samplers key on the fns object
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -180,7 +211,7 @@ def prefill_prompts(model: ModelFns, params, cache, prompts_PxLb: jax.Array, len
     P, Lb = prompts_PxLb.shape
     positions = jnp.broadcast_to(jnp.arange(Lb, dtype=jnp.int32)[None, :], (P, Lb))
     segment_ids = (positions < (lengths_P - 1)[:, None]).astype(jnp.int32)
-    cache = model.prefill(params, prompts_PxLb, positions, segment_ids, cache, rows_P)
+    cache = model.shard_cache(model.prefill(params, prompts_PxLb, positions, segment_ids, cache, rows_P))
     pending = jnp.take_along_axis(prompts_PxLb, (lengths_P - 1)[:, None], axis=1)[:, 0]
     return cache, pending.astype(jnp.int32), (lengths_P - 1).astype(jnp.int32)
 
@@ -194,6 +225,7 @@ def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, 
     L = jax.tree.leaves(cache)[0].shape[2]
     pos = jnp.where(live_R, position_R, L)
     logits, cache = model.step(params, pending_R, pos, cache)
+    cache = model.shard_cache(cache)
     logits = mask_vocab(logits.astype(jnp.float32), model.sampling_vocab_size)
     processed = strategy.process(logits)
     token = strategy.sample(keys_R, logits)
@@ -237,7 +269,7 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
     B, Lb = prompts.shape
     N = max_new_tokens
     L = attention_lib.round_cache_length(Lb + N, model.cache_multiple)
-    cache = model.init_cache(B, L)
+    cache = model.shard_cache(model.init_cache(B, L))
     rows = jnp.arange(B, dtype=jnp.int32)
     params = model.prepare(params)
     cache, pending, position = prefill_prompts(model, params, cache, prompts, lengths, rows)
@@ -246,6 +278,12 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
     state = dict(t=jnp.int32(0), cache=cache, pending=pending, position=position, done=jnp.zeros((B,), bool),
                  reason=jnp.zeros((B,), jnp.int32), tokens=jnp.zeros((B, N), jnp.int32), logp=f32, slogp=f32,
                  ent=f32, mask=jnp.zeros((B, N), bool))
+    row_keys = ("pending", "position", "done", "reason", "tokens", "logp", "slogp", "ent", "mask")
+
+    def shard(s):  # per-row state sharded like the cache rows (identity without a mesh)
+        return dict(s, **model.shard_rows({k: s[k] for k in row_keys}))
+
+    state = shard(state)
 
     def cond(s):
         return (s["t"] < N) & ~jnp.all(s["done"])
@@ -261,13 +299,13 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
         at_len = live & ~stopped & (t + 1 >= N)
         reason = jnp.where(stopped, int(FinishReason.STOP), jnp.where(at_len, int(FinishReason.LENGTH), s["reason"]))
         zero = jnp.zeros_like(lp)
-        return dict(t=t + 1, cache=cache, pending=jnp.where(live, tok, s["pending"]),
-                    position=s["position"] + live.astype(jnp.int32), done=s["done"] | stopped | at_len,
-                    reason=reason, tokens=s["tokens"].at[:, t].set(tok),
-                    logp=s["logp"].at[:, t].set(jnp.where(live, lp, zero)),
-                    slogp=s["slogp"].at[:, t].set(jnp.where(live, slp, zero)),
-                    ent=s["ent"].at[:, t].set(jnp.where(live & with_entropy, ent, zero)),
-                    mask=s["mask"].at[:, t].set(live))
+        return shard(dict(t=t + 1, cache=cache, pending=jnp.where(live, tok, s["pending"]),
+                          position=s["position"] + live.astype(jnp.int32), done=s["done"] | stopped | at_len,
+                          reason=reason, tokens=s["tokens"].at[:, t].set(tok),
+                          logp=s["logp"].at[:, t].set(jnp.where(live, lp, zero)),
+                          slogp=s["slogp"].at[:, t].set(jnp.where(live, slp, zero)),
+                          ent=s["ent"].at[:, t].set(jnp.where(live & with_entropy, ent, zero)),
+                          mask=s["mask"].at[:, t].set(live)))
 
     s = lax.while_loop(cond, body, state)
     n = jnp.sum(s["mask"], axis=-1).astype(jnp.int32)
@@ -278,16 +316,18 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
 
 def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.Array, max_new_tokens: int,
              strategy: Strategy = Greedy(), stop_ids: tuple[int, ...] | None = None,
-             with_entropy: bool = False) -> GenerateOutput:
+             with_entropy: bool = False, mesh=None, rules: Rules = DEFAULT_RULES) -> GenerateOutput:
     """Linear sampling of ``max_new_tokens`` after each right-padded prompt (``prompts [B, Lp]``, ``lengths [B]``).
 
     ``stop_ids`` default to the model config's ``eos_token_ids``. A row stops after sampling a stop token (kept in
     the output) or after ``max_new_tokens``. One compiled program per (batch, prompt bucket, settings); the loop
-    exits early when every row is done.
+    exits early when every row is done. ``mesh`` / ``rules``: sample sharded on a ``jax.sharding.Mesh`` (cache
+    rows over ``data x fsdp``, KV heads over ``tensor``, see :mod:`treejax.sampling.cache`; place ``params`` by
+    ``transformer.param_logical_axes`` first); same as passing ``make_model_fns(config, mesh=mesh)``.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    fns = as_model_fns(model)
+    fns = as_model_fns(model, mesh, rules)
     if stop_ids is None:
         stop_ids = tuple(model.eos_token_ids) if isinstance(model, ModelConfig) else ()
     tokens, lens = validate_prompts(prompts, lengths)

@@ -47,6 +47,18 @@ each time the row is given to a new path (fork or fallback), so no two paths sha
 branches (``b = 1``, ``init_divergence = W``, no early stop) reproduces ``decode.generate`` on ``W`` copies of
 each prompt exactly. Branching / fallback randomness uses other streams of ``key``.
 
+Sharding: ``make_tree_rollout(model, tree_config, mesh=mesh)`` (or fns from ``decode.make_model_fns(config,
+mesh=mesh)``) runs the rollout on a device mesh. The KV cache is constrained to its logical axes
+(``cache.CACHE_LOGICAL_AXES`` through the rules table; default: rows over ``data x fsdp``, KV heads over
+``tensor``) at creation, after prefill and the prompt broadcast, after every decode step (the loop carry), and
+after every row gather (the live-rows-first permutation, the row-bucket slice and merge, forks and fallbacks).
+The per-row state (pending tokens, positions, response and leaf buffers) is sharded over rows the same way, so
+the decode step runs data-parallel over rows and tensor-parallel over heads against params placed by
+``transformer.param_logical_axes``. Dimensions the mesh does not divide (a row bucket smaller than
+``data x fsdp``, fewer KV heads than ``tensor``) are replicated on that mesh axis. Row gathers across shards
+(forks, the row-bucket permutation) are left to XLA's SPMD partitioner (communication over the row axis).
+Without a mesh nothing is constrained and the compiled program is the unsharded one.
+
 Counters (returned next to the forest): ``decoded_tokens`` (sampled tokens = unique tree tokens),
 ``prefilled_tokens`` (``sum(len_p - 1)``: tokens through the prefill pass; each row's first decode step feeds the
 prompt's last token), ``forks`` (rows created by copying a parent at a branch point), ``fallbacks`` (fallback
@@ -66,6 +78,7 @@ from jax import lax
 
 from treejax.forest import Forest, NodeStatus
 from treejax.models.config import ModelConfig
+from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode, kernels
@@ -216,11 +229,11 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     row_prompt = rows // W
 
     # ---- prefill once per prompt, then copy each prompt's KV into all of its rows
-    cache = model.init_cache(R, L)
+    cache = model.shard_cache(model.init_cache(R, L))
     params = model.prepare(params)  # e.g. unstack the layers once, outside the decode loops
     cache, last_tok_P, last_pos_P = decode.prefill_prompts(model, params, cache, prompts, lengths,
                                                            jnp.arange(P, dtype=i32) * W)
-    cache = cache_lib.broadcast_prompt_rows(cache, row_prompt * W)
+    cache = model.shard_cache(cache_lib.broadcast_prompt_rows(cache, row_prompt * W))
 
     # ---- initial divergence
     if tc.init_divergence_range is not None:
@@ -244,6 +257,14 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
         next_node=jnp.ones((P,), i32), decoded=i32(0), forks=i32(0), fallbacks=i32(0), from_root=i32(0),
         stops=jnp.zeros((len(NodeStatus),), i32),
     )
+    # per-row state (leading axis R) sharded like the cache rows on a mesh (identity without one)
+    state_row_keys = ("pending", "position", "epoch", "alive", "depth", "rlen", "rtok", "rlogp", "rslogp", "rent",
+                      "rpath", "ltok", "llogp", "lslogp", "lent", "lpath", "lstatus", "llen", "lrow")
+
+    def shard_state(s):
+        return dict(s, **model.shard_rows({k: s[k] for k in state_row_keys}))
+
+    state = shard_state(state)
     if tc.divergence_schedule is not None:
         start, end, nsteps = tc.divergence_schedule
         div_temp = kernels.temperature_schedule(step, int(nsteps), float(start), float(end))
@@ -270,6 +291,11 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
         seg_start = s["rlen"]
 
         # 2. decode up to S tokens (on a compacted prefix of rows when row buckets are enabled)
+        row_keys = ("pending", "position", "rlen", "rtok", "rlogp", "rslogp", "rent", "eos", "active")
+
+        def shard_carry(c):  # the decode carry's per-row arrays sharded like the cache rows (on a mesh)
+            return dict(c, **model.shard_rows({k: c[k] for k in row_keys}))
+
         def tok_cond(c):
             return (c["j"] < S) & jnp.any(c["active"])
 
@@ -285,7 +311,7 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
                 col = jnp.where(active, c["rlen"], T)
                 stopped = active & decode.stop_mask(tok, stop_ids)
                 rlen = c["rlen"] + active.astype(i32)
-                return dict(
+                return shard_carry(dict(
                     j=c["j"] + 1, cache=cache, pending=jnp.where(active, tok, c["pending"]),
                     position=c["position"] + active.astype(i32), rlen=rlen,
                     rtok=c["rtok"].at[local, col].set(tok, mode="drop"),
@@ -293,13 +319,13 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
                     rslogp=c["rslogp"].at[local, col].set(slp, mode="drop"),
                     rent=c["rent"].at[local, col].set(ent, mode="drop") if tc.with_entropy else c["rent"],
                     eos=c["eos"] | stopped, active=active & ~stopped & (rlen < max_len),
-                    decoded=c["decoded"] + jnp.sum(active).astype(i32))
+                    decoded=c["decoded"] + jnp.sum(active).astype(i32)))
 
             return tok_body
 
-        c0 = dict(j=i32(0), cache=s["cache"], pending=s["pending"], position=s["position"], rlen=s["rlen"],
-                  rtok=s["rtok"], rlogp=s["rlogp"], rslogp=s["rslogp"], rent=s["rent"],
-                  eos=jnp.zeros((R,), bool), active=alive, decoded=s["decoded"])
+        c0 = shard_carry(dict(j=i32(0), cache=s["cache"], pending=s["pending"], position=s["position"],
+                              rlen=s["rlen"], rtok=s["rtok"], rlogp=s["rlogp"], rslogp=s["rslogp"], rent=s["rent"],
+                              eos=jnp.zeros((R,), bool), active=alive, decoded=s["decoded"]))
         sizes = _bucket_sizes(R, tc.row_buckets)
         if len(sizes) == 1:
             c = lax.while_loop(tok_cond, make_tok_body(rows, s["epoch"]), c0)
@@ -308,19 +334,20 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
             # live rows first (stable): the decode step then runs on the smallest bucket of rows holding them,
             # so weights are shared but KV reads and FLOPs follow the number of live paths
             perm = jnp.argsort(~alive, stable=True).astype(i32)
-            row_keys = ("pending", "position", "rlen", "rtok", "rlogp", "rslogp", "rent", "eos", "active")
-            cache_p = cache_lib.fork_rows(s["cache"], perm)
+            cache_p = model.shard_cache(cache_lib.fork_rows(s["cache"], perm))
 
             def make_branch(nb):
                 def branch(cache_p, c0):
                     sel = perm[:nb]
                     sub = {k: (v[sel] if k in row_keys else v) for k, v in c0.items() if k != "cache"}
-                    sub["cache"] = jax.tree.map(lambda x: lax.slice_in_dim(x, 0, nb, axis=0), cache_p)
+                    sub["cache"] = model.shard_cache(jax.tree.map(lambda x: lax.slice_in_dim(x, 0, nb, axis=0),
+                                                                  cache_p))
+                    sub = shard_carry(sub)
                     out = lax.while_loop(tok_cond, make_tok_body(sel, s["epoch"][sel]), sub)
                     merged = {k: (c0[k].at[sel].set(out[k]) if k in row_keys else out[k]) for k in out
                               if k != "cache"}
-                    merged["cache"] = jax.tree.map(lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, 0),
-                                                   cache_p, out["cache"])
+                    merged["cache"] = model.shard_cache(jax.tree.map(
+                        lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, 0), cache_p, out["cache"]))
                     return merged
                 return branch
 
@@ -451,20 +478,20 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
         position_n = jnp.where(fb_row, last_pos_P[row_prompt] + cut_r * S, position_g)
         reassigned = forked | fb_row
         if len(sizes) == 1:
-            cache = cache_lib.fork_rows(c["cache"], src, jnp.any(src != rows))
+            cache = model.shard_cache(cache_lib.fork_rows(c["cache"], src, jnp.any(src != rows)))
         else:  # back to logical order, composed with the forks: one gather
             inverse = jnp.zeros((R,), i32).at[cache_order].set(rows)
-            cache = cache_lib.fork_rows(c["cache"], inverse[src])
+            cache = model.shard_cache(cache_lib.fork_rows(c["cache"], inverse[src]))
         # a leaf stays resident only while no live path decodes in its row
         lrow = jnp.where((lrow >= 0) & ~new_alive[jnp.maximum(lrow, 0)], lrow, -1)
-        return dict(
+        return shard_state(dict(
             it=it + 1, cache=cache, pending=pending_n, position=position_n, epoch=s["epoch"] + reassigned.astype(i32),
             alive=new_alive, depth=depth_n, rlen=rlen_n, rtok=rtok_n, rlogp=rlogp_n, rslogp=rslogp_n, rent=rent_n,
             rpath=rpath_n, ltok=ltok, llogp=llogp, lslogp=lslogp, lent=lent, lpath=lpath, lstatus=lstatus, llen=llen,
             lrow=lrow, nleaves=nleaves, node_parent=node_parent, node_depth=node_depth, node_status=node_status,
             next_node=next_node, decoded=c["decoded"], forks=s["forks"] + jnp.sum(forked).astype(i32),
             fallbacks=s["fallbacks"] + jnp.sum(need).astype(i32),
-            from_root=s["from_root"] + jnp.sum(need & ~has_cand).astype(i32), stops=stops)
+            from_root=s["from_root"] + jnp.sum(need & ~has_cand).astype(i32), stops=stops))
 
     s = lax.while_loop(cond, segment, state)
 
@@ -488,16 +515,19 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     return forest, info
 
 
-def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeConfig):
+def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeConfig, mesh=None,
+                      rules: Rules = DEFAULT_RULES):
     """Returns ``rollout(params, prompt_tokens [P, Lp], prompt_lengths [P], key, step=0) -> (Forest, info)``.
 
     ``model`` is a :class:`ModelConfig` (the treejax transformer with ragged attention) or any
-    :class:`decode.ModelFns`. Prompts are right-padded; the padded width is bucketed (powers of two) so a new
+    :class:`decode.ModelFns`. ``mesh`` (a ``jax.sharding.Mesh``, e.g. ``treejax.parallel.mesh.make_mesh``) with
+    ``rules``: run sharded (module docstring); ``params`` should then be placed by ``transformer.
+    param_logical_axes`` (``logical_to_sharding(..., mesh, shapes=params)``). Prompts are right-padded; the padded width is bucketed (powers of two) so a new
     prompt length recompiles only when it crosses a bucket. ``step`` (the training step) drives the divergence
     temperature schedule. ``info`` holds the counters (see module docstring), ``sampling_logprobs`` and
     ``entropy`` ``[P, W, T]``, and ``complete`` (every prompt has W leaves).
     """
-    fns = decode.as_model_fns(model)
+    fns = decode.as_model_fns(model, mesh, rules)
     tc = tree_config
     stop_ids = tc.stop_ids
     if stop_ids is None:
@@ -525,7 +555,8 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
 
 
 def make_independent_rollout(model: ModelConfig | decode.ModelFns, num_samples: int, max_new_tokens: int,
-                             segment_length: int | None = None, **kw):
+                             segment_length: int | None = None, mesh=None, rules: Rules = DEFAULT_RULES, **kw):
     """GRPO baseline through the same API: ``num_samples`` independent samples per prompt, each prompt prefilled
     once, returned as a :class:`Forest` of chains (one leaf per chain)."""
-    return make_tree_rollout(model, independent_config(num_samples, max_new_tokens, segment_length, **kw))
+    return make_tree_rollout(model, independent_config(num_samples, max_new_tokens, segment_length, **kw),
+                             mesh=mesh, rules=rules)

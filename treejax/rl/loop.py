@@ -323,12 +323,12 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     tree_cfg = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
     cfg = dataclasses.replace(cfg, rollout=tree_cfg)
-    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
-    rollout = make_tree_rollout(sampler_fns, tree_cfg)
-
     # Sharding: params placed by their logical axes; the state is created under jit with explicit out
-    # shardings; the update is jitted with explicit in/out shardings and donates the state.
+    # shardings; the update is jitted with explicit in/out shardings and donates the state. The sampler keeps
+    # its KV cache and per-row state sharded by the cache's logical axes on the same mesh.
     mesh = make_mesh(cfg.mesh)
+    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype, mesh=mesh if mesh.size > 1 else None)
+    rollout = make_tree_rollout(sampler_fns, tree_cfg)
     param_sh = logical_to_sharding(transformer.param_logical_axes(model_config), mesh, shapes=params)
     params = jax.device_put(params, param_sh)
     optimizer = make_optimizer(cfg.optimizer)

@@ -25,8 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from treejax.models import presets, transformer
-from treejax.rl.advantages import estimator_spec
-from treejax.rl.batch import forest_to_batch
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
@@ -99,45 +97,41 @@ def bench_update(preset: str, rows: int, seq: int, micro: int, repeats: int = 3)
     return float(np.median(times)), step_flops(cfg, rows, seq), cfg
 
 
-def bench_rl_step(preset: str, prompts: int, W: int, D: int, S: int, micro: int):
+def bench_rl_step(preset: str, prompts: int, W: int, D: int, S: int, micro: int, old_logp: str = "trainer"):
+    """The loop's own :func:`treejax.rl.step.rl_step` on random weights and prompts (synthetic reward)."""
+    from treejax.precision import Precision
+    from treejax.rl.step import StepConfig, make_step_fns, rl_step
+    from treejax.sampling.decode import make_model_fns
     from treejax.sampling.strategies import Temperature
     from treejax.sampling.tree import TreeConfig, make_tree_rollout
+    from treejax.testing.sources import FixedPromptRollouts
 
     cfg = get_config(preset)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(jax.random.key(0))
     state = jax.jit(lambda p: TrainState.create(p, optimizer, jax.random.key(1)))(params)
     del params
-    rollout = make_tree_rollout(cfg, TreeConfig(num_leaves=W, max_depth=D, segment_length=S, branch_factor=2,
-                                                strategy=Temperature(1.0), stop_ids=()))
-    spec = estimator_spec("treepo")
-    estimator = jax.jit(lambda f, r: spec.fn(f, r, spec.default_options()))
-    update = jax.jit(make_update_fn(cfg, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
-                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=CHUNK,
-                                    attention_impl=ATTENTION),
+    precision = Precision(compute_dtype=cfg.compute_dtype).resolve()
+    rollout = make_tree_rollout(make_model_fns(cfg, cache_dtype=precision.cache_dtype),
+                                TreeConfig(num_leaves=W, max_depth=D, segment_length=S, branch_factor=2,
+                                           strategy=Temperature(1.0), stop_ids=()))
+    loss = LossConfig(eps_high=0.28, dual_clip_c=10.0)
+    update = jax.jit(make_update_fn(cfg, loss, optimizer, num_micro_batches=micro, remat=REMAT,
+                                    logprob_chunk_size=CHUNK, attention_impl=ATTENTION),
                      donate_argnames=("state",))
+    fns = make_step_fns(cfg, StepConfig(estimator="treepo", loss=loss, old_logp=old_logp, micro_batches=micro,
+                                        logprob_chunk_size=CHUNK, attention_impl=ATTENTION), precision, update)
     rng = np.random.RandomState(0)
     prompt_tokens = rng.randint(3, cfg.sampling_vocab_size, (prompts, 64)).astype(np.int32)
-    lens = np.full((prompts,), 64, np.int32)
-    out = {}
+    source = FixedPromptRollouts(rollout, prompt_tokens, np.full((prompts,), 64, np.int32),
+                                 lambda f: jnp.mean((f.tokens % 7 == 0) * f.loss_mask, -1))  # synthetic reward
     for it in range(2):  # the first iteration compiles
-        t = {}
         t0 = time.perf_counter()
-        forest, info = rollout(state.params, prompt_tokens, lens, jax.random.key(it))
-        jax.block_until_ready(forest.tokens)
-        t["rollout"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rewards = jnp.mean((forest.tokens % 7 == 0) * forest.loss_mask, -1)  # synthetic reward
-        adv = estimator(forest, rewards)
-        batch = forest_to_batch(jnp.asarray(prompt_tokens), jnp.asarray(lens), forest, adv.tokens, adv.loss_mask)
-        jax.block_until_ready(batch)
-        t["rewards+advantages+batch"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        state, m = update(state, batch)
-        jax.block_until_ready(m)
-        t["update"] = time.perf_counter() - t0
-        out = t
-    return out, int(info["decoded_tokens"])
+        state, ro, metrics, host = rl_step(fns, state, source, jax.random.key(it), it)
+        total = time.perf_counter() - t0
+    times = {k[5:-2]: v for k, v in host.items() if k.startswith("time/")}
+    times["host overhead"] = total - sum(times.values())
+    return times, host["rollout/decoded_tokens"]
 
 
 def main(argv=None):

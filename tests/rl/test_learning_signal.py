@@ -10,43 +10,49 @@ import numpy as np
 import pytest
 
 from treejax.models import presets, transformer
-from treejax.rl.advantages import estimator_spec
-from treejax.rl.batch import forest_to_batch
+from treejax.precision import Precision
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
+from treejax.rl.step import StepConfig, make_step_fns, rl_step
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig, make_tree_rollout
+from treejax.testing.sources import FixedPromptRollouts
 
 TARGET = 7
 STEPS = 30
 
 
+def _share(forest):
+    valid = forest.loss_mask > 0
+    return jnp.sum((forest.tokens == TARGET) & valid, -1) / jnp.maximum(jnp.sum(valid, -1), 1)
+
+
 def _train(sign: float) -> list[float]:
+    """30 steps of :func:`treejax.rl.step.rl_step` (the loop's step) with the reward scaled by ``sign``."""
     cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
     params = transformer.init_params(cfg, jax.random.key(0))
     tree = TreeConfig(num_leaves=8, max_depth=2, segment_length=4, branch_factor=2, strategy=Temperature(1.0),
                       stop_ids=())
-    rollout = make_tree_rollout(cfg, tree)
-    spec = estimator_spec("treepo")
-    estimator = jax.jit(lambda f, r: spec.fn(f, r, spec.default_options()))
+    prompts = np.array([[1, 5, 9, 0], [1, 11, 3, 4], [1, 20, 0, 0], [1, 30, 31, 32]], np.int32)
+    lens = np.array([3, 4, 2, 4], np.int32)
+    history = []
+
+    def reward(forest):  # records the unscaled share; a flipped / zeroed reward flips / zeroes the advantages
+        share = _share(forest)
+        history.append(float(share.mean()))
+        return sign * share
+
+    source = FixedPromptRollouts(make_tree_rollout(cfg, tree), prompts, lens, reward)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=3e-3, warmup_steps=0, total_steps=STEPS,
                                                weight_decay=0.0))
     state = TrainState.create(params, optimizer, jax.random.key(1))
     update = jax.jit(make_update_fn(cfg, LossConfig(), optimizer), donate_argnames=("state",))
-    prompts = np.array([[1, 5, 9, 0], [1, 11, 3, 4], [1, 20, 0, 0], [1, 30, 31, 32]], np.int32)
-    lens = np.array([3, 4, 2, 4], np.int32)
-    history = []
+    fns = make_step_fns(cfg, StepConfig(estimator="treepo"), Precision().resolve("cpu"), update)
     for step in range(STEPS):
-        forest, _ = rollout(state.params, prompts, lens, jax.random.fold_in(jax.random.key(2), step))
-        valid = forest.loss_mask > 0
-        share = jnp.sum((forest.tokens == TARGET) & valid, -1) / jnp.maximum(jnp.sum(valid, -1), 1)
-        history.append(float(share.mean()))
-        adv = estimator(forest, share.astype(jnp.float32))
-        batch = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, sign * adv.tokens, adv.loss_mask)
-        state, metrics = update(state, batch)
-        assert float(metrics["skipped"]) == 0.0
+        state, _, metrics, _ = rl_step(fns, state, source, jax.random.fold_in(jax.random.key(2), step), step)
+        assert float(metrics["update/skipped"]) == 0.0
     return history
 
 

@@ -31,26 +31,101 @@ def test_builtin_list_is_complete():
     assert set(BUILT_IN) <= set(list_estimators())
 
 
-@pytest.mark.parametrize("case", [*BUILT_IN, "kl_k1", "kl_k3", "tis", "dynamic_sampling", "sampler_old_logp"])
-def test_feature_runs_through_the_loop(case, tiny_checkpoint, tmp_path):
-    extra = {"kl_k1": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k1'"],
-             "kl_k3": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k3'"],
-             "tis": ["LossConfig.tis_cap = 2.0"],
-             "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
-             "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"]}.get(case, [f"RunConfig.estimator = '{case}'"])
-    # an entropy bonus gives every case a gradient although a random model solves nothing (all rewards equal)
-    summary = _run(tiny_checkpoint, tmp_path, "LossConfig.entropy_coef = 0.01", *extra)
-    row = summary["history"][0]
-    assert row["update/skipped"] == 0.0 and np.isfinite(row["update/loss"]) and row["update/grad_norm"] > 0
-    if case.startswith("kl_"):
-        assert "update/kl" in row and row["update/kl"] == pytest.approx(0.0, abs=1e-6)  # ref == old at step 1
-    if case == "tis":
-        assert row["update/tis_clip_frac"] >= 0.0 and "mismatch/abs_max" in row
-    if case == "dynamic_sampling":
+FAST_CLI = ("remax", "kl_k3_tis", "sampler_old_logp")  # the rest of the CLI cases are covered fast by rl_step
+CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp"]
+
+
+def _check_row(case, row):
+    assert row["update/skipped"] == 0.0 and np.isfinite(row["update/loss"])
+    if case == "dynamic_sampling":  # a random model solves nothing: every slot is a masked-out filler
         assert row["rollout/rollout_calls"] == 2 and row["rollout/filler_prompts"] == 2
+        assert row["update/grad_norm"] == 0.0
+        return
+    assert row["update/grad_norm"] > 0
+    if case.startswith("kl_"):
+        assert row["update/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference equals the policy at step 1
+    if case.endswith("tis"):
+        assert 0.0 <= row["update/tis_clip_frac"] <= 1.0 and "update/tis_weight_mean" in row
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
         # the first ratio is 1 to fp32 precision, and sampler vs trainer log-probs are reported
         assert abs(row["update/first_ratio_min"] - 1) < 1e-5 and abs(row["update/first_ratio_max"] - 1) < 1e-5
         assert 0.0 <= row["mismatch/abs_mean"] <= row["mismatch/abs_max"] < 1e-3
+
+
+def _extra(case):
+    return {"kl_k1": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k1'"],
+            "kl_k3_tis": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k3'", "LossConfig.tis_cap = 2.0"],
+            "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
+            "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"]}.get(case, [f"RunConfig.estimator = '{case}'"])
+
+
+@pytest.mark.parametrize("case", [c if c in FAST_CLI else pytest.param(c, marks=pytest.mark.slow) for c in CLI_CASES])
+def test_feature_runs_through_the_cli(case, tiny_checkpoint, tmp_path):
+    # an entropy bonus gives every case a gradient although a random model solves nothing (all rewards equal)
+    summary = _run(tiny_checkpoint, tmp_path, "LossConfig.entropy_coef = 0.01", *_extra(case))
+    _check_row(case, summary["history"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_feature_runs_on_smollm2(case, tmp_path):
+    """The same cases on the embedded SmolLM2-135M-Instruct (real task, real rewards)."""
+    summary = _run("smollm2-135m-instruct", tmp_path, "LossConfig.entropy_coef = 0.01", *_extra(case))
+    row = summary["history"][0]
+    assert row["update/skipped"] == 0.0 and np.isfinite(row["update/loss"])
+    if case not in ("sampler_old_logp", "dynamic_sampling"):
+        assert abs(row["update/first_ratio_min"] - 1) < 1e-5 and abs(row["update/first_ratio_max"] - 1) < 1e-5
+
+
+def test_every_estimator_and_loss_term_through_rl_step():
+    """All 8 built-in estimators, KL k1/k3 and TIS through the loop's own step function on one tiny model,
+    sharing the rollout and update programs (the CLI test above covers the same cases end to end, slow)."""
+    import jax
+
+    from treejax.models import presets, transformer
+    from treejax.precision import Precision
+    from treejax.rl.losses import LossConfig
+    from treejax.rl.optimizer import OptimizerConfig, make_optimizer
+    from treejax.rl.step import StepConfig, initial_reference, make_step_fns, rl_step
+    from treejax.rl.train_state import TrainState
+    from treejax.rl.update import make_update_fn
+    from treejax.sampling.decode import generate
+    from treejax.sampling.strategies import Greedy
+    from treejax.sampling.tree import TreeConfig, make_tree_rollout
+    from treejax.testing.sources import FixedPromptRollouts
+
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
+    tree = TreeConfig(num_leaves=4, max_depth=2, segment_length=4, branch_factor=2, stop_ids=(5,))
+    prompts, lens = np.array([[1, 5, 9, 2], [1, 11, 3, 4]], np.int32), np.array([3, 4], np.int32)
+    reward = lambda f: jax.numpy.mean((f.tokens % 3 == 0) * f.loss_mask, -1)  # noqa: E731  (varied rewards)
+    source = FixedPromptRollouts(
+        make_tree_rollout(cfg, tree), prompts, lens, reward,
+        greedy=lambda p, t, n: generate(p, cfg, t, n, jax.random.key(0), 8, Greedy(), stop_ids=(5,)),
+        greedy_reward_fn=lambda tok, n: np.mean(np.asarray(tok) % 3 == 0, -1))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10))
+    params = transformer.init_params(cfg, jax.random.key(0))
+    precision = Precision().resolve("cpu")
+    cases = [(name, LossConfig()) for name in BUILT_IN]
+    cases += [("treepo", LossConfig(kl_coef=0.1, kl_estimator="k1")),
+              ("treepo", LossConfig(kl_coef=0.1, kl_estimator="k3", tis_cap=2.0))]
+    updates = {}  # one update program per loss configuration, shared by the estimators
+    for name, loss in cases:
+        state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer, jax.random.key(1))
+        if loss not in updates:
+            updates[loss] = jax.jit(make_update_fn(cfg, loss, optimizer), donate_argnames=("state",))
+        fns = make_step_fns(cfg, StepConfig(estimator=name, loss=loss), precision, updates[loss])
+        ref = initial_reference(state.params, loss)
+        steps = 2 if loss.kl_coef > 0 else 1  # the KL term is 0 at the first step (reference = policy)
+        for step in range(steps):
+            state, _, m, host = rl_step(fns, state, source, jax.random.key(step), step, ref)
+            m = jax.device_get(m)
+            assert m["update/skipped"] == 0.0 and np.isfinite(m["update/loss"]), (name, loss)
+            assert abs(m["update/first_ratio_min"] - 1) < 1e-5 and abs(m["update/first_ratio_max"] - 1) < 1e-5
+            if loss.kl_coef > 0:
+                assert (abs(m["update/kl"]) < 1e-6) == (step == 0), (loss, step, m["update/kl"])
+                assert loss.kl_estimator == "k1" or m["update/kl"] >= 0.0  # k3 >= 0 token by token
+            if loss.tis_cap is not None:
+                assert 0.0 <= m["update/tis_clip_frac"] <= 1.0
+        assert int(state.step) == steps

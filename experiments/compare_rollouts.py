@@ -55,9 +55,8 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None) -> 
     rollouts = {"tree": make_tree_rollout(fns, tc),
                 "independent": make_independent_rollout(fns, tc.num_leaves, tc.max_length, tc.segment_length,
                                                         strategy=tc.strategy, stop_ids=tc.stop_ids)}
-    records = task.records("train")
+    records, _, width = loop._filter_prompts(tokenizer, task, task.records("train"), [], cfg)
     pipeline = make_prompt_pipeline(records, batch_size=cfg.prompts_per_step, seed=seed)
-    width = loop._prompt_width(tokenizer, task, records, [], cfg)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     stats = {name: {"decoded": 0, "time_s": 0.0, "correct": [], "lengths": [], "correct_lengths": [],
                     "truncated": 0} for name in rollouts}

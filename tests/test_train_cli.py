@@ -162,8 +162,12 @@ def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):
         assert json.load(f)["steps"] == 2
     steps = sorted(int(d) for d in os.listdir(summary["checkpoint_dir"]) if d.isdigit())
     assert steps[-1] == 2
-    # A longer run in the same folder resumes at step 2 and trains only the missing step.
-    resumed = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
+    # Rerunning the same command is refused (it would train nothing and overwrite the summary) ...
+    with pytest.raises(ConfigError, match="already holds a finished run; pass --resume"):
+        train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
+                   + sum((["--gin_param", p] for p in params), []))
+    # ... a longer run with --resume continues at step 2 and trains only the missing step.
+    resumed = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet", "--resume"]
                          + sum((["--gin_param", p] for p in params[:2] + ["RunConfig.num_steps = 3"] + params[3:]),
                                []))
     # the history is kept across the resume and the run appends to it; "before" stays the original evaluation

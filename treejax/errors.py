@@ -15,7 +15,8 @@ import os
 import time
 import traceback
 
-__all__ = ["ConfigError", "DataError", "ModelFileError", "UserError", "UserFileError", "record_failure"]
+__all__ = ["ConfigError", "DataError", "DivergenceError", "ModelFileError", "UserError", "UserFileError",
+           "record_failure"]
 
 
 class UserError(Exception):
@@ -29,6 +30,11 @@ class ConfigError(UserError, ValueError):
 
 class DataError(UserError, ValueError):
     """A task or dataset: an unknown name or invalid task options."""
+
+
+class DivergenceError(UserError, FloatingPointError):
+    """Training diverged (invalid sampled ids, non-finite log-probs, entropy at the uniform distribution, a
+    parameter-norm jump): the run stops before anything is exported. Usually the learning rate is too high."""
 
 
 class UserFileError(UserError, FileNotFoundError):

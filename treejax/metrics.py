@@ -16,6 +16,7 @@ always has the next step queued while the host converts and writes the previous 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -23,6 +24,9 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
+
+
+_WRITERS = itertools.count()  # event-file names: time (s), host, pid, writer number -> never shared
 
 
 def to_host_scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -91,7 +95,8 @@ class MetricsWriter:
 
         self.logdir = os.fspath(logdir)
         os.makedirs(self.logdir, exist_ok=True)
-        self._writer = SummaryWriter(self.logdir)
+        # the pid in the name: two writers started in the same second never share an event file
+        self._writer = SummaryWriter(self.logdir, filename_suffix=f".{os.getpid()}.{next(_WRITERS)}")
         self.console_keys = console_keys
         self.console_every = console_every
         self.total_steps = total_steps

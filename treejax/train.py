@@ -330,7 +330,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gin_file", action="append", default=None, help="gin config file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
     parser.add_argument("--quiet", action="store_true")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue the run in RunConfig.log_dir, finished or not")
+    mode.add_argument("--overwrite", action="store_true", help="delete the run in RunConfig.log_dir and start over")
     args = parser.parse_args(argv)
+    if args.resume or args.overwrite:
+        args.gin_param = args.gin_param + [f"RunConfig.log_dir_mode = '{'resume' if args.resume else 'overwrite'}'"]
     configure_logging(args.quiet)
 
     from treejax.parallel.mesh import maybe_initialize_distributed

@@ -67,6 +67,10 @@ class RunConfig:
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
+    ``max_prompt_length`` / ``overlong_prompts``: prompts are measured when the run starts (train and eval
+    splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
+    or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
+    a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -101,7 +105,10 @@ class RunConfig:
     remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
     eval: EvalConfig = EvalConfig(num_problems=32, max_new_tokens=48)
     eval_every: int = 0
+    max_prompt_length: int = 1024  # prompts longer than this (tokens, chat template included) are filtered
+    overlong_prompts: str = "filter"  # or "error": refuse the task's data before training
     log_dir: str = "runs/quickstart"
+    log_dir_mode: str = "new"  # "new" | "resume" | "overwrite" (treejax.run_dir)
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     tree_picture_every: int = 1
@@ -118,6 +125,10 @@ class RunConfig:
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         if self.reward_style not in ("pm1", "01"):
             raise ValueError(f"RunConfig.reward_style must be 'pm1' or '01', got {self.reward_style!r}")
+        if self.overlong_prompts not in ("filter", "error"):
+            raise ValueError(f"RunConfig.overlong_prompts must be 'filter' or 'error', got {self.overlong_prompts!r}")
+        if self.max_prompt_length < 1:
+            raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
             raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
         self.step_config()  # validates old_logp, TIS and the estimator's inputs
@@ -205,6 +216,7 @@ class TaskRollouts:
             for k, v in dict(rinfo, **{f"stops/{k}": v for k, v in rinfo.get("stops", {}).items()}).items():
                 if not isinstance(v, dict) and np.ndim(v) == 0:
                     info[k] = info.get(k, 0) + int(v)
+            check_sampled_ids(forest, self.sampler_fns.sampling_vocab_size, step)
             t = time.perf_counter()
             scores = score_forest(self.tokenizer, self.task, examples, forest)
             info["time/scoring_s"] += time.perf_counter() - t
@@ -249,6 +261,39 @@ class TaskRollouts:
         return r
 
 
+def check_sampled_ids(forest: Forest, vocab_size: int, step: int) -> None:
+    """Raises :class:`~treejax.errors.DivergenceError` if the sampler produced ids outside the vocabulary or
+    non-finite log-probs (what a model with non-finite logits does; decoding such ids would crash the tokenizer)."""
+    from treejax.errors import DivergenceError
+
+    valid = np.asarray(forest.segment_index) >= 0
+    tokens, logp = np.asarray(forest.tokens), np.asarray(forest.logprobs)
+    bad_ids = int(np.sum(valid & ((tokens < 0) | (tokens >= vocab_size))))
+    bad_logp = int(np.sum(valid & ~np.isfinite(logp)))
+    if bad_ids or bad_logp:
+        raise DivergenceError(f"step {step + 1}: the sampler produced {bad_ids} token ids outside the vocabulary "
+                              f"and {bad_logp} non-finite log-probs: the policy has diverged (non-finite logits); "
+                              "lower OptimizerConfig.learning_rate")
+
+
+#: Divergence rules on a step's host metrics: entropy within 2% of the uniform distribution's ln(V), or the
+#: parameter norm moving by more than half of its value in one step (typical AdamW steps move it by < 1%).
+ENTROPY_UNIFORM_FRACTION = 0.98
+PARAM_NORM_JUMP = 0.5
+
+
+def divergence(row: dict, prev_param_norm: float | None, vocab_size: int) -> str | None:
+    """Why step ``row`` looks diverged (``None`` if it does not)."""
+    ent, norm = row.get("update/entropy"), row.get("update/param_norm")
+    if norm is not None and not np.isfinite(norm):
+        return f"the parameter norm is {norm}"
+    if ent is not None and ent >= ENTROPY_UNIFORM_FRACTION * np.log(vocab_size):
+        return f"the policy entropy {ent:.2f} is at the uniform distribution's ln(V) = {np.log(vocab_size):.2f}"
+    if norm is not None and prev_param_norm and abs(norm - prev_param_norm) > PARAM_NORM_JUMP * prev_param_norm:
+        return f"the parameter norm jumped from {prev_param_norm:.4g} to {norm:.4g} in one step"
+    return None
+
+
 def _concat_forests(forests: list[Forest]) -> Forest:
     return forests[0] if len(forests) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *forests)
 
@@ -283,17 +328,21 @@ class _Run:
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     """Runs training as configured and returns the summary (also written to ``log_dir/summary.json``)."""
-    r = _setup(cfg, operative_config)
-    try:
-        with r.precision.matmul_context():
-            preempted_at = _train(r)
-        if preempted_at is not None:
-            return _finish_preempted(r, preempted_at)
-        with r.precision.matmul_context():
-            return _finish(r)
-    except BaseException as e:  # record where the run stopped, then let the error surface unchanged
-        record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e)
-        raise
+    from treejax.run_dir import RunLock, prepare_log_dir
+
+    with RunLock(cfg.log_dir):
+        prepare_log_dir(cfg.log_dir, cfg.log_dir_mode)
+        r = _setup(cfg, operative_config)
+        try:
+            with r.precision.matmul_context():
+                preempted_at = _train(r)
+            if preempted_at is not None:
+                return _finish_preempted(r, preempted_at)
+            with r.precision.matmul_context():
+                return _finish(r)
+        except BaseException as e:  # record where the run stopped, then let the error surface unchanged
+            record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e)
+            raise
 
 
 def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
@@ -350,8 +399,8 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         return jitted["fn"](state, jax.device_put(mini, jitted["sh"]))
 
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id), prec, update)
+    train_records, eval_examples, prompt_width = _filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    prompt_width = _prompt_width(tokenizer, task, train_records, eval_examples, cfg)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 
     writer = metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
@@ -405,11 +454,22 @@ def _train(r: _Run) -> int | None:
     pending_host: dict[int, dict] = {}
     history = r.data_state.setdefault("history", [])
 
+    norms = {"prev": None}
+
     def write(ready):
+        from treejax.errors import DivergenceError
+
         for s, values in ready:
             row = dict(pending_host.pop(s), **values)
             r.writer.write_scalars(s, row)
             history.append(dict(row, step=s))
+            why = divergence(row, norms["prev"], r.sampler_fns.sampling_vocab_size)
+            norms["prev"] = row.get("update/param_norm", norms["prev"])
+            if why:
+                if cfg.nonfinite == "raise":
+                    raise DivergenceError(f"step {s}: {why}; stopped before export (nonfinite='raise'); "
+                                          "lower OptimizerConfig.learning_rate")
+                log.warning("step %d: %s: training looks diverged", s, why)
 
     preempted_at = None
     try:
@@ -483,12 +543,37 @@ def _finish(r: _Run) -> dict:
     return summary
 
 
-def _prompt_width(tokenizer, task, train_records, eval_examples, cfg) -> int:
-    """One static prompt width for the run (a power of two covering the longest prompt seen in a scan)."""
+def prompt_cap(cfg: RunConfig) -> int:
+    """The longest prompt a run accepts: ``RunConfig.max_prompt_length``, and ``TreeConfig.max_prompt_length``
+    when that is set and smaller."""
+    limit = cfg.rollout.max_prompt_length
+    return cfg.max_prompt_length if limit is None else min(limit, cfg.max_prompt_length)
+
+
+def _filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
+    """Measures every train and eval prompt once (chat template included) and applies ``overlong_prompts``.
+
+    Returns ``(train_records, eval_examples, prompt_width)``: the width is the power-of-two bucket of the longest
+    kept prompt, so one over-long question can no longer blow up the batch (a 291-token question among ~57-token
+    ones made the width 512 and step 1's update ask for 28.6 GB)."""
+    from treejax.errors import DataError
     from treejax.sampling.decode import bucket_length
 
-    sample = list(train_records[: min(len(train_records), 256)])
-    _, toks = encode_prompts(tokenizer, task, sample, cfg.system_prompt, cfg.instruction)
+    cap = prompt_cap(cfg)
+    _, toks = encode_prompts(tokenizer, task, list(train_records), cfg.system_prompt, cfg.instruction)
     etoks = encode_examples(tokenizer, eval_examples, cfg.system_prompt, cfg.instruction)
-    longest = max(len(t) for t in toks + etoks)
-    return bucket_length(longest + 8)
+    lens, elens = np.array([len(t) for t in toks]), np.array([len(t) for t in etoks], int)
+    over, eover = int(np.sum(lens > cap)), int(np.sum(elens > cap))
+    if over or eover:
+        msg = (f"{over} of {len(lens)} training and {eover} of {len(elens)} evaluation prompts of task "
+               f"{cfg.task!r} are longer than max_prompt_length={cap} tokens (longest: {max(lens.max(), elens.max(initial=0))})")
+        if cfg.overlong_prompts == "error":
+            raise DataError(msg + "; raise RunConfig.max_prompt_length or set RunConfig.overlong_prompts='filter'")
+        log.warning("%s: filtered out", msg)
+        train_records = [r for r, n in zip(train_records, lens) if n <= cap]
+        eval_examples = [e for e, n in zip(eval_examples, elens) if n <= cap]
+    if len(train_records) < cfg.prompts_per_step:
+        raise DataError(f"task {cfg.task!r} has {len(train_records)} usable training prompts, fewer than "
+                        f"prompts_per_step={cfg.prompts_per_step}")
+    kept = [n for n in lens if n <= cap] + [n for n in elens if n <= cap]
+    return train_records, eval_examples, bucket_length(max(kept))

@@ -21,8 +21,8 @@ import numpy as np
 from treejax.forest import Forest, NodeStatus
 
 _LEAF_MARKERS = {
-    NodeStatus.FINISHED: ("o", "finished (answer + EOS)"),
-    NodeStatus.EOS: ("s", "EOS, no answer"),
+    NodeStatus.FINISHED: ("o", "stop token + answer predicate"),
+    NodeStatus.EOS: ("s", "stop token"),
     NodeStatus.TRUNCATED: (">", "truncated (length/depth)"),
     NodeStatus.REPETITION: ("X", "repetition stop"),
     NodeStatus.PRUNED: ("x", "pruned"),
@@ -76,10 +76,15 @@ def tree_layout(forest: Forest, prompt: int = 0) -> dict[int, tuple[float, float
 
 
 def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int = 0, *,
-              title: str | None = None, cmap: str = "RdYlGn", dpi: int = 120) -> str:
+              title: str | None = None, cmap: str = "RdYlGn", dpi: int = 120,
+              reward_range: tuple[float, float] | None = None, correct: Any = None) -> str:
     """Draws prompt ``prompt``'s tree to ``path`` (format from the suffix: ``.png`` or ``.svg``); returns the path.
 
-    ``rewards``: ``[P, W]`` (or ``[W]`` for the drawn prompt) leaf rewards.
+    ``rewards``: ``[P, W]`` (or ``[W]`` for the drawn prompt) leaf rewards. ``reward_range``: the colour scale's
+    ``(low, high)``; give the run's reward range so colours mean the same in every picture (default: this
+    tree's own min/max, so an all -1 tree would be drawn neutral). ``correct``: optional ``[P, W]`` / ``[W]``
+    verifier results, drawn as a check or a cross next to each leaf's reward (the finish reason says only why
+    decoding stopped, not whether the answer was right).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import Normalize
@@ -100,6 +105,10 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     if rewards_W.shape != (forest.num_leaves,):
         raise ValueError(f"draw_tree: rewards must be [P, W] or [W] with W={forest.num_leaves}, got {rewards.shape}")
 
+    correct_W = None
+    if correct is not None:
+        correct = np.asarray(correct, bool)
+        correct_W = correct if correct.ndim == 1 else correct[prompt]
     leaf_path = np.asarray(forest.leaf_path[prompt])
     node_depth = np.asarray(forest.node_depth[prompt])
     node_status = np.asarray(forest.node_status[prompt])
@@ -107,7 +116,7 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     leaf_depth = np.sum(leaf_path[:, 1:] >= 0, axis=-1)
     values = node_values(leaf_path[None], node_depth[None], rewards_W[None])[0]
     pos = tree_layout(forest, prompt)
-    lo, hi = float(np.min(rewards_W)), float(np.max(rewards_W))
+    lo, hi = reward_range if reward_range is not None else (float(np.min(rewards_W)), float(np.max(rewards_W)))
     if hi <= lo:
         lo, hi = lo - 1.0, hi + 1.0
     norm = Normalize(vmin=lo, vmax=hi)
@@ -138,7 +147,10 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
         status = NodeStatus(int(leaf_status[w]))
         marker, label = _LEAF_MARKERS[status]
         ax.scatter([x + 0.28], [y], marker=marker, s=55, color="k", zorder=3)
-        ax.annotate(f"{rewards_W[w]:+.2f}", (x + 0.4, y), va="center", fontsize=7)
+        mark = ""
+        if correct_W is not None:
+            mark = " \u2713" if correct_W[w] else " \u2717"
+        ax.annotate(f"{rewards_W[w]:+.2f}{mark}", (x + 0.4, y), va="center", fontsize=7)
         seen[int(status)] = Line2D([], [], marker=marker, color="k", ls="", label=label)
     ax.legend(handles=[seen[k] for k in sorted(seen)], loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3,
               fontsize=7, title="leaf finish reason", title_fontsize=7, frameon=False)

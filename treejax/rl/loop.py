@@ -294,6 +294,23 @@ def divergence(row: dict, prev_param_norm: float | None, vocab_size: int) -> str
     return None
 
 
+def reward_range(cfg: RunConfig) -> tuple[float, float]:
+    """The run's possible reward range (verifier reward plus the overlong penalty): a fixed colour scale."""
+    lo, hi = (-1.0, 1.0) if cfg.reward_style == "pm1" else (0.0, 1.0)
+    return (lo - (cfg.overlong_factor if cfg.overlong_buffer > 0 else 0.0), hi)
+
+
+def sample_completions(tokenizer, ro: Rollouts, leaves: int = 3) -> str:
+    """A few leaves of the first prompt as Markdown (reward, verifier score, text) for TensorBoard's text tab."""
+    texts = leaf_texts(tokenizer, _take_prompts(ro.forest, np.arange(1)))[0]
+    rewards = np.asarray(ro.rewards_PxW)[0]
+    lines = []
+    for w in range(min(leaves, len(texts))):
+        score = "" if ro.scores_PxW is None else f", score {ro.scores_PxW[0, w]:.2f}"
+        lines.append(f"**leaf {w}** (reward {rewards[w]:+.2f}{score}):\n\n    " + texts[w].replace("\n", "\n    "))
+    return "\n\n".join(lines)
+
+
 def _concat_forests(forests: list[Forest]) -> Forest:
     return forests[0] if len(forests) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *forests)
 
@@ -483,8 +500,10 @@ def _train(r: _Run) -> int | None:
             if cfg.tree_picture_every and done % cfg.tree_picture_every == 0:
                 picture = os.path.join(cfg.log_dir, f"tree_step{done}.png")
                 viz.draw_tree(ro.forest, np.asarray(ro.rewards_PxW), picture, prompt=0,
-                              title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves")
+                              title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves",
+                              reward_range=reward_range(cfg), correct=ro.scores_PxW >= 1.0)
                 r.writer.write_image(done, "rollout/tree", picture)
+                r.writer.write_text(done, "rollout/samples", sample_completions(r.tokenizer, ro))
                 r.data_state["tree_picture"] = os.path.abspath(picture)
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.num_steps:
                 write(deferred.flush())

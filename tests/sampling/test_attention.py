@@ -72,11 +72,12 @@ def test_auto_choice_on_gpu(H, dtype, want):
 
 def test_auto_choice_off_gpu_and_forced_choices():
     for backend in ("cpu", "tpu"):
-        assert attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=256, backend=backend) == "ragged"
+        got = attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=256, backend=backend)
+        assert got == "ragged"
     assert attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=8, backend="gpu") == "ragged"
     for name in ("ragged", "dense"):  # any head size, dtype, backend
         assert attn.resolve_impl(name, head_dim=80, cache_dtype="float32", block_size=8, backend="cpu") == name
-    # forced Pallas: allowed wherever the kernel runs (float32: exact, see test_kernel_precision_...)
+    # forced Pallas: allowed wherever the kernel runs (float32: IEEE dots, test_kernel_gets_one_dtype_...)
     assert attn.resolve_impl("pallas", head_dim=64, cache_dtype="float32", block_size=256, backend="gpu") == "pallas"
     for kw, match in [(dict(head_dim=80), "head_dim 80"), (dict(head_dim=8), "head_dim 8"),
                       (dict(backend="cpu"), "Triton"), (dict(cache_dtype="float64"), "cache dtype float64"),

@@ -32,8 +32,9 @@ Choosing the implementation (:func:`resolve_impl`, once, when the sampler is bui
 inside a trace. The constraints (:func:`pallas_problem`):
 
 * head size ``H`` a power of two in [16, 256]. The kernel loads ``[16, H]`` query and ``[block, H]`` K/V tiles,
-  and the Triton lowering needs every array size to be a power of two (``lowering.py`` l. 286-300); Triton's
-  tensor-core dot needs each dimension >= 16. Non-power-of-two heads (24, 80, 96, ...) take ``"ragged"``.
+  and the Triton lowering needs every array size to be a power of two (``lowering.py`` l. 286-300); heads below
+  16 are left out (a dot shallower than the 16-deep bf16 tensor-core tile; not tried). Non-power-of-two heads
+  (24, 80, 96, ...) take ``"ragged"``.
   Padding them instead (q, k, v zero-padded to the next power of two ``H'``, ``sm_scale = 1/sqrt(H)``, output
   sliced) is exact, but the cache is ``[B, K, L, H]`` in HBM, so the padded K/V is a fresh copy of every layer's
   whole cache at every step: it reads ``L H`` and writes ``L H'`` values per row and KV head whatever the live
@@ -42,8 +43,9 @@ inside a trace. The constraints (:func:`pallas_problem`):
   ``(H' - H) / H`` of the cache (33% at 24 and 96, 60% at 80). The exact ragged path is the simpler correct
   choice; its GPU speed against a padded kernel is for a measurement to settle.
 * the cache length a multiple of 16 (``block_size % 16 == 0``; caches are allocated in multiples of it): the
-  kernel's split length must be >= 16.
-* cache dtype bfloat16, float16 or float32. The kernel's ``pl.dot`` passes no precision
+  kernel's split length and block must be >= 16 (``decode_attention.py`` l. 157-169).
+* cache dtype bfloat16, float16 or float32. ``pl.dot`` takes ``precision=`` or ``allow_tf32=``
+  (``jax/_src/pallas/primitives.py`` l. 503-543) but the kernel passes neither
   (``jax/experimental/pallas/ops/gpu/decode_attention.py`` l. 55-59), so ``lax.dot_general`` takes
   ``jax.default_matmul_precision`` at trace time (``jax/_src/lax/lax.py`` l. 9555-9559), and the Triton lowering
   turns precision DEFAULT/HIGH on float32 operands into TF32 (``lowering.py`` l. 2316, 2358-2359, 2389-2390):

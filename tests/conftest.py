@@ -1,12 +1,25 @@
-"""Test set-up: 8 fake CPU devices for sharding tests, strict rank promotion, slow/gpu markers."""
+"""Test set-up: 8 fake CPU devices for sharding tests, strict rank promotion, slow/gpu/devices markers.
+
+``TREEJAX_TEST_DEVICE=gpu`` runs the suite on the default backend (a GPU) instead: the CPU platform and the fake
+devices are not forced, tests marked ``devices(n)`` skip where fewer than ``n`` devices exist, tests marked
+``gpu`` run, and the session runs with ``jax_default_matmul_precision = "highest"``, so float32 matmuls are full
+fp32 (XLA's GPU default is TF32) and the float32 tolerances stay the CPU ones (bf16 operands keep their bf16
+algorithms; a test or fixture may still ask for another precision explicitly). See README.md, "Running the
+correctness suite on a GPU".
+"""
 
 import os
 
+TEST_DEVICE = os.environ.get("TREEJAX_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "gpu"):
+    raise ValueError(f"TREEJAX_TEST_DEVICE must be 'cpu' or 'gpu', got {TEST_DEVICE!r}")
+
 # Must happen before jax initialises its backends.
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if TEST_DEVICE == "cpu":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -15,15 +28,20 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+ON_GPU = os.environ.get("JAX_PLATFORMS") != "cpu" and jax.default_backend() == "gpu"
+if ON_GPU:  # for the whole session, module-scoped fixtures included (module docstring)
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests are skipped where no GPU is present."""
-    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    """GPU-only tests are skipped where no GPU is present, ``devices(n)`` tests where fewer devices are."""
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (TREEJAX_TEST_DEVICE=gpu)")
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
+        if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+        for mark in item.iter_markers("devices"):
+            if jax.device_count() < mark.args[0]:
+                item.add_marker(pytest.mark.skip(reason=f"needs {mark.args[0]} devices, {jax.device_count()} here"))
 
 
 @pytest.fixture(scope="session")

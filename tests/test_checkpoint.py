@@ -58,6 +58,7 @@ def setup():
     return make_setup()
 
 
+@pytest.mark.devices(8)
 def test_round_trip_exact_and_into_sharding(tmp_path, setup):
     state, batch, update = setup
     state, _ = update(state, batch(0))  # non-trivial optimizer state

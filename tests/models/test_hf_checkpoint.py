@@ -1,5 +1,10 @@
 """HF safetensors loading: logits parity with transformers on tiny random Llama / Qwen2 / Qwen3, sharded
-indexes, sharding placement, and clear errors for bad folders."""
+indexes, sharding placement, clear errors for bad folders, and (GPU) the sampler's decode attention for head sizes
+the Pallas kernel does and does not take against transformers.
+
+Precision: fp32 parameters and compute; on a GPU (``TREEJAX_TEST_DEVICE=gpu``) under ``highest`` matmul
+precision (tests/conftest.py), so the tolerances are the CPU ones: max relative logits error 1e-5 (forward and
+decode steps), greedy tokens equal; decode steps with a bf16 KV cache: 2**-6 relative (see that test)."""
 
 import json
 import os
@@ -22,13 +27,15 @@ FAMILIES = {
 }
 
 
-def make_hf_model(family: str, tie: bool, seed: int = 0):
-    """A tiny random HF model; 1-D params (norms, biases) are perturbed so they are not trivially 1 / 0."""
+def make_hf_model(family: str, tie: bool, seed: int = 0, **overrides):
+    """A tiny random HF model; 1-D params (norms, biases) are perturbed so they are not trivially 1 / 0.
+    ``overrides``: config fields (e.g. ``head_dim``)."""
     cfg_cls, model_cls = FAMILIES[family]
-    hc = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6,
-                 tie_word_embeddings=tie, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                 pad_token_id=0)
+    fields = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tie, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    hc = cfg_cls(**(fields | overrides))
     torch.manual_seed(seed)
     model = model_cls(hc).eval().float()
     with torch.no_grad():
@@ -75,6 +82,7 @@ def test_logits_parity_with_transformers(tmp_path, family, tie):
     assert err <= 1e-5, f"{family}: max relative logits error {err:.2e}"
 
 
+@pytest.mark.devices(8)
 def test_sharded_index_and_shardings(tmp_path):
     """A multi-file checkpoint with model.safetensors.index.json, placed straight into a mesh sharding."""
     model = make_hf_model("qwen2", tie=False, seed=3)
@@ -207,3 +215,93 @@ def test_unexpected_tensor_is_an_error(saved_llama, tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"o_proj\.bias"):
         load_hf_checkpoint(str(folder))
+
+
+# ----------------------------------------------------------------------------------------------- GPU decode
+def tiny_llama_prompts(folder, head_dim: int):
+    """A tiny random Llama (6 query heads over 2 KV heads of size ``head_dim``) saved to and loaded from
+    ``folder``, and 3 left-padded prompts: ``(model, config, params, tokens [3, 11], mask [3, 11])``.
+
+    Weights ~ N(0, 0.05^2): logits of scale ~2, so the teacher-forced logits below check fp32 to ~6e-7 relative
+    on CPU and the smallest top-2 margin of the greedy steps (4e-4) is far above fp32 error."""
+    model = make_hf_model("llama", tie=False, head_dim=head_dim, hidden_size=96, num_attention_heads=6,
+                          initializer_range=0.05)
+    model.save_pretrained(folder)
+    config, params = load_hf_checkpoint(str(folder))
+    assert config.head_dim == head_dim
+    lengths = np.array([11, 7, 4])
+    mask = (np.arange(11)[None, :] >= 11 - lengths[:, None]).astype(np.int64)
+    left = np.zeros((3, 11), np.int64)
+    left[mask > 0] = np.random.RandomState(2).randint(3, config.vocab_size, int(mask.sum()))
+    return model, config, params, left, mask
+
+
+def transformers_greedy(model, left, mask, new_tokens: int = 24):
+    """transformers' fp32 greedy ``generate``: ``(tokens [B, N], logits [B, N, V])``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor(left), attention_mask=torch.tensor(mask), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences.numpy()[:, left.shape[1]:], torch.stack(out.logits, 1).float().numpy()
+
+
+def sampler_greedy(config, params, left, mask, attention: str, new_tokens: int = 24):
+    """The sampler's greedy continuations ``[B, new_tokens]`` of the prompts (fp32 cache)."""
+    from treejax.sampling import decode, strategies
+
+    fns = decode.make_model_fns(config, attention=attention, block_size=16, cache_dtype="float32")
+    right, lens = decode.left_to_right_padded(left, mask)
+    out = decode.generate(params, fns, right, lens, jax.random.key(0), new_tokens, strategies.Greedy(), stop_ids=())
+    return np.asarray(out.tokens)
+
+
+def decode_logits(config, params, left, mask, continuation, attention: str, cache_dtype: str):
+    """Logits ``[B, N, V]`` of the sampler's decode steps (its prefill, cache and attention) fed each prompt and
+    then ``continuation [B, N]`` (teacher forcing)."""
+    from treejax.sampling import attention as attention_lib
+    from treejax.sampling import decode
+
+    fns = decode.make_model_fns(config, attention=attention, block_size=16, cache_dtype=cache_dtype)
+    right, lens = decode.left_to_right_padded(left, mask)
+    B, N = continuation.shape
+    cache = fns.init_cache(B, attention_lib.round_cache_length(right.shape[1] + N, fns.cache_multiple))
+    p = fns.prepare(params)
+    prefill = jax.jit(lambda p, c, t, n: decode.prefill_prompts(fns, p, c, t, n, jnp.arange(B)))
+    cache, pending, position = prefill(p, cache, jnp.asarray(right), jnp.asarray(lens))
+    step = jax.jit(fns.step)
+    logits = []
+    for t in range(N):
+        z, cache = step(p, pending, position + t, cache)
+        logits.append(np.asarray(z))
+        pending = jnp.asarray(continuation[:, t], jnp.int32)
+    return np.stack(logits, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,attention", [(24, "auto"), (80, "auto"), (96, "auto"), (64, "pallas"),
+                                                (128, "pallas")])
+def test_gpu_decode_matches_transformers(tmp_path, head_dim, attention):
+    """fp32 cache through ``"auto"`` (ragged: every fp32 cache, and head sizes 24, 80, 96 at any dtype) and the
+    Pallas kernel (IEEE fp32 dots): transformers' greedy tokens, and its logits along them within 1e-5 relative
+    (measured on CPU: <= 6.8e-7)."""
+    model, config, params, left, mask = tiny_llama_prompts(tmp_path, head_dim)
+    ref_tokens, ref_logits = transformers_greedy(model, left, mask)
+    np.testing.assert_array_equal(sampler_greedy(config, params, left, mask, attention), ref_tokens)
+    logits = decode_logits(config, params, left, mask, ref_tokens, attention, "float32")
+    err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+    assert err <= 1e-5, f"head_dim {head_dim}, {attention}: max relative logits error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [24, 80, 96, 64, 128])
+def test_gpu_decode_bf16_cache_matches_transformers(tmp_path, head_dim):
+    """bf16 KV cache (fp32 model, queries cast to bf16 inside the attention) through ``"auto"``: the Pallas kernel
+    for 64 and 128, ragged for 24, 80, 96. Logits along transformers' greedy tokens within ``2**-6`` relative to
+    its fp32 logits: 4 bf16 unit roundoffs (``u = 2**-8``); K, V, q and the attention probabilities (and in the
+    kernel its partial outputs) are rounded to bf16, each perturbing a layer's attention output by about ``u``
+    relative. Measured on CPU: <= 0.6 u (ragged, dense) and <= 1.2 u (the kernel in Pallas' interpreter)."""
+    model, config, params, left, mask = tiny_llama_prompts(tmp_path, head_dim)
+    ref_tokens, ref_logits = transformers_greedy(model, left, mask)
+    logits = decode_logits(config, params, left, mask, ref_tokens, "auto", "bfloat16")
+    err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+    assert err <= 2.0**-6, f"head_dim {head_dim}: max relative logits error {err:.2e} with a bf16 cache"

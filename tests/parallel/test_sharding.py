@@ -19,6 +19,7 @@ from treejax.rl.update import make_update_fn
 CFG = presets.tiny_config("qwen2.5-0.5b")
 
 
+@pytest.mark.devices(8)
 def test_mesh_shape_axis_types_and_errors():
     mesh = make_mesh(MeshConfig(data=2, fsdp=-1, tensor=2))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
@@ -29,6 +30,7 @@ def test_mesh_shape_axis_types_and_errors():
         make_mesh(MeshConfig(data=-1, fsdp=-1))
 
 
+@pytest.mark.devices(8)
 def test_logical_to_spec_rules():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     assert logical_to_spec(("layers", "embed", "heads", "head_dim"), mesh) == P(None, "fsdp", "tensor", None)
@@ -69,6 +71,7 @@ def _batch(B=8, L=16, seed=0):
     )
 
 
+@pytest.mark.devices(8)
 def test_same_update_on_1_and_8_devices():
     # eps=1 keeps Adam's first step smooth in the gradient (see tests/rl/test_update.py)
     tx = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0, weight_decay=0.1))

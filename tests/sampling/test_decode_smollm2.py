@@ -1,5 +1,7 @@
 """The sampler's greedy decoding on the real SmolLM2-135M-Instruct (embedded GGUF, fp32) equals transformers'
-greedy ``generate`` on the same dequantized weights: 32 new tokens, padded batch of chat prompts."""
+greedy ``generate`` on the same dequantized weights: 32 new tokens, padded batch of chat prompts.
+
+Precision: fp32 weights and cache (``highest`` matmul precision on a GPU, tests/conftest.py): tokens equal."""
 
 import os
 

@@ -23,6 +23,8 @@ from treejax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh
 from treejax.sampling import decode, tree
 from treejax.sampling import strategies as S
 
+pytestmark = pytest.mark.devices(8)  # the 1-vs-8-device comparisons need 8 (fake CPU) devices
+
 # 8 query heads over 4 KV heads, so the cache's KV-head axis splits over tensor=4 (the default tiny config's
 # 2 KV heads do not: see test_cache_sharding_specs)
 CFG = presets.tiny_config("qwen2.5-0.5b", num_heads=8, num_kv_heads=4, true_vocab_size=250)

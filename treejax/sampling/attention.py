@@ -20,7 +20,46 @@ step. Three implementations share the ``attention_fn`` hook of :func:`treejax.mo
 
 Rows with ``pos_b >= L`` are *dead* (their key/value write is dropped by the caller); they are excluded from the
 ragged bound. Scores and the softmax statistics are fp32; ``L`` must be a multiple of the block size (the sampler
-allocates caches that way, :func:`round_cache_length`).
+allocates caches that way, :func:`round_cache_length`). Every implementation casts ``q`` to the cache dtype
+before the score matmul and returns ``q``'s dtype (a float32 model may keep a bfloat16 cache; Triton's dot
+rejects mixed operands: "a and b must have the same element type", ``jax/_src/pallas/triton/lowering.py``
+l. 2431-2435 in jax 0.10.2).
+
+Choosing the implementation (:func:`resolve_impl`, once, when the sampler is built)
+----------------------------------------------------------------------------------
+``"auto"`` takes ``"pallas"`` on a GPU where all of the kernel's constraints hold and the cache is 16-bit,
+``"ragged"`` otherwise; a forced ``"pallas"`` whose constraints do not hold raises a ``ValueError`` then, not
+inside a trace. The constraints (:func:`pallas_problem`):
+
+* head size ``H`` a power of two in [16, 256]. The kernel loads ``[16, H]`` query and ``[block, H]`` K/V tiles,
+  and the Triton lowering needs every array size to be a power of two (``lowering.py`` l. 286-300); heads below
+  16 are left out (a dot shallower than the 16-deep bf16 tensor-core tile; not tried). Non-power-of-two heads
+  (24, 80, 96, ...) take ``"ragged"``.
+  Padding them instead (q, k, v zero-padded to the next power of two ``H'``, ``sm_scale = 1/sqrt(H)``, output
+  sliced) is exact, but the cache is ``[B, K, L, H]`` in HBM, so the padded K/V is a fresh copy of every layer's
+  whole cache at every step: it reads ``L H`` and writes ``L H'`` values per row and KV head whatever the live
+  length, more bytes than the dense path reads, where both kernels exist to read only live slots. Allocating
+  the cache padded avoids the copy but changes the layout that prefill, forking and sharding share and wastes
+  ``(H' - H) / H`` of the cache (33% at 24 and 96, 60% at 80). The exact ragged path is the simpler correct
+  choice; its GPU speed against a padded kernel is for a measurement to settle.
+* the cache length a multiple of 16 (``block_size % 16 == 0``; caches are allocated in multiples of it): the
+  kernel's split length and block must be >= 16 (``decode_attention.py`` l. 157-169).
+* cache dtype bfloat16, float16 or float32. ``pl.dot`` takes ``precision=`` or ``allow_tf32=``
+  (``jax/_src/pallas/primitives.py`` l. 503-543) but the kernel passes neither
+  (``jax/experimental/pallas/ops/gpu/decode_attention.py`` l. 55-59), so ``lax.dot_general`` takes
+  ``jax.default_matmul_precision`` at trace time (``jax/_src/lax/lax.py`` l. 9555-9559), and the Triton lowering
+  turns precision DEFAULT/HIGH on float32 operands into TF32 (``lowering.py`` l. 2316, 2358-2359, 2389-2390):
+  with the default setting a float32 cache would silently get TF32 scores and outputs. :func:`pallas_decode_attention`
+  therefore traces the kernel under ``default_matmul_precision("highest")``, which the lowering maps to IEEE fp32
+  for float32 operands and to the native dot for 16-bit ones (l. 2391-2394): a forced ``"pallas"`` is exact
+  in fp32. ``"auto"`` still gives float32 caches ``"ragged"``: the IEEE-fp32 Triton dot (no tensor cores) was never
+  timed or run on the GPU here, and the XLA path's fp32 matmuls follow the precision policy like the rest of the
+  model.
+* any number of query heads per KV head (the kernel masks its 16-row query tile) and of KV heads.
+
+K/V tiles of the kernel are capped at :data:`PALLAS_TILE_BYTES` (``block * H * itemsize``), the largest tile it
+was measured with (bfloat16, ``H`` = 128, 128 slots: qwen2.5-1.5b on an H200): larger heads or a float32 cache get
+shorter blocks instead of larger tiles.
 """
 
 from __future__ import annotations
@@ -33,6 +72,10 @@ import jax.numpy as jnp
 from jax import lax
 
 ATTENTION_IMPLS = ("ragged", "pallas", "dense", "auto")
+#: Head sizes and cache dtypes the Pallas kernel takes, and its K/V tile cap in bytes (module docstring).
+PALLAS_HEAD_DIMS = (16, 32, 64, 128, 256)
+PALLAS_CACHE_DTYPES = ("bfloat16", "float16", "float32")
+PALLAS_TILE_BYTES = 128 * 128 * 2
 
 
 def round_cache_length(length: int, block_size: int) -> int:
@@ -97,18 +140,25 @@ def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     splits; ``k_splits`` (default: ``ceil(target_programs / (B K))``, at most 16) splits each row's slots only
     when rows are too few to fill the GPU: measured on an H200 (qwen2.5-0.5b cache, 2048 live slots), one split
     ran 256 rows in 75-77 us vs 82 us with 9 splits, and 1024 rows in 255-263 us vs 273 us.
+
+    ``q`` is cast to the cache dtype, and the kernel is traced under ``default_matmul_precision("highest")``
+    (IEEE fp32 dots for a float32 cache instead of TF32; 16-bit dots unchanged): module docstring. Head size and
+    cache length must satisfy :func:`pallas_problem` (checked by :func:`resolve_impl`, not here).
     """
     from jax.experimental.pallas.ops.gpu import decode_attention as pallas_ops
 
     _check(q, k_cache)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
     B, K, L = k_cache.shape[:3]
     if k_splits is None:
         k_splits = min(16, max(1, -(-target_programs // (B * K))))
     splits, block = _pallas_tiling(L, block_size, k_splits)
     live = positions < L
     lengths = jnp.where(live, positions + 1, 1)
-    out = pallas_ops.gqa(q[:, 0], jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2), kv_seq_len=lengths,
-                         k_splits=splits, block_k=block, interpret=interpret)
+    with jax.default_matmul_precision("highest"):
+        out = pallas_ops.gqa(q[:, 0].astype(k_cache.dtype), jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2),
+                             kv_seq_len=lengths, k_splits=splits, block_k=block, interpret=interpret)
     return out[:, None].astype(q.dtype)
 
 
@@ -144,21 +194,47 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return windowed_decode_attention(q, k_cache, v_cache, positions)
 
 
-def resolve_impl(name: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on GPU, ``"ragged"`` elsewhere."""
+def pallas_problem(head_dim: int, cache_dtype, block_size: int, backend: str) -> str | None:
+    """Why the Pallas kernel cannot run this attention (a sentence), or ``None`` if it can (module docstring)."""
+    if backend != "gpu":
+        return f"the Pallas decode kernel is a Triton (GPU) kernel, the backend is {backend!r}"
+    if head_dim not in PALLAS_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {PALLAS_HEAD_DIMS} (Triton tiles are powers of two, dots >= 16)"
+    if jnp.dtype(cache_dtype).name not in PALLAS_CACHE_DTYPES:
+        return f"cache dtype {jnp.dtype(cache_dtype).name} is not one of {PALLAS_CACHE_DTYPES}"
+    if block_size % 16:
+        return f"block_size {block_size} is not a multiple of 16 (cache lengths are multiples of it)"
+    return None
+
+
+def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, backend: str | None = None) -> str:
+    """``"auto"`` -> ``"pallas"`` on a GPU when :func:`pallas_problem` finds none and the cache is 16-bit,
+    ``"ragged"`` otherwise (module docstring); ``"pallas"`` where the kernel cannot run raises ``ValueError``.
+
+    ``backend``: ``jax.default_backend()`` if ``None`` (tests pass ``"gpu"`` to check the GPU choice anywhere).
+    """
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {name!r}")
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "ragged"
-    return name
+    if name in ("ragged", "dense"):
+        return name
+    problem = pallas_problem(head_dim, cache_dtype, block_size, jax.default_backend() if backend is None else backend)
+    if name == "pallas":
+        if problem is not None:
+            raise ValueError(f"attention='pallas' cannot be used: {problem}; use 'auto' or 'ragged'")
+        return name
+    return "pallas" if problem is None and jnp.dtype(cache_dtype).itemsize == 2 else "ragged"
 
 
-def make_decode_attention(name: str = "auto", block_size: int = 256):
-    """The ``attention_fn`` named ``name`` (see module docstring)."""
-    impl = resolve_impl(name)
+def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim: int, cache_dtype,
+                          backend: str | None = None, interpret: bool = False):
+    """The ``attention_fn`` that :func:`resolve_impl` picks for this head size, cache dtype and block size.
+
+    ``interpret``: run the Pallas kernel in Pallas' interpreter (tests off the GPU, with ``backend="gpu"``).
+    """
+    impl = resolve_impl(name, head_dim=head_dim, cache_dtype=cache_dtype, block_size=block_size, backend=backend)
     if impl == "ragged":
         return functools.partial(ragged_decode_attention, block_size=block_size)
     if impl == "pallas":
-        return functools.partial(pallas_decode_attention, block_size=min(block_size, 128))
+        block = min(block_size, 128, PALLAS_TILE_BYTES // (head_dim * jnp.dtype(cache_dtype).itemsize))
+        return functools.partial(pallas_decode_attention, block_size=block, interpret=interpret)
     return dense_decode_attention
-

@@ -103,7 +103,8 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
 
     ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
     blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"dense"``
-    (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU, ragged elsewhere).
+    (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU for power-of-two head sizes
+    and 16-bit caches, ragged otherwise; a ``"pallas"`` the kernel cannot run raises ``ValueError`` here).
     ``fuse``: decode with fused q|k|v and gate|up projections (:func:`treejax.models.transformer.
     fuse_projections`); ``None`` = fuse on a single device only (on a mesh the concatenation would cross a
     tensor-sharded heads axis). ``mesh`` (a ``jax.sharding.Mesh``) / ``rules``: run sharded (see
@@ -111,9 +112,10 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     """
     if fuse is None:
         fuse = jax.device_count() == 1
-    attention = attention_lib.resolve_impl(attention)
     dtype = jnp.dtype(cache_dtype)
-    attn_fn = attention_lib.make_decode_attention(attention, block_size)
+    attention = attention_lib.resolve_impl(attention, head_dim=config.head_dim, cache_dtype=dtype,
+                                           block_size=block_size)
+    attn_fn = attention_lib.make_decode_attention(attention, block_size, head_dim=config.head_dim, cache_dtype=dtype)
 
     def init_cache(rows, length):
         return cache_lib.init_kv_cache(config, rows, length, dtype)

@@ -180,3 +180,16 @@ def test_cli_end_to_end_on_a_checkpoint(tiny, tmp_path, capsys):
     assert texts(res) != texts(base)
     with pytest.raises(FileNotFoundError, match="step 3"):
         cli.main(["--checkpoint", str(run), "--step", "3", "--quiet"])
+
+
+@pytest.mark.slow
+def test_cli_embedded_smollm2_quickstart_task(tmp_path):
+    """The real default: SmolLM2-135M-Instruct on the quickstart's task (settings from configs/quickstart.gin)."""
+    from treejax import evaluate as cli
+
+    res = cli.main(["--num_problems", "4", "--k", "2", "--max_new_tokens", "16", "--batch_size", "4", "--quiet",
+                    "--json", str(tmp_path / "eval.json")])
+    assert res["model"] == "smollm2-135m-instruct" and res["run_config"].endswith("quickstart.gin")
+    assert res["metrics"]["n"] == 4 and all(0.0 <= res["metrics"][k] <= 1.0
+                                            for k in ("accuracy", "pass@1", "pass@2", "maj@2"))
+    assert json.loads((tmp_path / "eval.json").read_text())["metrics"] == res["metrics"]

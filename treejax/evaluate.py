@@ -8,9 +8,9 @@ Greedy accuracy and, with ``--k > 0``, pass@1 / pass@k / maj@k over ``k`` sample
 run's ``log_dir``, its ``checkpoints`` folder or one ``checkpoints/<step>`` folder; ``--step`` picks a step, default
 the latest): only its params are read, onto the model named by ``--model`` (the run's base model by default).
 
-Defaults of model, task, task options, system prompt, instruction, ``--num_problems`` (``RunConfig.eval_size``)
-and ``--max_new_tokens`` (``RunConfig.eval_max_new_tokens``) come from a run config: ``--gin_file`` if given, else
-the checkpoint run's ``operative_config.gin``, else ``configs/quickstart.gin`` (as ``treejax-train`` with no
+Defaults of model, task, task options, system prompt, instruction and the evaluation settings (``RunConfig.eval``,
+or ``RunConfig.eval_size`` / ``eval_max_new_tokens``) come from a run config: ``--gin_file`` if given, else the
+checkpoint run's ``operative_config.gin``, else ``configs/quickstart.gin`` (as ``treejax-train`` with no
 arguments). Flags override them. Prints a table and, with ``--json``, writes the results there; writes nothing
 else (no training state, no logs).
 
@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-__all__ = ["main", "console_main", "resolve_checkpoint"]
+__all__ = ["console_main", "eval_defaults", "main", "resolve_checkpoint"]
 
 
 def resolve_checkpoint(path: str, step: int | None = None) -> tuple[str, int | None]:
@@ -82,12 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--split", default="eval", help="task split to evaluate (default: the held-out 'eval')")
     ap.add_argument("--system_prompt", default=None, help="default: RunConfig.system_prompt (None: the task's)")
     ap.add_argument("--instruction", default=None, help="default: RunConfig.instruction (None: the task's)")
-    ap.add_argument("--num_problems", type=int, default=None, help="default: RunConfig.eval_size")
-    ap.add_argument("--k", type=int, default=d.k, help="samples per problem for pass@k / maj@k (0: greedy only)")
-    ap.add_argument("--temperature", type=float, default=d.temperature)
-    ap.add_argument("--max_new_tokens", type=int, default=None, help="default: RunConfig.eval_max_new_tokens")
-    ap.add_argument("--batch_size", type=int, default=d.batch_size)
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--num_problems", type=int, default=None, help="default: the run config's evaluation size")
+    ap.add_argument("--k", type=int, default=None, help="samples per problem for pass@k / maj@k, 0: greedy only "
+                    f"(default: the run config's, else {d.k})")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help=f"temperature of the k samples (default: the run config's, else {d.temperature})")
+    ap.add_argument("--max_new_tokens", type=int, default=None, help="default: the run config's evaluation budget")
+    ap.add_argument("--batch_size", type=int, default=None, help=f"default: the run config's, else {d.batch_size}")
+    ap.add_argument("--seed", type=int, default=None, help=f"default: the run config's, else {d.seed}")
     ap.add_argument("--json", default=None, help="write the results (and settings) to this JSON file")
     ap.add_argument("--details", action="store_true", help="include per-problem responses in the JSON")
     ap.add_argument("--quiet", action="store_true")
@@ -103,6 +105,23 @@ def format_table(metrics: dict) -> str:
     for k, v in rows:
         lines.append(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     return "\n".join(lines)
+
+
+def eval_defaults(run_cfg) -> dict:
+    """EvalConfig fields from a RunConfig: its ``eval`` (an EvalConfig) if it has one, else ``eval_size`` and
+    ``eval_max_new_tokens`` on top of the EvalConfig defaults (RunConfig versions before ``RunConfig.eval``)."""
+    from treejax.rl.evaluation import EvalConfig
+
+    names = [f.name for f in dataclasses.fields(EvalConfig)]
+    ev = getattr(run_cfg, "eval", None)
+    if dataclasses.is_dataclass(ev):
+        return {n: getattr(ev, n) for n in names if hasattr(ev, n)}
+    out = dataclasses.asdict(EvalConfig())
+    if hasattr(run_cfg, "eval_size"):
+        out["num_problems"] = run_cfg.eval_size
+    if hasattr(run_cfg, "eval_max_new_tokens"):
+        out["max_new_tokens"] = run_cfg.eval_max_new_tokens
+    return out
 
 
 def _run_config(args, checkpoint_root):
@@ -145,10 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     task_options.update(dict(args.task_option))
     system_prompt = args.system_prompt if args.system_prompt is not None else run_cfg.system_prompt
     instruction = args.instruction if args.instruction is not None else run_cfg.instruction
-    config = EvalConfig(num_problems=args.num_problems if args.num_problems is not None else run_cfg.eval_size,
-                        max_new_tokens=args.max_new_tokens if args.max_new_tokens is not None
-                        else run_cfg.eval_max_new_tokens,
-                        batch_size=args.batch_size, k=args.k, temperature=args.temperature, seed=args.seed)
+    defaults = eval_defaults(run_cfg)
+    config = EvalConfig(**{name: getattr(args, name) if getattr(args, name) is not None else value
+                           for name, value in defaults.items()})
 
     t0 = time.perf_counter()
     model_config, params, tokenizer = load_model(model, param_dtype=args.param_dtype or run_cfg.param_dtype)

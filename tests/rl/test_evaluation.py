@@ -1,9 +1,11 @@
 """Held-out evaluation: pass@k / maj@k estimators on hand examples, evaluate() on a tiny model, and the
 evaluation-only CLI end to end on a tiny HF folder plus an orbax checkpoint of a (fake) run."""
 
+import dataclasses
 import json
 import math
 import os
+import types
 
 import jax
 import numpy as np
@@ -132,6 +134,16 @@ def test_evaluate_tiny_model_metrics_match_their_definitions(tiny):
 
 
 # ----------------------------------------------------------------------------------------------- the CLI
+def test_cli_eval_defaults_from_either_run_config_shape():
+    from treejax.evaluate import eval_defaults
+
+    nested = types.SimpleNamespace(eval=E.EvalConfig(num_problems=7, max_new_tokens=9, k=4, temperature=0.7))
+    assert eval_defaults(nested) == dataclasses.asdict(E.EvalConfig(num_problems=7, max_new_tokens=9, k=4,
+                                                                     temperature=0.7))
+    flat = types.SimpleNamespace(eval_size=5, eval_max_new_tokens=11)
+    assert eval_defaults(flat) == dataclasses.asdict(E.EvalConfig(num_problems=5, max_new_tokens=11))
+
+
 def test_cli_end_to_end_on_a_checkpoint(tiny, tmp_path, capsys):
     """A tiny HF folder + a run folder holding an orbax checkpoint of changed params and an operative config:
     treejax-eval restores the params (the greedy responses change), reads the task settings from the run's config,
@@ -150,11 +162,16 @@ def test_cli_end_to_end_on_a_checkpoint(tiny, tmp_path, capsys):
     with Checkpointer(run / "checkpoints") as ckpt:
         ckpt.save(2, TrainState.create(params, make_optimizer(OptimizerConfig()), jax.random.key(1)), force=True)
         ckpt.save(4, TrainState.create(trained, make_optimizer(OptimizerConfig()), jax.random.key(1)), force=True)
+    from treejax.rl.loop import RunConfig
+
+    if "eval" in {f.name for f in dataclasses.fields(RunConfig)}:  # RunConfig.eval: an EvalConfig
+        eval_lines = "RunConfig.eval = @EvalConfig()\nEvalConfig.num_problems = 3\nEvalConfig.max_new_tokens = 5\n"
+    else:  # older RunConfig: eval_size / eval_max_new_tokens
+        eval_lines = "RunConfig.eval_size = 3\nRunConfig.eval_max_new_tokens = 5\n"
     (run / "operative_config.gin").write_text(
         f"RunConfig.model = '{folder}'\nRunConfig.task = 'chain_sum_2x1'\n"
         "RunConfig.task_options = {'size': 16, 'eval_size': 4, 'seed': 0, 'system_prompt': None, "
-        "'instruction': 'Answer with just the number.', 'extraction': 'last_number'}\n"
-        "RunConfig.eval_size = 3\nRunConfig.eval_max_new_tokens = 5\n")
+        "'instruction': 'Answer with just the number.', 'extraction': 'last_number'}\n" + eval_lines)
     before = sorted((p, os.path.getmtime(os.path.join(p, f))) for p, _, fs in os.walk(run) for f in fs)
 
     out_json = str(tmp_path / "eval.json")

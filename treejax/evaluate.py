@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run config(s) giving the defaults of model, task, task options, prompts and eval sizes "
                          "(default: the checkpoint run's operative_config.gin, else configs/quickstart.gin)")
     ap.add_argument("--gin_param", action="append", default=[], help="gin binding on top of --gin_file (repeatable)")
-    ap.add_argument("--param_dtype", default=None, help="default: RunConfig.param_dtype")
+    ap.add_argument("--param_dtype", default=None, help="dtype the model and checkpoint params are loaded in "
+                    "(default: the run config's master-weight dtype)")
     ap.add_argument("--task", default=None, help="default: RunConfig.task (with its task_options)")
     ap.add_argument("--task_option", action="append", default=[], type=_task_option,
                     help="task option key=value on top of the run config's (value parsed as JSON when it can be); "
@@ -124,6 +126,19 @@ def eval_defaults(run_cfg) -> dict:
     return out
 
 
+def _precision(run_cfg, param_dtype: str | None):
+    """``(load_model kwargs, sampler cast, matmul context)`` as the run's training loop evaluates: from
+    ``RunConfig.precision`` when the run config has one (master weights in its ``param_dtype``, the sampler's weight
+    copy in its ``sampler_dtype``), else ``RunConfig.param_dtype`` and no cast. ``param_dtype`` overrides."""
+    prec = getattr(run_cfg, "precision", None)
+    if prec is not None and hasattr(prec, "resolve"):
+        r = prec.resolve()
+        kwargs = {"param_dtype": param_dtype or r.param_dtype, "compute_dtype": r.compute_dtype}
+        return kwargs, r.sampler_params, r.matmul_context
+    return ({"param_dtype": param_dtype or getattr(run_cfg, "param_dtype", "float32")}, lambda p: p,
+            contextlib.nullcontext)
+
+
 def _run_config(args, checkpoint_root):
     """The RunConfig whose settings are the defaults (and the gin file it came from)."""
     from treejax import train
@@ -169,13 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
                            for name, value in defaults.items()})
 
     t0 = time.perf_counter()
-    model_config, params, tokenizer = load_model(model, param_dtype=args.param_dtype or run_cfg.param_dtype)
+    load_kwargs, sampler_params, matmul_context = _precision(run_cfg, args.param_dtype)
+    model_config, params, tokenizer = load_model(model, **load_kwargs)
     if root is not None:
         from treejax.checkpoint import restore_params
 
         params, step = restore_params(root, params, step)
-        params = jax.device_put(params)
         log.info("restored the params of step %d from %s", step, root)
+    params = sampler_params(jax.device_put(params))
     task = get_task(task_name, **task_options)
     examples = []
     for ex in task.examples(args.split):
@@ -185,8 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not examples:
         raise ValueError(f"task {task_name!r} has no {args.split!r} examples")
     width = prompt_width_for(tokenizer, examples, system_prompt, instruction)
-    metrics = evaluate(params, model_config, tokenizer, task, examples, width, config, system_prompt=system_prompt,
-                       instruction=instruction, with_details=args.details)
+    with matmul_context():
+        metrics = evaluate(params, model_config, tokenizer, task, examples, width, config,
+                           system_prompt=system_prompt, instruction=instruction, with_details=args.details)
     elapsed = time.perf_counter() - t0
 
     label = model + (f" + checkpoint step {step} ({root})" if root is not None else "")

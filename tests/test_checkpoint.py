@@ -168,3 +168,31 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, setup):
     resumed, _ = _run(resumed, batch, update, data["next_index"], target)
     uninterrupted, _ = _run(state0, batch, update, 0, target)
     _assert_tree_equal(resumed, uninterrupted)
+
+
+def test_restore_params_only(tmp_path):
+    """Only the params come back (cast to the target dtypes), by step or the latest; mismatched names/shapes are a
+    clear error; nothing is written into the checkpoint folder."""
+    from treejax.checkpoint import restore_params
+
+    params = transformer.init_params(CFG, jax.random.PRNGKey(0))
+    later = jax.tree.map(lambda x: x + 1, params)
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        ckpt.save(1, TrainState.create(params, TX, jax.random.PRNGKey(1)), {"rl_step": 1}, force=True)
+        ckpt.save(3, TrainState.create(later, TX, jax.random.PRNGKey(1)), {"rl_step": 3}, force=True)
+    listing = sorted(os.walk(tmp_path))
+    got, step = restore_params(tmp_path / "ck", params)
+    assert step == 3
+    _assert_tree_equal(got, jax.device_get(later))
+    got, step = restore_params(tmp_path / "ck", jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), step=1)
+    assert step == 1 and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+    np.testing.assert_array_equal(np.asarray(got["embed"], np.float32),
+                                  np.asarray(params["embed"].astype(jnp.bfloat16), np.float32))
+    other = transformer.init_params(presets.tiny_config("qwen2.5-0.5b"), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="do not match"):
+        restore_params(tmp_path / "ck", other)
+    with pytest.raises(FileNotFoundError, match="step 2"):
+        restore_params(tmp_path / "ck", params, step=2)
+    with pytest.raises(FileNotFoundError):
+        restore_params(tmp_path / "missing", params)
+    assert sorted(os.walk(tmp_path)) == listing

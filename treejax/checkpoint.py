@@ -33,6 +33,7 @@ import signal
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -155,3 +156,46 @@ class PreemptionHandler:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+
+def restore_params(directory: str | os.PathLike, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
+    """Only the ``params`` of a :class:`Checkpointer`'s saved ``TrainState`` (optimizer state, step and key are not
+    read), cast to ``abstract_params``' dtypes; returns ``(params, step)``. Read-only: nothing is created or written.
+
+    ``directory``: a checkpoint root as given to :class:`Checkpointer` (one folder per step); ``step``: default the
+    latest. ``abstract_params``: the params pytree (arrays or ``jax.ShapeDtypeStruct``) the checkpoint was trained
+    from, e.g. the output of ``load_model`` for the same model; leaves come back as host (NumPy) arrays.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint steps in {directory}")
+    step = steps[-1] if step is None else int(step)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {directory}; have {steps}")
+    path = os.path.join(directory, str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    # Check names and shapes against the checkpoint's metadata first: a partial restore does not.
+    meta = checkpointer.metadata(path)
+    meta = getattr(meta, "item_metadata", meta)  # StepMetadata (newer orbax) or the tree metadata itself
+    meta = getattr(meta, "tree", meta)
+    if not isinstance(meta, dict) or "params" not in meta:
+        raise ValueError(f"{path} holds no 'params' (is it a treejax TrainState checkpoint?)")
+
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in leaves}
+
+    saved, wanted = shapes(meta["params"]), shapes(abstract_params)
+    if saved != wanted:
+        diff = sorted(set(saved.items()) ^ set(wanted.items()))[:6]
+        raise ValueError(f"the params saved in {path} do not match the model's ({len(saved)} saved, {len(wanted)} "
+                         f"expected arrays); first differences (name, shape): {diff}")
+    target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)}
+    restore_args = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype), target)
+    out = checkpointer.restore(
+        path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
+    return out["params"], step

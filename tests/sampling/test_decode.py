@@ -190,6 +190,139 @@ def test_inverse_cdf_sample_frequencies(V, block):
         assert np.all(got == hot)
 
 
+# ---------------------------------------------------------------------------------------- exactness of the draw
+_exps_from_bits = jax.jit(S._exponentials_from_bits)
+_draw_exps = jax.jit(S._draw_from_exponentials)
+
+
+def _exps_of(K):
+    """The generator's Exp(1) variates of 64-bit integers ``K`` (Python ints)."""
+    K = [int(k) for k in K]
+    hi = np.array([k >> 32 for k in K], np.uint32)
+    lo = np.array([k & 0xFFFFFFFF for k in K], np.uint32)
+    return np.asarray(_exps_from_bits(jnp.asarray(hi), jnp.asarray(lo)), np.float64)
+
+
+def _generator_cdf(x, survival=False):
+    """``P(E <= x)`` (or ``P(E > x)``) of the 64-bit generator, exactly: ``#{K : E(K) <= x} / 2^64`` found by
+    bisection on ``K`` (``E`` is non-decreasing in ``K`` up to fp32 rounding, which moves the count by a relative
+    ~1e-7)."""
+    x = np.asarray(x, np.float64)
+    lo, hi = [0] * x.size, [1 << 64] * x.size  # E(K) <= x for K < lo; E(K) > x for K >= hi
+    for _ in range(65):
+        mid = [(a + b) // 2 for a, b in zip(lo, hi)]
+        below = _exps_of([min(m, (1 << 64) - 1) for m in mid]) <= x
+        lo = [m + 1 if bl and h - a > 0 else a for m, bl, a, h in zip(mid, below, lo, hi)]
+        hi = [h if bl else m for m, bl, h in zip(mid, below, hi)]
+    return np.array([float((1 << 64) - h if survival else h) for h in hi]) / 2.0 ** 64
+
+
+def test_exponentials_from_bits_extremes_and_distribution():
+    """Every bit pattern gives a finite E > 0; both tails follow Exp(1) to relative 1e-5 (1e-15 <= x <= 30), plus
+    the 2^-64 grid of the 64-bit integers (relative 5e-5 at x = 1e-15)."""
+    E = _exps_of([0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 2, (1 << 64) - 1])
+    assert np.all(np.isfinite(E)) and np.all(E > 0)
+    np.testing.assert_allclose(E[:2], [0.5 * 2.0 ** -64, 1.5 * 2.0 ** -64], rtol=1e-6)  # K = 0: W = 2^-65, not 0
+    np.testing.assert_allclose(E[2:4], np.log(2.0), rtol=1e-6)  # continuous across the two branches
+    np.testing.assert_allclose(E[4:], [-np.log(1.5 * 2.0 ** -64), -np.log(0.5 * 2.0 ** -64)], rtol=1e-6)
+    small = np.array([1e-15, 1e-12, 1e-9, 1e-6, 1e-3, 0.1, 0.6931])
+    np.testing.assert_allclose(_generator_cdf(small), -np.expm1(-small), rtol=1e-5, atol=2.0 ** -64)
+    large = np.array([0.6932, 1.0, 3.0, 10.0, 20.0, 30.0])
+    np.testing.assert_allclose(_generator_cdf(large, survival=True), np.exp(-large), rtol=1e-5)
+
+
+def _two_id_logits(V, heavy, light, p_light):
+    z = np.full(V, -np.inf, np.float32)
+    z[heavy], z[light] = 0.0, np.log(p_light / (1 - p_light))
+    return z
+
+
+@pytest.mark.parametrize("V,block,heavy,light", [
+    (256, 128, 1, 0),      # the light id first in the vocabulary (the old sampler's u = 0 returned it)
+    (256, 128, 60, 61),    # right after the heavy id, same block (lost in fl(1 + p) = 1 by the old sampler)
+    (300, 128, 5, 130),    # a light block after a heavy block (the block race)
+    (300, 128, 298, 299),  # the last id, in the padded last block
+])
+@pytest.mark.parametrize("p_light", [1e-9, 1e-12])
+def test_exact_draw_preimage_has_the_id_probability(V, block, heavy, light, p_light):
+    """Deterministic check of ``P(y = light) = p_light`` (relative 1e-5) for the draw as implemented: the pure
+    transform with the heavy id's variate at the Gauss-Laguerre nodes ``x_i``, the light id's variate ``t``
+    bisected to the edge ``t_i`` of its preimage ``{t : y = light}`` (an interval ``(0, t_i]``), and
+    ``P = sum_i w_i P_gen(E <= t_i)`` with the 64-bit generator's exact CDF. The two ids race at the block level
+    when they lie in different blocks, else inside their block."""
+    nb = -(-V // block)
+    z = _two_id_logits(V, heavy, light, p_light)
+    x, w = np.polynomial.laguerre.laggauss(24)  # int_0^inf e^-x f(x) dx ~= sum w_i f(x_i)
+    n = x.size
+    same_block = heavy // block == light // block
+
+    def draw(t):
+        eb, ei = np.ones((n, nb), np.float32), np.ones((n, block), np.float32)
+        if same_block:
+            ei[:, heavy % block], ei[:, light % block] = x, t
+        else:
+            eb[:, heavy // block], eb[:, light // block] = x, t
+        return np.asarray(_draw_exps(jnp.broadcast_to(jnp.asarray(z), (n, V)), jnp.asarray(eb), jnp.asarray(ei)))
+
+    assert set(np.unique(draw(np.ones(n)))) == {heavy}  # equal variates: the heavier id, never the first one
+    lo, hi = np.full(n, -80.0), np.full(n, 5.0)  # log t: the light id wins at lo, the heavy one at hi
+    assert np.all(draw(np.exp(lo)) == light) and np.all(draw(np.exp(hi)) == heavy)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = draw(np.exp(mid).astype(np.float32))
+        assert np.all((got == light) | (got == heavy))
+        lo, hi = np.where(got == light, mid, lo), np.where(got == light, hi, mid)
+    prob = np.sum(w * _generator_cdf(np.exp(lo)))
+    print(f"P(y = {light}) = {prob:.6e} vs p = {p_light:.1e}: relative error {prob / p_light - 1:+.1e}")
+    np.testing.assert_allclose(prob, p_light, rtol=1e-5)
+
+
+def test_exact_draw_extreme_variates_never_pick_masked_ids():
+    """Variates at the generator's extremes (all bits 0 / all bits 1) on every slot, or the smallest variate on the
+    masked slots only: the draw is an id with mass (the most probable one when all variates are equal)."""
+    V, block = 300, 128
+    z = np.full(V, -np.inf, np.float32)
+    z[[0, 7, 130, 299]] = [np.log(1e-9), 2.0, 1.0, -30.0]
+    e_min, e_max = _exps_of([0, (1 << 64) - 1])
+    zz = jnp.broadcast_to(jnp.asarray(z), (2, V))
+    for value in (e_min, e_max):
+        got = np.asarray(_draw_exps(zz, jnp.full((2, 3), value, jnp.float32), jnp.full((2, block), value, jnp.float32)))
+        assert np.all(got == 7)
+    masked_small = np.full((2, block), e_max, np.float32)
+    masked_small[:, [1, 2, 3, 127]] = e_min  # masked positions inside block 0
+    eb = np.array([[e_max, e_min, e_max], [e_max, e_max, e_min]], np.float32)  # block 2 holds only id 299
+    got = np.asarray(_draw_exps(zz, jnp.asarray(eb), jnp.asarray(masked_small)))
+    assert got.tolist() == [130, 299]
+    # a light id at the front wins only when its own variate is small enough: t / e_0 < x / e_7
+    ei = np.ones((2, block), np.float32)
+    ei[:, 0] = np.float32(1e-9 * np.exp(-2.0)) * np.array([0.99, 1.01], np.float32)
+    got = np.asarray(_draw_exps(zz, jnp.ones((2, 3), jnp.float32), jnp.asarray(ei)))
+    assert got.tolist() == [0, 7]
+
+
+def test_exact_draw_monte_carlo_rare_ids():
+    """1M draws of a row where ids of probability 1e-5 sit right after a dominant id and at id 0: counts within 5
+    binomial standard deviations (+5 draws); rows do not depend on the batch they are drawn in."""
+    V, block, n, chunk = 32, 4, 1_000_000, 250_000
+    z = np.full(V, -np.inf, np.float32)
+    p = np.zeros(V)
+    p[[0, 12, 13, 30]] = [1e-5, 1e-5, 1e-3, 1e-4]
+    p[11] = 1 - p.sum()
+    z[p > 0] = np.log(p[p > 0])
+    # the logits are an argument: a closed-over constant row would be constant-folded by XLA (slow compile)
+    draw = jax.jit(lambda k, zr: S.inverse_cdf_sample(jax.random.split(k, chunk), jnp.broadcast_to(zr, (chunk, V)),
+                                                      block))
+    counts = sum(np.bincount(np.asarray(draw(jax.random.key(c), jnp.asarray(z))), minlength=V)
+                 for c in range(n // chunk))
+    assert counts[p == 0].sum() == 0
+    bound = 5 * np.sqrt(n * p * (1 - p)) + 5
+    assert np.all(np.abs(counts - n * p) <= bound), (counts[p > 0], n * p[p > 0])
+    keys = jax.random.split(jax.random.key(0), 6)
+    zz = jnp.broadcast_to(jnp.asarray(z), (6, V))
+    np.testing.assert_array_equal(S.inverse_cdf_sample(keys[:3], zz[:3], block),
+                                  S.inverse_cdf_sample(keys, zz, block)[:3])
+
+
 def test_token_statistics_match_log_softmax():
     rng = np.random.RandomState(0)
     z = rng.randn(5, 40).astype(np.float32) * 2

@@ -446,7 +446,7 @@ def _evaluate(r: _Run, step: int) -> dict:
                    r.eval_examples, r.prompt_width, r.cfg.eval, system_prompt=r.cfg.system_prompt,
                    instruction=r.cfg.instruction)
     out = dict(out, step=step, wall_s=time.perf_counter() - r.t_start, eval_s=time.perf_counter() - t)
-    scalars = {f"eval/{k}": v for k, v in out.items() if k not in ("n", "step", "wall_s")}
+    scalars = {f"eval/{k}": v for k, v in out.items() if k not in ("n", "k", "step", "wall_s")}
     r.writer.write_scalars(step, scalars)
     r.writer.write_scalars(int(out["wall_s"]), {f"eval_wallclock/{k.split('/', 1)[1]}": v
                                                 for k, v in scalars.items()}, console=False)

@@ -157,47 +157,100 @@ def get_strategy(name: str, **kwargs) -> Strategy:
 
 
 def inverse_cdf_sample(keys_B: jax.Array, logits_BxV: jax.Array, block: int = 128) -> jax.Array:
-    """Exact draw ``y_b ~ softmax(z_b)`` with one uniform per row (two-level inverse CDF).
+    """Draw ``y_b ~ softmax(z_b)``, right to a relative ~1e-6 for every id of probability >~ 1e-13 (see Precision).
 
-    ``jax.random.categorical`` draws one Gumbel variate per vocabulary entry (``B x V`` threefry hashes, e.g.
-    39M per step at 256 rows of Qwen's 151,936 ids). Here a row needs one ``u ~ U(0, 1)``:
+    (The name is historical: the draw was a one-uniform inverse CDF until it was found to be biased at small
+    probabilities, see below. The signature and the per-row keys are unchanged.)
 
-        e_v = exp(z_v - max z),   the vocabulary cut into blocks of ``block`` ids with masses s_j = sum_{v in j} e_v,
-        c_j = s_0 + ... + s_j,    t = u * c_last,
-        j*  = first block with c_j >= t (and s_j > 0),   then inside it
-        y   = first id v of j* with (c_{j*} - s_{j*}) + e_{j*,0} + ... + e_v >= t (and e_v > 0),
+    **Method: a two-level exponential race.** With ``e_v = exp(z_v - max z)``, the vocabulary cut into blocks of
+    ``block`` ids with masses ``s_j = sum_{v in j} e_v`` and ``S = sum_j s_j``, and independent ``Exp(1)`` variates
+    ``E_j`` (one per block) and ``E'_c`` (one per position inside a block)::
 
-    i.e. ``y = F^{-1}(u)`` for the CDF ``F`` of ``softmax(z)`` in vocabulary order, so ``P(y = v) = p_v`` up to
-    fp32 rounding of the partial sums (relative ~1e-7). Ids with ``z = -inf`` have ``e = 0`` and are never picked:
-    the ``> 0`` conditions also guard against rounding (a block/id chosen past the last cumulative sum falls back
-    to the last one with mass). Cost: one ``exp`` pass and one block reduction over ``[B, V]``, then work on
-    ``[B, V / block]`` and ``[B, block]``.
+        J = argmin_j E_j / s_j            P(J = j)         = s_j / S     (E_j / s_j ~ Exp(s_j): the first of
+        y = J*block + argmin_c E'_c / e_{J,c}   P(y = v | J = j) = e_v / s_j  independent exponential clocks rings
+                                                                          with probability rate / total rate)
+
+    so ``P(y = v) = e_v / S = p_v`` exactly in real arithmetic — for every id, wherever it sits in the vocabulary.
+    It is Gumbel-max (``-log E`` is a Gumbel variate) done block-wise: ``jax.random.categorical`` needs ``B x V``
+    variates (39M per step at 256 rows of Qwen's 151,936 ids), this needs ``B x (V/block + block)`` (2x32 random
+    bits each). There are no cumulative sums, hence no position-dependent rounding.
+
+    **Precision.** (1) Each ``E`` comes from 64 random bits ``K``: ``W = (K + 1/2) 2^-64`` (never 0 or 1);
+    ``E = -log1p(-W)`` when ``W < 1/2``, else ``E = -log(1 - W)`` with ``1 - W = (~K + 1/2) 2^-64`` formed from the
+    complemented bits, so the argument of either branch is a number in ``(0, 1/2]`` known to fp32 *relative*
+    precision (~2^-23, not to an absolute 2^-24 as a float32 uniform in [0, 1) is). Hence ``|P(E <= x) - (1 -
+    e^-x)| <= 2^-65 + ~1e-7 x`` and ``|P(E > x) - e^-x| <= 2^-65 + ~1e-7 x e^-x``: both tails are right to a
+    relative ~1e-6 over ``3e-14 <= x <= 10`` (3e-6 at ``x = 30``). Small ``E`` is what matters: a light id beats a
+    heavy one when ``E_light < (p_light / p_heavy) E_heavy``, an event of probability ~``p_light / p_heavy``. (2) The
+    keys ``E / s`` are rounded to fp32 (relative 2^-24): the order of two keys flips only when they agree to ~2^-23,
+    which moves each probability by a relative ~1e-7. (3) ``e_v`` and ``s_j`` carry the relative error of any fp32
+    softmax (~1e-7 times ``|z_v - max z|``, plus the block sum's). Together: ``P(y = v) = p_v (1 + d) + a`` with
+    ``|d| <~ 1e-6`` and ``|a| <~ (V/block + block) 2^-64 < 1e-16`` (the grid of ``W``), for every id whose ``e_v`` is
+    a normal fp32 number (``p_v >~ 1e-38 max p``); smaller ones flush to 0 and, like ids with ``z = -inf``, are never
+    drawn. An id of probability 1e-9 is drawn with probability 1e-9 (1 +- 1e-6), also at id 0 and right after a
+    dominant id (``tests/sampling/test_decode.py`` integrates the exact preimage of such ids: relative error ~1e-6).
+
+    The previous one-uniform inverse CDF ``y = F^{-1}(u)`` claimed "``P(y = v) = p_v`` up to fp32 rounding
+    (relative ~1e-7)", but its errors were *absolute*, ~2^-24 of the total mass, i.e. relative ``6e-8 / p_v``:
+    ``u`` had a 2^-23 grid and ``u = 0`` (probability 2^-23) returned the first id with any mass, so an id of
+    probability 1e-9 at the front was drawn ~1.2e-7 of the time, and an id of probability 5e-8 right after a
+    dominant one was lost in the rounding of the cumulative sum (``fl(1 + 5e-8) = 1``) and never drawn.
+
+    Cost: one fused ``exp``-and-block-sum reduction over ``[B, V]`` (``exp(z - max z)`` is not stored: the chosen
+    block's ``e`` is recomputed from its ``block`` logits), ``2 B (V/block + block)`` random words, then divisions
+    and arg-mins over ``[B, V/block]`` and ``[B, block]``. Rows with no finite logit are undefined (as for
+    ``jax.random.categorical``).
     """
     B, V = logits_BxV.shape
     nb = -(-V // block)
+    bits = jax.vmap(lambda k: jax.random.bits(k, (2, nb + block), jnp.uint32))(keys_B)  # [B, 2, nb + block]
+    exps = _exponentials_from_bits(bits[:, 0], bits[:, 1])
+    return _draw_from_exponentials(logits_BxV, exps[:, :nb], exps[:, nb:])
+
+
+def _exponentials_from_bits(hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """``Exp(1)`` variates (fp32, finite, > 0) from 64 random bits ``K = hi * 2^32 + lo`` (``uint32`` arrays).
+
+    ``W = (K + 1/2) 2^-64``; ``E = -log1p(-W)`` if ``W < 1/2`` (top bit 0), else ``E = -log(1 - W)`` where
+    ``1 - W = (~K + 1/2) 2^-64`` uses the complemented bits: both branches see a number in ``(0, 1/2]`` with fp32
+    relative precision, so small and large ``E`` are both resolved (``E`` ranges over ``[2^-65, 45.1]``) and ``E``
+    is non-decreasing in ``K`` up to fp32 rounding (relative ~2^-23).
+    """
+    hi, lo = hi.astype(jnp.uint32), lo.astype(jnp.uint32)
+    upper = hi >= jnp.uint32(1 << 31)
+    h = jnp.where(upper, ~hi, hi)  # < 2^31
+    l = jnp.where(upper, ~lo, lo)
+    w = h.astype(jnp.float32) * jnp.float32(2.0 ** -32) + (l.astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -64)
+    return jnp.where(upper, -jnp.log(w), -jnp.log1p(-w))
+
+
+def _draw_from_exponentials(logits_BxV: jax.Array, exp_blocks_BxN: jax.Array, exp_ids_BxC: jax.Array) -> jax.Array:
+    """The race of :func:`inverse_cdf_sample` for given ``Exp(1)`` variates: ``exp_blocks [B, ceil(V / C)]`` (one
+    per block) and ``exp_ids [B, C]`` (one per position inside the chosen block; ``C`` is the block size).
+
+    Ties (fp32-equal keys) go to the lowest index. A block/id with zero mass has key ``+inf`` and is never chosen;
+    finite keys are clipped to the largest float, so a chosen block always yields an id with ``e_v > 0``.
+    """
+    B, V = logits_BxV.shape
+    C = exp_ids_BxC.shape[-1]
+    nb = exp_blocks_BxN.shape[-1]
+    if nb != -(-V // C):
+        raise ValueError(f"{nb} block variates for V={V} in blocks of {C}: expected {-(-V // C)}")
     z = logits_BxV.astype(jnp.float32)
-    if nb * block != V:
-        z = jnp.pad(z, ((0, 0), (0, nb * block - V)), constant_values=NEG_INF)
-    m = jnp.max(z, axis=-1, keepdims=True)
-    e = jnp.exp(z - m).reshape(B, nb, block)  # [B, nb, C]; the max entry has e = 1, so every row has mass
-    mass = jnp.sum(e, axis=-1)  # [B, nb]
-    cum = jnp.cumsum(mass, axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B)
-    target = jnp.maximum(u, jnp.finfo(jnp.float32).tiny) * cum[:, -1]  # (0, total]
+    if nb * C != V:
+        z = jnp.pad(z, ((0, 0), (0, nb * C - V)), constant_values=NEG_INF)
+    z = z.reshape(B, nb, C)
+    m = jnp.max(z, axis=(1, 2))[:, None, None]  # the max entry has e = 1, so every row has mass
+    mass = jnp.sum(jnp.exp(z - m), axis=-1)  # [B, nb]: a reduction, e = exp(z - m) is never stored
+    big = jnp.finfo(jnp.float32).max
 
-    def first_or_last(hit, positive):
-        """Index of the first ``hit & positive`` entry per row, else of the last ``positive`` one."""
-        n = hit.shape[-1]
-        idx = jnp.arange(n, dtype=jnp.int32)[None, :]
-        first = jnp.min(jnp.where(hit & positive, idx, n), axis=-1)
-        last = jnp.max(jnp.where(positive, idx, -1), axis=-1)
-        return jnp.where(first < n, first, last)
+    def race(clocks, rates):
+        keys = jnp.where(rates > 0, jnp.minimum(clocks / rates, big), jnp.inf)
+        return jnp.argmin(keys, axis=-1).astype(jnp.int32)
 
-    j = first_or_last(cum >= target[:, None], mass > 0)  # [B]
-    inside = jnp.take_along_axis(e, j[:, None, None], axis=1)[:, 0]  # [B, C]
-    before = jnp.take_along_axis(cum - mass, j[:, None], axis=1)[:, 0]
-    within = first_or_last(jnp.cumsum(inside, axis=-1) >= (target - before)[:, None], inside > 0)
-    return (j * block + within).astype(jnp.int32)
+    j = race(exp_blocks_BxN.astype(jnp.float32), mass)  # [B]
+    inside = jnp.exp(jnp.take_along_axis(z, j[:, None, None], axis=1) - m)[:, 0]  # [B, C]: e of the chosen block
+    return j * C + race(exp_ids_BxC.astype(jnp.float32), inside)
 
 
 def token_statistics(logits_BxV: jax.Array, processed_BxV: jax.Array, tokens_B: jax.Array, greedy: bool,

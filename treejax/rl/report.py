@@ -13,6 +13,11 @@ def format_summary(s: dict) -> str:
         f"  held-out greedy accuracy: {before['accuracy']:.1%} before -> {after['accuracy']:.1%} after "
         f"(n = {after['n']})",
     ]
+    if "pass@k" in after:
+        k = after["k"]
+        lines.append(f"  held-out with {k} samples: pass@1 {before['pass@1']:.1%} -> {after['pass@1']:.1%}, pass@{k} "
+                     f"{before['pass@k']:.1%} -> {after['pass@k']:.1%}, maj@{k} {before['maj@k']:.1%} -> "
+                     f"{after['maj@k']:.1%}")
     if s["history"]:
         last = s["history"][-1]
         acc = f", rollout accuracy {last['reward/accuracy']:.1%}" if "reward/accuracy" in last else ""

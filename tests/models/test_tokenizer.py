@@ -54,7 +54,9 @@ def test_digits_are_split_individually(toks):
 def test_special_ids(toks):
     ours, theirs = toks
     assert ours.bos_id == theirs.bos_token_id == 1
-    assert ours.pad_id == theirs.pad_token_id == 2
+    # the GGUF's tokenizer.ggml.padding_token_id is 2; transformers 4.x reports it, transformers 5.17 (the GPU
+    # image) leaves pad_token_id unset for this GGUF: the reference lost it, our value is the file's
+    assert ours.pad_id == 2 and theirs.pad_token_id in (2, None)
     assert ours.eos_ids == (theirs.eos_token_id,) == (2,)  # <|im_end|> is both EOS and the turn terminator
     assert ours.vocab_size == len(theirs) == 49152
 

@@ -32,6 +32,7 @@ TC = tree.TreeConfig(num_leaves=4, max_depth=3, segment_length=4, branch_factor=
                      strategy=S.Temperature(1.0), row_buckets=2)
 PROMPTS = np.random.RandomState(1).randint(60, 250, (2, 6))
 LENGTHS = np.array([6, 3])
+TREE_KEY = jax.random.key(5)  # a key whose rollout forks and falls back (asserted below) with the current draw
 MESHES = [(2, 1, 4), (2, 2, 2)]  # (data, fsdp, tensor)
 
 
@@ -78,7 +79,7 @@ def _check_cache_sharded(seen, shape):
 @pytest.fixture(scope="module")
 def tree_reference(params_host):
     fns = decode.make_model_fns(CFG, block_size=16, cache_dtype="float32")
-    return jax.device_get(tree.make_tree_rollout(fns, TC)(params_host, PROMPTS, LENGTHS, jax.random.key(3)))
+    return jax.device_get(tree.make_tree_rollout(fns, TC)(params_host, PROMPTS, LENGTHS, TREE_KEY))
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
@@ -86,7 +87,7 @@ def test_tree_rollout_sharded_matches_one_device(shape, params_host, tree_refere
     mesh = _mesh(shape)
     seen = []
     fns = _recording(decode.make_model_fns(CFG, block_size=16, cache_dtype="float32", mesh=mesh), seen)
-    forest, info = tree.make_tree_rollout(fns, TC)(_place(params_host, mesh), PROMPTS, LENGTHS, jax.random.key(3))
+    forest, info = tree.make_tree_rollout(fns, TC)(_place(params_host, mesh), PROMPTS, LENGTHS, TREE_KEY)
     _check_cache_sharded(seen, shape)
     ref_forest, ref_info = tree_reference
     assert int(ref_info["forks"]) > 0 and int(ref_info["fallbacks"]) > 0  # forks and fallbacks are exercised

@@ -42,20 +42,16 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None) -> 
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
                                                  compute_dtype=prec.compute_dtype)
     if checkpoint:
-        from treejax.checkpoint import Checkpointer
-        from treejax.rl.optimizer import make_optimizer
-        from treejax.rl.train_state import TrainState
+        from treejax.checkpoint import restore_params
 
-        state = TrainState.create(params, make_optimizer(cfg.optimizer), jax.random.key(0))
-        state, _ = Checkpointer(checkpoint).restore(state)
-        params = state.params
+        params, _ = restore_params(checkpoint, params)
     params = prec.sampler_params(params)
     fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
     tc = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
     rollouts = {"tree": make_tree_rollout(fns, tc),
                 "independent": make_independent_rollout(fns, tc.num_leaves, tc.max_length, tc.segment_length,
                                                         strategy=tc.strategy, stop_ids=tc.stop_ids)}
-    records, _, width = loop._filter_prompts(tokenizer, task, task.records("train"), [], cfg)
+    records, _, width = loop.filter_prompts(tokenizer, task, task.records("train"), [], cfg)
     pipeline = make_prompt_pipeline(records, batch_size=cfg.prompts_per_step, seed=seed)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     stats = {name: {"decoded": 0, "time_s": 0.0, "correct": [], "lengths": [], "correct_lengths": [],

@@ -8,8 +8,9 @@ Greedy accuracy and, with ``--k > 0``, pass@1 / pass@k / maj@k over ``k`` sample
 run's ``log_dir``, its ``checkpoints`` folder or one ``checkpoints/<step>`` folder; ``--step`` picks a step, default
 the latest): only its params are read, onto the model named by ``--model`` (the run's base model by default).
 
-Defaults of model, task, task options, system prompt, instruction and the evaluation settings (``RunConfig.eval``,
-or ``RunConfig.eval_size`` / ``eval_max_new_tokens``) come from a run config: ``--gin_file`` if given, else the
+Defaults of model, task, task options, system prompt, instruction, the evaluation settings (``RunConfig.eval``) and
+the precision policy (``RunConfig.precision``: master dtype, the sampler's weight copy and KV-cache dtype, matmul
+precision, as the training loop evaluates) come from a run config: ``--gin_file`` if given, else the
 checkpoint run's ``operative_config.gin``, else ``configs/quickstart.gin`` (as ``treejax-train`` with no
 arguments). Flags override them. Prints a table and, with ``--json``, writes the results there; writes nothing
 else (no training state, no logs).
@@ -24,13 +25,14 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import sys
 import time
+
+from treejax.errors import ConfigError, DataError, UserError, UserFileError
+from treejax.log import configure_logging
 
 __all__ = ["console_main", "eval_defaults", "main", "resolve_checkpoint"]
 
@@ -39,11 +41,11 @@ def resolve_checkpoint(path: str, step: int | None = None) -> tuple[str, int | N
     """``(checkpoint root, step)`` from a run's ``log_dir``, its ``checkpoints`` root or one step folder."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"--checkpoint: no such directory: {path}")
+        raise UserFileError(f"--checkpoint: no such directory: {path}")
     if os.path.isdir(os.path.join(path, "state")) and os.path.basename(path).isdigit():  # one step folder
         folder_step = int(os.path.basename(path))
         if step is not None and step != folder_step:
-            raise ValueError(f"--step {step} contradicts the step folder {path}")
+            raise ConfigError(f"--step {step} contradicts the step folder {path}")
         return os.path.dirname(path), folder_step
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a run's log_dir
         return os.path.join(path, "checkpoints"), step
@@ -110,33 +112,8 @@ def format_table(metrics: dict) -> str:
 
 
 def eval_defaults(run_cfg) -> dict:
-    """EvalConfig fields from a RunConfig: its ``eval`` (an EvalConfig) if it has one, else ``eval_size`` and
-    ``eval_max_new_tokens`` on top of the EvalConfig defaults (RunConfig versions before ``RunConfig.eval``)."""
-    from treejax.rl.evaluation import EvalConfig
-
-    names = [f.name for f in dataclasses.fields(EvalConfig)]
-    ev = getattr(run_cfg, "eval", None)
-    if dataclasses.is_dataclass(ev):
-        return {n: getattr(ev, n) for n in names if hasattr(ev, n)}
-    out = dataclasses.asdict(EvalConfig())
-    if hasattr(run_cfg, "eval_size"):
-        out["num_problems"] = run_cfg.eval_size
-    if hasattr(run_cfg, "eval_max_new_tokens"):
-        out["max_new_tokens"] = run_cfg.eval_max_new_tokens
-    return out
-
-
-def _precision(run_cfg, param_dtype: str | None):
-    """``(load_model kwargs, sampler cast, matmul context)`` as the run's training loop evaluates: from
-    ``RunConfig.precision`` when the run config has one (master weights in its ``param_dtype``, the sampler's weight
-    copy in its ``sampler_dtype``), else ``RunConfig.param_dtype`` and no cast. ``param_dtype`` overrides."""
-    prec = getattr(run_cfg, "precision", None)
-    if prec is not None and hasattr(prec, "resolve"):
-        r = prec.resolve()
-        kwargs = {"param_dtype": param_dtype or r.param_dtype, "compute_dtype": r.compute_dtype}
-        return kwargs, r.sampler_params, r.matmul_context
-    return ({"param_dtype": param_dtype or getattr(run_cfg, "param_dtype", "float32")}, lambda p: p,
-            contextlib.nullcontext)
+    """EvalConfig fields of a RunConfig's ``eval``."""
+    return dataclasses.asdict(run_cfg.eval)
 
 
 def _run_config(args, checkpoint_root):
@@ -158,16 +135,14 @@ def _run_config(args, checkpoint_root):
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(message)s")
-    for noisy in ("absl", "jax._src", "orbax", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    log = logging.getLogger("treejax.evaluate")
+    log = configure_logging(args.quiet).getChild("evaluate")
 
     import jax
 
     from treejax.data import get_task
     from treejax.models.registry import load_model
     from treejax.rl.evaluation import EvalConfig, evaluate, prompt_width_for
+    from treejax.sampling.decode import make_model_fns
 
     root = step = None
     if args.checkpoint:
@@ -184,14 +159,15 @@ def main(argv: list[str] | None = None) -> dict:
                            for name, value in defaults.items()})
 
     t0 = time.perf_counter()
-    load_kwargs, sampler_params, matmul_context = _precision(run_cfg, args.param_dtype)
-    model_config, params, tokenizer = load_model(model, **load_kwargs)
+    prec = run_cfg.precision.resolve()
+    model_config, params, tokenizer = load_model(model, param_dtype=args.param_dtype or prec.param_dtype,
+                                                 compute_dtype=prec.compute_dtype)
     if root is not None:
         from treejax.checkpoint import restore_params
 
         params, step = restore_params(root, params, step)
         log.info("restored the params of step %d from %s", step, root)
-    params = sampler_params(jax.device_put(params))
+    params = prec.sampler_params(jax.device_put(params))
     task = get_task(task_name, **task_options)
     examples = []
     for ex in task.examples(args.split):
@@ -199,10 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
         if len(examples) >= config.num_problems:
             break
     if not examples:
-        raise ValueError(f"task {task_name!r} has no {args.split!r} examples")
+        raise DataError(f"task {task_name!r} has no {args.split!r} examples")
     width = prompt_width_for(tokenizer, examples, system_prompt, instruction)
-    with matmul_context():
-        metrics = evaluate(params, model_config, tokenizer, task, examples, width, config,
+    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
+    with prec.matmul_context():
+        metrics = evaluate(params, sampler_fns, tokenizer, task, examples, width, config,
                            system_prompt=system_prompt, instruction=instruction, with_details=args.details)
     elapsed = time.perf_counter() - t0
 
@@ -226,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
 def console_main() -> None:
     try:
         main()
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except UserError as e:  # a user's mistake is one line; anything else keeps its traceback
         print(f"treejax-eval: error: {e}", file=sys.stderr)
         sys.exit(2)
 

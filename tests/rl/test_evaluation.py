@@ -134,14 +134,12 @@ def test_evaluate_tiny_model_metrics_match_their_definitions(tiny):
 
 
 # ----------------------------------------------------------------------------------------------- the CLI
-def test_cli_eval_defaults_from_either_run_config_shape():
+def test_cli_eval_defaults_from_the_run_config():
     from treejax.evaluate import eval_defaults
 
     nested = types.SimpleNamespace(eval=E.EvalConfig(num_problems=7, max_new_tokens=9, k=4, temperature=0.7))
     assert eval_defaults(nested) == dataclasses.asdict(E.EvalConfig(num_problems=7, max_new_tokens=9, k=4,
                                                                      temperature=0.7))
-    flat = types.SimpleNamespace(eval_size=5, eval_max_new_tokens=11)
-    assert eval_defaults(flat) == dataclasses.asdict(E.EvalConfig(num_problems=5, max_new_tokens=11))
 
 
 def test_cli_end_to_end_on_a_checkpoint(tiny, tmp_path, capsys):

@@ -129,3 +129,37 @@ def test_every_estimator_and_loss_term_through_rl_step():
             if loss.tis_cap is not None:
                 assert 0.0 <= m["update/tis_clip_frac"] <= 1.0
         assert int(state.step) == steps
+
+
+def test_clip_scale_fn_reaches_the_loss():
+    """``RunConfig.clip_scale_fn`` / ``StepConfig.clip_scale_fn`` sets each sample's clip range: a scale of 0 clips
+    every ratio that moved after the first mini-batch's update, a scale of 1 (the default range) clips fewer."""
+    import jax
+
+    from treejax.models import presets, transformer
+    from treejax.precision import Precision
+    from treejax.rl.losses import LossConfig
+    from treejax.rl.optimizer import OptimizerConfig, make_optimizer
+    from treejax.rl.step import StepConfig, make_step_fns, rl_step
+    from treejax.rl.train_state import TrainState
+    from treejax.rl.update import make_update_fn
+    from treejax.sampling.tree import TreeConfig, make_tree_rollout
+    from treejax.testing.sources import FixedPromptRollouts
+
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
+    tree = TreeConfig(num_leaves=4, max_depth=2, segment_length=4, branch_factor=2, stop_ids=())
+    source = FixedPromptRollouts(make_tree_rollout(cfg, tree), np.array([[1, 5, 9, 2], [1, 11, 3, 4]], np.int32),
+                                 np.array([3, 4], np.int32),
+                                 lambda f: jax.numpy.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=10))
+    params = transformer.init_params(cfg, jax.random.key(0))
+    update = jax.jit(make_update_fn(cfg, LossConfig(), optimizer), donate_argnames=("state",))
+    clipped = {}
+    for scale in (0.0, 1.0):
+        fns = make_step_fns(cfg, StepConfig(mini_batches=2, clip_scale_fn=lambda f, r, s=scale: s * np.ones(r.shape)),
+                            Precision().resolve("cpu"), update)
+        state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer, jax.random.key(1))
+        _, _, m, _ = rl_step(fns, state, source, jax.random.key(0), 0)
+        m = jax.device_get(m)
+        clipped[scale] = float(m["update/clip_frac_low"] + m["update/clip_frac_high"])
+    assert clipped[0.0] > 0.0 and clipped[0.0] > clipped[1.0]

@@ -79,11 +79,11 @@ def test_overlong_prompts_are_filtered_with_a_count_or_refused(tmp_path, caplog,
     monkeypatch.setattr(prompts, "format_prompt", lambda tok, msgs, **kw: " ".join(m["content"] for m in msgs))
     task = _task(tmp_path, [50, 60, 55, 1000, 291, 57])
     cfg = loop.RunConfig(task="gsm8k_file", max_prompt_length=128, prompts_per_step=2)
-    records, evals, width = loop._filter_prompts(_Tok(), task, task.records("train"), [], cfg)
+    records, evals, width = loop.filter_prompts(_Tok(), task, task.records("train"), [], cfg)
     assert len(records) == 4 and width == 64  # the 291- and 1000-word questions are gone; the width follows
     assert "2 of 6 training" in caplog.text
     with pytest.raises(DataError, match="2 of 6 training .* longer than max_prompt_length=128"):
-        loop._filter_prompts(_Tok(), task, task.records("train"), [],
+        loop.filter_prompts(_Tok(), task, task.records("train"), [],
                              dataclasses.replace(cfg, overlong_prompts="error"))
 
 

@@ -182,13 +182,14 @@ def score_forest(tokenizer, task, examples, forest: Forest) -> np.ndarray:
     return np.array([[task.score(t, ex) for t in row] for row, ex in zip(texts, examples)], np.float32)
 
 
-def shaped_rewards(scores_PxW: np.ndarray, forest: Forest, cfg: RunConfig) -> jax.Array:
-    """Verifier reward (``cfg.reward_style``) plus DAPO's overlong penalty when ``cfg.overlong_buffer > 0``."""
-    r = rewards_lib.verifier_reward(scores_PxW >= 1.0, cfg.reward_style)
+def shaped_rewards(scores: np.ndarray, lengths: np.ndarray, cfg: RunConfig) -> np.ndarray:
+    """Verifier reward (``cfg.reward_style``) of scores in [0, 1] plus DAPO's overlong penalty on the response
+    lengths when ``cfg.overlong_buffer > 0`` (any matching shapes: ``[P, W]`` leaves, ``[P]`` greedy answers)."""
+    r = rewards_lib.verifier_reward(jnp.asarray(scores >= 1.0), cfg.reward_style)
     if cfg.overlong_buffer > 0:
-        r = r + rewards_lib.overlong_penalty(forest.leaf_length, cfg.rollout.max_length, cfg.overlong_buffer,
+        r = r + rewards_lib.overlong_penalty(jnp.asarray(lengths), cfg.rollout.max_length, cfg.overlong_buffer,
                                              cfg.overlong_factor)
-    return r
+    return np.asarray(r)
 
 
 # ----------------------------------------------------------------------------------------------- rollout source
@@ -220,7 +221,7 @@ class TaskRollouts:
             t = time.perf_counter()
             scores = score_forest(self.tokenizer, self.task, examples, forest)
             info["time/scoring_s"] += time.perf_counter() - t
-            rewards = np.asarray(shaped_rewards(scores, forest, cfg))
+            rewards = shaped_rewards(scores, np.asarray(forest.leaf_length), cfg)
             keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(rewards))) if cfg.dynamic_sampling
                     else np.ones(P, bool))
             idx = np.nonzero(keep)[0][: P - have]
@@ -254,11 +255,7 @@ class TaskRollouts:
         scores = np.array([self.task.score(self.tokenizer.decode(tokens[p, : lengths[p]].tolist(),
                                                                  skip_special_tokens=True), ex)
                            for p, ex in enumerate(ro.examples)], np.float32)
-        r = np.asarray(rewards_lib.verifier_reward(jnp.asarray(scores >= 1.0), self.cfg.reward_style))
-        if self.cfg.overlong_buffer > 0:
-            r = r + np.asarray(rewards_lib.overlong_penalty(jnp.asarray(lengths), self.cfg.rollout.max_length,
-                                                            self.cfg.overlong_buffer, self.cfg.overlong_factor))
-        return r
+        return shaped_rewards(scores, lengths, self.cfg)
 
 
 def check_sampled_ids(forest: Forest, vocab_size: int, step: int) -> None:
@@ -416,7 +413,7 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         return jitted["fn"](state, jax.device_put(mini, jitted["sh"]))
 
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id), prec, update)
-    train_records, eval_examples, prompt_width = _filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
+    train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 
@@ -569,7 +566,7 @@ def prompt_cap(cfg: RunConfig) -> int:
     return cfg.max_prompt_length if limit is None else min(limit, cfg.max_prompt_length)
 
 
-def _filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
+def filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
     """Measures every train and eval prompt once (chat template included) and applies ``overlong_prompts``.
 
     Returns ``(train_records, eval_examples, prompt_width)``: the width is the power-of-two bucket of the longest

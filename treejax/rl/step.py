@@ -40,7 +40,7 @@ from treejax.precision import ResolvedPrecision
 from treejax.rl.advantages import estimator_spec
 from treejax.rl.batch import forest_to_batch
 from treejax.rl.losses import LossConfig
-from treejax.rl.update import sequence_logprobs, trainable_mask
+from treejax.rl.update import sequence_logprobs, split_micro, trainable_mask
 
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 KNOWN_INPUTS = ("greedy_reward_P",)
@@ -117,9 +117,8 @@ def make_logprob_fn(model_config: ModelConfig, num_micro_batches: int, chunk_siz
         if num_micro_batches == 1:
             return one(params, *args)
         B = args[0].shape[0]
-        split = lambda x: jnp.swapaxes(x.reshape((B // num_micro_batches, num_micro_batches) + x.shape[1:]), 0, 1)  # noqa: E731
-        out = jax.lax.map(lambda xs: one(params, *xs), tuple(split(a) for a in args))  # [M, B/M, L]
-        return jnp.swapaxes(out, 0, 1).reshape((B,) + out.shape[2:])
+        out = jax.lax.map(lambda xs: one(params, *xs), tuple(split_micro(a, num_micro_batches) for a in args))
+        return jnp.swapaxes(out, 0, 1).reshape((B,) + out.shape[2:])  # [M, B/M, L] -> rows back in order
 
     return fn
 
@@ -138,6 +137,7 @@ class StepFns:
     config: StepConfig
     precision: ResolvedPrecision
     sampler_params: Callable
+    estimator_inputs: tuple[str, ...]  # the estimator's declared extra inputs (EstimatorSpec.inputs)
     estimator: Callable
     to_batch: Callable
     logprobs: Callable
@@ -180,7 +180,7 @@ def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: Resolve
     place = batch_sharding or (lambda b: b)
     same = precision.sampler_dtype == precision.param_dtype
     sampler_params = (lambda p: p) if same else jax.jit(precision.sampler_params)  # cast once per step
-    return StepFns(cfg, precision, sampler_params, estimator, to_batch, logprobs, prepare,
+    return StepFns(cfg, precision, sampler_params, spec.inputs, estimator, to_batch, logprobs, prepare,
                    take_rows, lambda state, batch: update(state, place(batch)))
 
 
@@ -204,8 +204,7 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         ro = source.sample(sampler_params, key, step)
         t_rollout = _sync(ro.forest.tokens)
         inputs = {}
-        spec = estimator_spec(cfg.estimator)
-        if "greedy_reward_P" in spec.inputs:
+        if "greedy_reward_P" in fns.estimator_inputs:
             inputs["greedy_reward_P"] = jnp.asarray(source.greedy_rewards(sampler_params, ro), jnp.float32)
         t_inputs = time.perf_counter()
         adv = fns.estimator(ro.forest, ro.rewards_PxW, inputs)

@@ -105,7 +105,7 @@ def validate_batch(batch: dict[str, Any]) -> None:
             raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, expected {want}")
 
 
-def _split_micro(x: jax.Array, num_micro: int) -> jax.Array:
+def split_micro(x: jax.Array, num_micro: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...], micro-batch m = rows m, m+M, m+2M, ..."""
     b = x.shape[0]
     return jnp.swapaxes(x.reshape((b // num_micro, num_micro) + x.shape[1:]), 0, 1)
@@ -189,7 +189,7 @@ def make_update_fn(
             (loss, metrics), grads = grad_fn(params, data, denominator)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         else:
-            micro = jax.tree.map(functools.partial(_split_micro, num_micro=num_micro_batches), data)
+            micro = jax.tree.map(functools.partial(split_micro, num_micro=num_micro_batches), data)
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
             def body(acc, mb):

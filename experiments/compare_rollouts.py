@@ -110,7 +110,9 @@ def main(argv=None):
               f"{r['leaf_length'].get('mean', 0):>11.1f}{r['correct_answer_length'].get('p50', 0):>17.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump({"config": args.gin_file, "gin_params": args.gin_param, "batches": args.batches,
+                       "seed": args.seed, "checkpoint": args.checkpoint, "device": jax.devices()[0].device_kind,
+                       "methods": out}, f, indent=2)
     return out
 
 

@@ -547,6 +547,7 @@ def _finish(r: _Run) -> dict:
     history = r.data_state["history"]
     summary = {
         "model": cfg.model, "task": cfg.task, "estimator": cfg.estimator, "steps": cfg.num_steps,
+        "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
         "precision": dataclasses.asdict(r.precision),
         "eval_before": evals[0], "eval_after": evals[-1], "evals": evals, "history": history,
         "decoded_tokens": int(sum(h.get("rollout/decoded_tokens", 0) for h in history)),

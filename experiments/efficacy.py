@@ -1,0 +1,277 @@
+"""The efficacy study: methods x seeds, held-out accuracy against training wall-clock seconds and decoded tokens.
+
+Run every config x seed one after another on one accelerator (each run a fresh ``treejax-train`` process, so each
+pays its own compilation, as a user's run would), then write the report::
+
+    python experiments/efficacy.py run --seeds 0 1 2 --out runs/efficacy \\
+        configs/efficacy_grpo.gin configs/efficacy_treepo.gin configs/efficacy_treepo_segment.gin
+    python experiments/efficacy.py report --runs runs/efficacy --out experiments/results/efficacy \\
+        [--rollouts experiments/results/efficacy/rollouts_*.json]
+
+``run`` writes ``<out>/<method>/seed<k>/`` (the run's log folder; ``<method>`` is the config's file name without
+``efficacy_``) and skips runs whose ``summary.json`` exists, so an interrupted sweep continues where it stopped;
+seeds are the outer loop, so a partial sweep has every method at the same number of seeds. Extra ``--gin_param``
+bindings go to every run (e.g. ``RunConfig.model='/path/to/smollm2.gguf'``).
+
+``report`` reads every ``summary.json`` and writes:
+
+* ``efficacy.json``: per run, its held-out curve (step, training seconds, decoded tokens, greedy accuracy) and its
+  mean per-step times; per method, the curves' mean and min/max over seeds, and the table's numbers;
+* ``efficacy.png``: held-out greedy accuracy against training seconds and against decoded tokens (mean over seeds,
+  band = min..max over seeds at each evaluation step, drawn at the seeds' mean x);
+* ``efficacy.md``: the table (below) and the time split.
+
+Definitions. *Training seconds* at evaluation step ``s`` = wall-clock seconds from the end of the step-0 evaluation
+to the end of step ``s``, minus the time spent in evaluations in between (so they count rollout, scoring, old
+log-probs, update, host work and the first step's compilation, and nothing of the model load or the evaluations).
+*Decoded tokens* = the sampler's ``rollout/decoded_tokens`` summed over steps (a shared prefix counts once;
+dynamic-sampling refills included). *Target* = GRPO's final accuracy, mean over its seeds; *time / tokens to
+target* = the mean over seeds of training seconds / tokens at the first evaluation step where the method's
+mean-over-seeds accuracy is at or above the target (no interpolation between evaluation steps; "-" when never
+reached). Ratios are to GRPO's own time / tokens to the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BASELINE = "grpo"
+
+
+def method_name(config_path: str) -> str:
+    stem = os.path.splitext(os.path.basename(config_path))[0]
+    return stem[len("efficacy_"):] if stem.startswith("efficacy_") else stem
+
+
+# --------------------------------------------------------------------------------------------------------- run
+def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], dry_run: bool = False) -> None:
+    names = [method_name(c) for c in configs]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"two configs have the same method name: {names}")
+    for c in configs:
+        if not os.path.exists(c):
+            raise SystemExit(f"no such config: {c}")
+    for seed in seeds:
+        for config, name in zip(configs, names):
+            log_dir = os.path.join(out, name, f"seed{seed}")
+            if os.path.exists(os.path.join(log_dir, "summary.json")):
+                print(f"[efficacy] {name} seed {seed}: done already ({log_dir})", flush=True)
+                continue
+            cmd = [sys.executable, "-m", "treejax.train", "--gin_file", config, "--overwrite",
+                   "--gin_param", f"RunConfig.seed={seed}", "--gin_param", f"RunConfig.log_dir='{log_dir}'"]
+            for p in gin_params:
+                cmd += ["--gin_param", p]
+            print(f"[efficacy] {name} seed {seed}: {' '.join(cmd)}", flush=True)
+            if dry_run:
+                continue
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd)
+            print(f"[efficacy] {name} seed {seed}: exit {proc.returncode} after {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"run {name} seed {seed} failed (exit {proc.returncode}); see {log_dir}")
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def curve_of(summary: dict) -> dict:
+    """A run's held-out curve: per evaluation step its training seconds, decoded tokens and greedy accuracy."""
+    evals = sorted(summary["evals"], key=lambda e: e["step"])
+    if not evals or evals[0]["step"] != 0:
+        raise ValueError(f"{summary.get('log_dir')}: the run has no step-0 evaluation")
+    tokens_by_step = {}
+    total = 0
+    for h in sorted(summary["history"], key=lambda h: h["step"]):
+        total += int(h.get("rollout/decoded_tokens", 0))
+        tokens_by_step[h["step"]] = total
+    steps, seconds, tokens, acc = [], [], [], []
+    eval_time = 0.0
+    for e in evals:
+        if e["step"] > 0:
+            eval_time += e["eval_s"]
+        steps.append(int(e["step"]))
+        seconds.append(0.0 if e["step"] == 0 else e["wall_s"] - evals[0]["wall_s"] - eval_time)
+        tokens.append(0 if e["step"] == 0 else tokens_by_step[e["step"]])
+        acc.append(float(e["accuracy"]))
+    keys = ("time/rollout_s", "time/scoring_s", "time/logp_s", "time/update_s")
+    hist = summary["history"]
+    split = {k.split("/")[1]: float(np.median([h[k] for h in hist if k in h])) for k in keys
+             if any(k in h for h in hist)}
+    return {"step": steps, "seconds": seconds, "tokens": tokens, "accuracy": acc, "median_step_times": split,
+            "leaf_tokens": int(sum(h.get("rollout/leaf_tokens", 0) for h in hist))}
+
+
+def _first_reaching(mean_acc, target):
+    for i, a in enumerate(mean_acc):
+        if a >= target - 1e-12:
+            return i
+    return None
+
+
+def summarize(runs: dict[str, dict[int, dict]]) -> dict:
+    """Per method: mean/min/max curves over seeds and the table's numbers (see the module docstring)."""
+    if BASELINE not in runs:
+        raise SystemExit(f"no {BASELINE!r} runs to compare with (methods found: {sorted(runs)})")
+    methods = {}
+    for name, by_seed in runs.items():
+        curves = [curve_of(s) for _, s in sorted(by_seed.items())]
+        steps = curves[0]["step"]
+        for c in curves:
+            if c["step"] != steps:
+                raise SystemExit(f"{name}: seeds evaluated at different steps ({c['step']} vs {steps})")
+        acc = np.array([c["accuracy"] for c in curves])
+        sec = np.array([c["seconds"] for c in curves])
+        tok = np.array([c["tokens"] for c in curves], np.float64)
+        methods[name] = {
+            "seeds": sorted(by_seed), "step": steps,
+            "accuracy_mean": acc.mean(0).tolist(), "accuracy_min": acc.min(0).tolist(),
+            "accuracy_max": acc.max(0).tolist(), "seconds_mean": sec.mean(0).tolist(),
+            "tokens_mean": tok.mean(0).tolist(),
+            "final_accuracy": acc[:, -1].tolist(), "initial_accuracy": float(acc[:, 0].mean()),
+            "median_step_times": {k: float(np.mean([c["median_step_times"][k] for c in curves]))
+                                  for k in curves[0]["median_step_times"]},
+            "runs": {seed: c for seed, c in zip(sorted(by_seed), curves)},
+        }
+    target = float(np.mean(methods[BASELINE]["final_accuracy"]))
+    for name, m in methods.items():
+        i = _first_reaching(m["accuracy_mean"], target)
+        m["target"] = target
+        m["step_to_target"] = None if i is None else m["step"][i]
+        m["seconds_to_target"] = None if i is None else m["seconds_mean"][i]
+        m["tokens_to_target"] = None if i is None else m["tokens_mean"][i]
+    base = methods[BASELINE]
+    for m in methods.values():
+        for what in ("seconds", "tokens"):
+            a, b = m[f"{what}_to_target"], base[f"{what}_to_target"]
+            m[f"{what}_ratio"] = None if a is None or not b else a / b
+    return {"target": target, "methods": methods}
+
+
+def table(summary: dict, device: str) -> str:
+    def fmt(x, spec):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+    lines = [
+        f"Held-out greedy accuracy ({device}); target = GRPO's final mean accuracy "
+        f"{100 * summary['target']:.1f}%.",
+        "",
+        "| method | seeds | start | final (mean, min-max) | train s (final) | tokens (final) | step to target | "
+        "s to target | ratio | tokens to target | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in summary["methods"].items():
+        f = np.array(m["final_accuracy"]) * 100
+        lines.append(
+            f"| {name} | {len(m['seeds'])} | {100 * m['initial_accuracy']:.1f}% | {f.mean():.1f}% "
+            f"({f.min():.1f}-{f.max():.1f}) | {m['seconds_mean'][-1]:.0f} | {m['tokens_mean'][-1] / 1e6:.2f} M | "
+            f"{fmt(m['step_to_target'], 'd')} | {fmt(m['seconds_to_target'], '.0f')} | "
+            f"{fmt(m['seconds_ratio'], '.2f')} | {fmt(m['tokens_to_target'] and m['tokens_to_target'] / 1e6, '.2f')}"
+            f"{'' if m['tokens_to_target'] is None else ' M'} | {fmt(m['tokens_ratio'], '.2f')} |")
+    lines += ["", "Median seconds per training step (mean over seeds):", "",
+              "| method | rollout | scoring | old log-probs | update |", "|---|---|---|---|---|"]
+    for name, m in summary["methods"].items():
+        t = m["median_step_times"]
+        lines.append(f"| {name} | " + " | ".join(fmt(t.get(k), ".3f") for k in ("rollout_s", "scoring_s", "logp_s",
+                                                                                   "update_s")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rollout_table(paths: list[str]) -> str:
+    """Leaf / correct-answer length distributions of tree vs independent sampling (experiments/compare_rollouts)."""
+    lines = ["| config | sampling | decoded tokens | leaves | accuracy | leaf length mean (p10/p50/p90) | "
+             "truncated | correct-answer length mean (p50) |", "|---|---|---|---|---|---|---|---|"]
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        config = ", ".join(os.path.basename(c) for c in data.get("config") or []) or os.path.basename(p)
+        for method, s in data["methods"].items():
+            ll, cl = s["leaf_length"], s["correct_answer_length"]
+            lines.append(
+                f"| {config} | {method} | {s['decoded_tokens']} | {s['leaves']} | "
+                f"{100 * s['accuracy']:.1f}% | {ll['mean']:.1f} ({ll['p10']:.0f}/{ll['p50']:.0f}/{ll['p90']:.0f}) | "
+                f"{s['truncated_leaves']} | " + (f"{cl['mean']:.1f} ({cl['p50']:.0f})" if cl["n"] else "-") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: str, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, m in summary["methods"].items():
+        acc, lo, hi = (100 * np.array(m[k]) for k in ("accuracy_mean", "accuracy_min", "accuracy_max"))
+        for ax, x in ((axes[0], np.array(m["seconds_mean"])), (axes[1], np.array(m["tokens_mean"]) / 1e6)):
+            (line,) = ax.plot(x, acc, marker="o", ms=3, label=f"{name} ({len(m['seeds'])} seeds)")
+            ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
+    for ax, xlabel in ((axes[0], "training seconds (evaluations excluded)"), (axes[1], "decoded tokens (M)")):
+        ax.axhline(100 * summary["target"], color="grey", ls=":", lw=1, label="GRPO final (mean)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"TreePO vs GRPO, SmolLM2-135M-Instruct, chain_sum 2x2 step by step, {device}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(runs_dir: str, out: str, rollouts: list[str], device: str | None) -> dict:
+    runs: dict[str, dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(runs_dir, "*", "seed*", "summary.json"))):
+        method = os.path.basename(os.path.dirname(os.path.dirname(path)))
+        seed = int(os.path.basename(os.path.dirname(path))[len("seed"):])
+        with open(path) as f:
+            runs.setdefault(method, {})[seed] = json.load(f)
+    if not runs:
+        raise SystemExit(f"no runs under {runs_dir} (expected <method>/seed<k>/summary.json)")
+    order = [BASELINE] + sorted(m for m in runs if m != BASELINE)
+    summary = summarize({m: runs[m] for m in order if m in runs})
+    found = sorted({s.get("device") for by_seed in runs.values() for s in by_seed.values()} - {None})
+    device = device or (", ".join(found) if found else "device not recorded")
+    os.makedirs(out, exist_ok=True)
+    md = table(summary, device)
+    if rollouts:
+        md += "\nTree vs independent sampling under the base policy (experiments/compare_rollouts.py):\n\n"
+        md += rollout_table(rollouts)
+    with open(os.path.join(out, "efficacy.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, "efficacy.json"), "w") as f:
+        json.dump({"device": device, **summary}, f, indent=1, default=float)
+    plot(summary, os.path.join(out, "efficacy.png"), device)
+    print(md)
+    return summary
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run configs x seeds")
+    r.add_argument("configs", nargs="+")
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    r.add_argument("--out", default="runs/efficacy")
+    r.add_argument("--gin_param", action="append", default=[])
+    r.add_argument("--dry_run", action="store_true")
+    p = sub.add_parser("report", help="write efficacy.json / .png / .md from the runs")
+    p.add_argument("--runs", default="runs/efficacy")
+    p.add_argument("--out", default="experiments/results/efficacy")
+    p.add_argument("--rollouts", nargs="*", default=[], help="compare_rollouts.py JSON files for the length table")
+    p.add_argument("--device", default=None, help="the accelerator's name (default: read from the runs)")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        run(args.configs, args.seeds, args.out, args.gin_param, args.dry_run)
+    else:
+        report(args.runs, args.out, args.rollouts, args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,8 +22,10 @@ bindings go to every run (e.g. ``RunConfig.model='/path/to/smollm2.gguf'``).
 * ``efficacy.md``: the table (below) and the time split.
 
 Definitions. *Training seconds* at evaluation step ``s`` = wall-clock seconds from the end of the step-0 evaluation
-to the end of step ``s``, minus the time spent in evaluations in between (so they count rollout, scoring, old
-log-probs, update, host work and the first step's compilation, and nothing of the model load or the evaluations).
+to the end of step ``s``, minus the time spent in evaluations in between and minus the first step's compilation
+(its time above the run's median step time, reported apart): rollout, scoring, old log-probs, update and host work,
+nothing of the model load, the evaluations or the compiler (whose time depends on the persistent compilation
+cache, not on the method).
 *Decoded tokens* = the sampler's ``rollout/decoded_tokens`` summed over steps (a shared prefix counts once;
 dynamic-sampling refills included). *Target* = GRPO's final accuracy, mean over its seeds; *time / tokens to
 target* = the mean over seeds of training seconds / tokens at the first evaluation step where the method's
@@ -66,8 +68,9 @@ def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], d
             if os.path.exists(os.path.join(log_dir, "summary.json")):
                 print(f"[efficacy] {name} seed {seed}: done already ({log_dir})", flush=True)
                 continue
-            cmd = [sys.executable, "-m", "treejax.train", "--gin_file", config, "--overwrite",
-                   "--gin_param", f"RunConfig.seed={seed}", "--gin_param", f"RunConfig.log_dir='{log_dir}'"]
+            cmd = [sys.executable, "-m", "treejax.train", "--gin_file", config]
+            cmd += ["--overwrite"] if os.path.exists(log_dir) else []  # what an interrupted run left
+            cmd += ["--gin_param", f"RunConfig.seed={seed}", "--gin_param", f"RunConfig.log_dir='{log_dir}'"]
             for p in gin_params:
                 cmd += ["--gin_param", p]
             print(f"[efficacy] {name} seed {seed}: {' '.join(cmd)}", flush=True)
@@ -82,31 +85,38 @@ def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], d
 
 
 # ------------------------------------------------------------------------------------------------------ report
+def _step_seconds(h: dict) -> float:
+    return sum(float(h.get(k, 0.0)) for k in ("time/rollout_s", "time/scoring_s", "time/logp_s", "time/update_s"))
+
+
 def curve_of(summary: dict) -> dict:
     """A run's held-out curve: per evaluation step its training seconds, decoded tokens and greedy accuracy."""
     evals = sorted(summary["evals"], key=lambda e: e["step"])
     if not evals or evals[0]["step"] != 0:
         raise ValueError(f"{summary.get('log_dir')}: the run has no step-0 evaluation")
-    tokens_by_step = {}
-    total = 0
-    for h in sorted(summary["history"], key=lambda h: h["step"]):
+    hist = sorted(summary["history"], key=lambda h: h["step"])
+    tokens_by_step, total = {}, 0
+    for h in hist:
         total += int(h.get("rollout/decoded_tokens", 0))
         tokens_by_step[h["step"]] = total
+    # the first step compiles the rollout and the update: its time above a typical step's is compilation
+    typical = float(np.median([_step_seconds(h) for h in hist[1:]])) if len(hist) > 1 else 0.0
+    compile_s = max(_step_seconds(hist[0]) - typical, 0.0) if hist else 0.0
     steps, seconds, tokens, acc = [], [], [], []
     eval_time = 0.0
     for e in evals:
         if e["step"] > 0:
             eval_time += e["eval_s"]
         steps.append(int(e["step"]))
-        seconds.append(0.0 if e["step"] == 0 else e["wall_s"] - evals[0]["wall_s"] - eval_time)
+        seconds.append(0.0 if e["step"] == 0 else e["wall_s"] - evals[0]["wall_s"] - eval_time - compile_s)
         tokens.append(0 if e["step"] == 0 else tokens_by_step[e["step"]])
         acc.append(float(e["accuracy"]))
     keys = ("time/rollout_s", "time/scoring_s", "time/logp_s", "time/update_s")
-    hist = summary["history"]
-    split = {k.split("/")[1]: float(np.median([h[k] for h in hist if k in h])) for k in keys
-             if any(k in h for h in hist)}
+    split = {k.split("/")[1]: float(np.median([h[k] for h in hist[1:] if k in h])) for k in keys
+             if any(k in h for h in hist[1:])}
+    leaf = [h["rollout/mean_leaf_length"] for h in hist if "rollout/mean_leaf_length" in h]
     return {"step": steps, "seconds": seconds, "tokens": tokens, "accuracy": acc, "median_step_times": split,
-            "leaf_tokens": int(sum(h.get("rollout/leaf_tokens", 0) for h in hist))}
+            "compile_s": compile_s, "mean_leaf_length": float(np.mean(leaf)) if leaf else float("nan")}
 
 
 def _first_reaching(mean_acc, target):
@@ -138,6 +148,8 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
             "final_accuracy": acc[:, -1].tolist(), "initial_accuracy": float(acc[:, 0].mean()),
             "median_step_times": {k: float(np.mean([c["median_step_times"][k] for c in curves]))
                                   for k in curves[0]["median_step_times"]},
+            "compile_s": float(np.mean([c["compile_s"] for c in curves])),
+            "mean_leaf_length": float(np.mean([c["mean_leaf_length"] for c in curves])),
             "runs": {seed: c for seed, c in zip(sorted(by_seed), curves)},
         }
     target = float(np.mean(methods[BASELINE]["final_accuracy"]))
@@ -175,12 +187,16 @@ def table(summary: dict, device: str) -> str:
             f"{fmt(m['step_to_target'], 'd')} | {fmt(m['seconds_to_target'], '.0f')} | "
             f"{fmt(m['seconds_ratio'], '.2f')} | {fmt(m['tokens_to_target'] and m['tokens_to_target'] / 1e6, '.2f')}"
             f"{'' if m['tokens_to_target'] is None else ' M'} | {fmt(m['tokens_ratio'], '.2f')} |")
-    lines += ["", "Median seconds per training step (mean over seeds):", "",
-              "| method | rollout | scoring | old log-probs | update |", "|---|---|---|---|---|"]
+    lines += ["", "Median seconds per training step, first-step compilation (excluded above), decoded tokens per "
+              "step and mean leaf length (means over seeds):", "",
+              "| method | rollout | scoring | old log-probs | update | compile | tokens / step | mean leaf tokens |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
         t = m["median_step_times"]
+        per_step = m["tokens_mean"][-1] / max(m["step"][-1], 1)
         lines.append(f"| {name} | " + " | ".join(fmt(t.get(k), ".3f") for k in ("rollout_s", "scoring_s", "logp_s",
-                                                                                   "update_s")) + " |")
+                                                                                   "update_s"))
+                     + f" | {m['compile_s']:.0f} s | {per_step:,.0f} | {m['mean_leaf_length']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -213,7 +229,7 @@ def plot(summary: dict, path: str, device: str) -> None:
         for ax, x in ((axes[0], np.array(m["seconds_mean"])), (axes[1], np.array(m["tokens_mean"]) / 1e6)):
             (line,) = ax.plot(x, acc, marker="o", ms=3, label=f"{name} ({len(m['seeds'])} seeds)")
             ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
-    for ax, xlabel in ((axes[0], "training seconds (evaluations excluded)"), (axes[1], "decoded tokens (M)")):
+    for ax, xlabel in ((axes[0], "training seconds (evaluations and compilation excluded)"), (axes[1], "decoded tokens (M)")):
         ax.axhline(100 * summary["target"], color="grey", ls=":", lw=1, label="GRPO final (mean)")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out greedy accuracy (%)")
@@ -225,15 +241,29 @@ def plot(summary: dict, path: str, device: str) -> None:
     plt.close(fig)
 
 
-def report(runs_dir: str, out: str, rollouts: list[str], device: str | None) -> dict:
+def load_runs(runs_dir: str) -> dict[str, dict[int, dict]]:
+    """``{method: {seed: summary}}`` from ``<runs_dir>/<method>/seed<k>/summary.json`` (what ``run`` writes) or
+    ``<runs_dir>/<method>_seed<k>.json`` (summaries copied flat, as committed under experiments/results)."""
+    found = []
+    for path in glob.glob(os.path.join(runs_dir, "*", "seed*", "summary.json")):
+        found.append((os.path.basename(os.path.dirname(os.path.dirname(path))),
+                      os.path.basename(os.path.dirname(path))[len("seed"):], path))
+    for path in glob.glob(os.path.join(runs_dir, "*_seed*.json")):
+        method, _, seed = os.path.splitext(os.path.basename(path))[0].rpartition("_seed")
+        found.append((method, seed, path))
     runs: dict[str, dict[int, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(runs_dir, "*", "seed*", "summary.json"))):
-        method = os.path.basename(os.path.dirname(os.path.dirname(path)))
-        seed = int(os.path.basename(os.path.dirname(path))[len("seed"):])
+    for method, seed, path in sorted(found):
+        if not seed.isdigit():
+            continue
         with open(path) as f:
-            runs.setdefault(method, {})[seed] = json.load(f)
+            runs.setdefault(method, {})[int(seed)] = json.load(f)
     if not runs:
-        raise SystemExit(f"no runs under {runs_dir} (expected <method>/seed<k>/summary.json)")
+        raise SystemExit(f"no runs under {runs_dir} (expected <method>/seed<k>/summary.json or <method>_seed<k>.json)")
+    return runs
+
+
+def report(runs_dir: str, out: str, rollouts: list[str], device: str | None) -> dict:
+    runs = load_runs(runs_dir)
     order = [BASELINE] + sorted(m for m in runs if m != BASELINE)
     summary = summarize({m: runs[m] for m in order if m in runs})
     found = sorted({s.get("device") for by_seed in runs.values() for s in by_seed.values()} - {None})

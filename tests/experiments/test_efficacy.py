@@ -39,10 +39,18 @@ def _write(root, method, seed, summary):
         json.dump(summary, f)
 
 
-def test_curve_excludes_setup_and_evaluations(efficacy):
+def test_curve_excludes_setup_evaluations_and_compilation(efficacy):
     c = efficacy.curve_of(_summary([0.2, 0.3, 0.4], step_s=1.0, tokens_per_step=100))
     assert c["step"] == [0, 5, 10]
     np.testing.assert_allclose(c["seconds"], [0.0, 5.0, 10.0])  # 5 steps of 1 s each, evaluations not counted
+    assert c["compile_s"] == 0.0
+    s = _summary([0.2, 0.3, 0.4], step_s=1.0, tokens_per_step=100)
+    s["history"][0]["time/rollout_s"] += 30.0  # the first step compiles for 30 s
+    for e in s["evals"][1:]:
+        e["wall_s"] += 30.0
+    c = efficacy.curve_of(s)
+    assert c["compile_s"] == pytest.approx(30.0)
+    np.testing.assert_allclose(c["seconds"], [0.0, 5.0, 10.0])
     assert c["tokens"] == [0, 500, 1000]
     assert c["median_step_times"]["rollout_s"] == pytest.approx(0.6)
 
@@ -69,6 +77,13 @@ def test_report_targets_ratios_and_files(efficacy, tmp_path):
     assert (out / "efficacy.png").stat().st_size > 10_000
     data = json.loads((out / "efficacy.json").read_text())
     assert data["device"] == "Test Card" and set(data["methods"]) == {"grpo", "treepo", "never"}
+
+
+def test_flat_layout(efficacy, tmp_path):
+    (tmp_path / "grpo_seed3.json").write_text(json.dumps(_summary([0.1, 0.2], 1.0, 10)))
+    (tmp_path / "treepo_segment_seed0.json").write_text(json.dumps(_summary([0.1, 0.3], 1.0, 10)))
+    runs = efficacy.load_runs(str(tmp_path))
+    assert {m: sorted(r) for m, r in runs.items()} == {"grpo": [3], "treepo_segment": [0]}
 
 
 def test_report_needs_the_baseline(efficacy, tmp_path):

@@ -26,6 +26,21 @@ def test_shipped_configs_parse(name):
         assert cfg.rollout.max_length == treepo.rollout.max_length
 
 
+def test_efficacy_configs_share_one_budget():
+    """The efficacy study's methods differ in the rollout's tree shape and the estimator, never in the budget."""
+    cfgs = {m: train.parse([os.path.join(CONFIGS, f"efficacy_{m}.gin")], [])
+            for m in ("grpo", "treepo", "treepo_segment", "treepo_no_transfer")}
+    budget = {(c.prompts_per_step, c.rollout.num_leaves, c.rollout.max_length, c.num_steps, c.optimizer,
+               c.loss, c.task, tuple(sorted(c.task_options.items())), c.eval) for c in cfgs.values()}
+    assert len(budget) == 1
+    assert cfgs["grpo"].rollout.branch_factor == 1 and cfgs["grpo"].estimator == "grpo"
+    assert cfgs["treepo"].rollout.branch_factor == 2 and cfgs["treepo"].rollout.budget_transfer
+    assert cfgs["treepo_segment"].estimator == "treepo_segment"
+    assert not cfgs["treepo_no_transfer"].rollout.budget_transfer
+    assert len({c.log_dir for c in cfgs.values()}) == 4
+    assert cfgs["treepo"].eval.num_problems >= 200 and cfgs["treepo"].task_options["eval_size"] >= 200
+
+
 def test_misspelled_binding_names_closest(tmp_path):
     with pytest.raises(ConfigError, match="did you mean RunConfig.num_steps[?]$"):
         train.parse([], ["RunConfig.num_stpes = 3"])

@@ -107,3 +107,49 @@ def test_invalid_sampled_ids_stop_the_run():
     nan = forest.replace(logprobs=forest.logprobs.at[tuple(valid)].set(np.nan))
     with pytest.raises(DivergenceError, match="1 non-finite log-probs"):
         loop.check_sampled_ids(nan, 10**6, 0)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _no_model_load(monkeypatch):
+    """Makes loading weights fail loudly: what is checked before it must not get that far."""
+    from treejax.models import registry
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the task data was checked")
+
+    monkeypatch.setattr(registry, "load_model", load_model)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "task file .*train.jsonl holds no problems"),
+    ([{"question": "2+3?", "answer": 5}, {"question": "2+4?", "answer": "#### 6"}],
+     "has no held-out [(]eval[)] problems, and the run evaluates EvalConfig.num_problems=32 .* "
+     "eval_path='<held-out file>' .* or eval_fraction=0.05"),
+    ([{"question": "2+3?", "answer": [5]}], "train.jsonl:1: field 'answer' must be a string or a number"),
+])
+def test_task_file_problems_stop_the_run_before_the_model_loads(tmp_path, monkeypatch, rows, message):
+    _no_model_load(monkeypatch)
+    path = _jsonl(tmp_path / "train.jsonl", rows)
+    cfg = loop.RunConfig(task="gsm8k_file", task_options={"path": path}, log_dir=str(tmp_path / "run"),
+                         model=str(tmp_path / "no_model_here"))
+    with pytest.raises(DataError, match=message):
+        loop.run(cfg)
+
+
+def test_overlong_prompts_are_refused_before_the_model_loads(tiny_checkpoint, tmp_path, monkeypatch):
+    _no_model_load(monkeypatch)
+    question = " ".join(["word"] * 400) + "?"
+    path = _jsonl(tmp_path / "train.jsonl", [{"question": question, "answer": 1}, {"question": "1+1?", "answer": 2}])
+    evals = _jsonl(tmp_path / "eval.jsonl", [{"question": "2+2?", "answer": 4}])
+    cfg = loop.RunConfig(model=tiny_checkpoint, task="gsm8k_file", log_dir=str(tmp_path / "run"),
+                         task_options={"path": path, "eval_path": evals}, max_prompt_length=128,
+                         overlong_prompts="error")
+    with pytest.raises(DataError, match="1 of 2 training and 0 of 1 evaluation prompts .* longer than "
+                                        "max_prompt_length=128 tokens"):
+        loop.run(cfg)
+    with pytest.raises(DataError, match="1 usable training prompts, fewer than prompts_per_step=2"):
+        loop.run(dataclasses.replace(cfg, overlong_prompts="filter"))

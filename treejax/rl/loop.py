@@ -362,9 +362,9 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
 def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     from treejax import checkpoint as ckpt_lib
     from treejax import metrics as metrics_lib
-    from treejax.data import get_task, make_prompt_pipeline
+    from treejax.data import make_prompt_pipeline
     from treejax.models import transformer
-    from treejax.models.registry import load_model
+    from treejax.models.registry import load_model, load_tokenizer
     from treejax.sampling.decode import make_model_fns
     from treejax.sampling.tree import make_tree_rollout
 
@@ -375,13 +375,15 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
             f.write(operative_config)
 
-    task = get_task(cfg.task, **dict(cfg.task_options))
-    train_records = task.records("train")
-    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    # The task's data is read, validated and measured before the weights load: a data problem is reported in
+    # seconds, not after minutes of loading and compiling.
+    task, train_records, eval_examples = load_task_data(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
-                                                 compute_dtype=prec.compute_dtype)
+                                                 compute_dtype=prec.compute_dtype, tokenizer=tokenizer)
     warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     tree_cfg = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
@@ -413,7 +415,6 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         return jitted["fn"](state, jax.device_put(mini, jitted["sh"]))
 
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id), prec, update)
-    train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 
@@ -559,6 +560,27 @@ def _finish(r: _Run) -> dict:
     return summary
 
 
+def load_task_data(cfg: RunConfig) -> tuple[Any, list[dict[str, str]], list]:
+    """``(task, train records, eval examples)`` of the run's task, checked before any model is loaded.
+
+    Raises :class:`~treejax.errors.DataError` when the task has no training problems, or no held-out problems
+    (the run evaluates ``EvalConfig.num_problems`` of them before and after training; the message names the task
+    options that give it an eval split, e.g. ``eval_path`` / ``eval_fraction`` for a file task)."""
+    from treejax.data import get_task
+    from treejax.errors import DataError
+
+    task = get_task(cfg.task, **dict(cfg.task_options))
+    train_records = task.records("train")
+    if not train_records:
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no training problems")
+    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    if not eval_examples:
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no held-out (eval) problems, and the run evaluates "
+                        f"EvalConfig.num_problems={cfg.eval.num_problems} of them before and after training: "
+                        f"{task.eval_options}")
+    return task, train_records, eval_examples
+
+
 def prompt_cap(cfg: RunConfig) -> int:
     """The longest prompt a run accepts: ``RunConfig.max_prompt_length``, and ``TreeConfig.max_prompt_length``
     when that is set and smaller."""
@@ -591,5 +613,8 @@ def filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
     if len(train_records) < cfg.prompts_per_step:
         raise DataError(f"task {cfg.task!r} has {len(train_records)} usable training prompts, fewer than "
                         f"prompts_per_step={cfg.prompts_per_step}")
+    if eover and eover == len(elens):
+        raise DataError(f"every evaluation prompt of task {cfg.task!r} is longer than max_prompt_length={cap} "
+                        "tokens; raise RunConfig.max_prompt_length")
     kept = [n for n in lens if n <= cap] + [n for n in elens if n <= cap]
     return train_records, eval_examples, bucket_length(max(kept))

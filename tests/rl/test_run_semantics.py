@@ -91,6 +91,9 @@ def test_divergence_rules():
     V = 49152
     assert loop.divergence({"update/entropy": 2.0, "update/param_norm": 100.0}, 100.5, V) is None
     assert "uniform" in loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V)
+    assert "uniform" in loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=1.5)
+    # a model that started uniform (a random initialisation) has not diverged by staying there
+    assert loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=0.99 * np.log(V)) is None
     assert "jumped" in loop.divergence({"update/param_norm": 400.0}, 100.0, V)
     assert "norm is nan" in loop.divergence({"update/param_norm": float("nan")}, 100.0, V)
 
@@ -153,3 +156,57 @@ def test_overlong_prompts_are_refused_before_the_model_loads(tiny_checkpoint, tm
         loop.run(cfg)
     with pytest.raises(DataError, match="1 usable training prompts, fewer than prompts_per_step=2"):
         loop.run(dataclasses.replace(cfg, overlong_prompts="filter"))
+
+
+def _tiny_run(tiny_checkpoint, tmp_path, learning_rate, nonfinite, export_hf=True):
+    """One RL step of a tiny random model through the real loop, at the smallest sizes (compiles dominate)."""
+    from treejax.rl.evaluation import EvalConfig
+
+    base = loop.RunConfig()
+    return dataclasses.replace(
+        base, model=tiny_checkpoint, log_dir=str(tmp_path / "run"), num_steps=1, prompts_per_step=1,
+        rollout=dataclasses.replace(base.rollout, num_leaves=2, max_depth=1, segment_length=2),
+        eval=EvalConfig(num_problems=1, max_new_tokens=1), tree_picture_every=0, export_hf=export_hf,
+        old_logp="sampler", nonfinite=nonfinite,
+        optimizer=dataclasses.replace(base.optimizer, learning_rate=learning_rate))
+
+
+@pytest.mark.parametrize("learning_rate, why", [
+    (1e3, "the parameter norm jumped from .* to .* in one step"),
+    pytest.param(1e30, "the parameter norm is inf", marks=pytest.mark.slow),
+])
+def test_divergence_stops_the_run_before_export(tiny_checkpoint, tmp_path, learning_rate, why):
+    """The issue's cases: learning_rate=1e3 (AdamW's decay alone multiplies every weight by 1 - 1e3 * 0.1 = -99;
+    a random tiny model gets no reward, so no gradient) and 1e30, with nonfinite='raise': a DivergenceError at
+    step 1, nothing exported, no summary, no checkpoint."""
+    cfg = _tiny_run(tiny_checkpoint, tmp_path, learning_rate, "raise")
+    with pytest.raises(DivergenceError, match=f"step 1: {why}; stopped before export"):
+        loop.run(cfg)
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "hf_export").exists() and not (run_dir / "summary.json").exists()
+    assert not [d for d in os.listdir(run_dir / "checkpoints") if d.isdigit()]
+    failure = json.load(open(run_dir / "failure.json"))
+    assert failure["user_error"] and failure["type"] == "treejax.errors.DivergenceError"
+
+
+@pytest.mark.slow
+def test_divergence_without_raise_is_reported_in_the_log_and_summary(tiny_checkpoint, tmp_path, caplog):
+    from treejax.rl.report import format_summary
+
+    summary = loop.run(_tiny_run(tiny_checkpoint, tmp_path, 1e3, "skip"))
+    assert [d["step"] for d in summary["divergence"]] == [1] and "jumped" in summary["divergence"][0]["why"]
+    assert "step 1: the parameter norm jumped" in caplog.text
+    assert "training looked diverged at step(s) 1" in caplog.text
+    assert "WARNING: training looked diverged at step(s) 1 (the parameter norm jumped" in format_summary(summary)
+
+
+def test_summary_of_a_healthy_run_has_no_divergence_warning():
+    from treejax.rl.report import format_summary
+
+    ev = {"accuracy": 0.25, "n": 4}
+    summary = {"model": "m", "task": "t", "estimator": "treepo", "steps": 1, "total_s": 1.0, "eval_before": ev,
+               "eval_after": ev, "history": [], "decoded_tokens": 0, "log_dir": "l", "checkpoint_dir": "c",
+               "precision": {"param_dtype": "float32", "compute_dtype": "float32"}, "divergence": []}
+    assert "diverged" not in format_summary(summary)
+    summary["divergence"] = [{"step": 2, "why": "the policy entropy 10.79 is at ..."}]
+    assert "WARNING: training looked diverged at step(s) 2 (the policy entropy" in format_summary(summary)

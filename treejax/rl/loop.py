@@ -38,6 +38,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from treejax.errors import record_failure
 from treejax.forest import Forest
@@ -279,12 +280,26 @@ ENTROPY_UNIFORM_FRACTION = 0.98
 PARAM_NORM_JUMP = 0.5
 
 
-def divergence(row: dict, prev_param_norm: float | None, vocab_size: int) -> str | None:
-    """Why step ``row`` looks diverged (``None`` if it does not)."""
+def divergence(row: dict, prev_param_norm: float | None, vocab_size: int,
+               initial_entropy: float | None = None) -> str | None:
+    """Why step ``row`` looks diverged (``None`` if it does not). The rules, first match wins:
+
+    * the parameter norm after the update is not finite;
+    * the policy entropy ``H >= 0.98 ln V`` (uniform over the vocabulary) — only when the run's first measured
+      entropy ``initial_entropy`` was below that (a randomly initialised model starts uniform: that is no
+      divergence); ``None``: unknown, the rule applies;
+    * ``|norm - prev_param_norm| > 0.5 prev_param_norm``, where ``prev_param_norm`` is the norm after the previous
+      step (before the first step: the initial, or restored, parameters' norm).
+
+    ``update/entropy`` is measured in the update's forward, i.e. under the parameters before that step's update,
+    and ``update/param_norm`` after it: a learning rate that wrecks the model in step ``s`` shows as a norm jump
+    in step ``s`` and as entropy at ln V in step ``s + 1``.
+    """
     ent, norm = row.get("update/entropy"), row.get("update/param_norm")
     if norm is not None and not np.isfinite(norm):
         return f"the parameter norm is {norm}"
-    if ent is not None and ent >= ENTROPY_UNIFORM_FRACTION * np.log(vocab_size):
+    uniform = ENTROPY_UNIFORM_FRACTION * np.log(vocab_size)
+    if ent is not None and ent >= uniform and (initial_entropy is None or initial_entropy < uniform):
         return f"the policy entropy {ent:.2f} is at the uniform distribution's ln(V) = {np.log(vocab_size):.2f}"
     if norm is not None and prev_param_norm and abs(norm - prev_param_norm) > PARAM_NORM_JUMP * prev_param_norm:
         return f"the parameter norm jumped from {prev_param_norm:.4g} to {norm:.4g} in one step"
@@ -469,7 +484,9 @@ def _train(r: _Run) -> int | None:
     pending_host: dict[int, dict] = {}
     history = r.data_state.setdefault("history", [])
 
-    norms = {"prev": None}
+    # the norm of the parameters the first step starts from (initial or restored): a jump in step 1 is seen too
+    norms = {"prev": history[-1].get("update/param_norm") if history else float(optax.global_norm(r.state.params))}
+    diverged = r.data_state.setdefault("divergence", [])
 
     def write(ready):
         from treejax.errors import DivergenceError
@@ -478,13 +495,16 @@ def _train(r: _Run) -> int | None:
             row = dict(pending_host.pop(s), **values)
             r.writer.write_scalars(s, row)
             history.append(dict(row, step=s))
-            why = divergence(row, norms["prev"], r.sampler_fns.sampling_vocab_size)
+            why = divergence(row, norms["prev"], r.sampler_fns.sampling_vocab_size,
+                             initial_entropy=history[0].get("update/entropy"))
             norms["prev"] = row.get("update/param_norm", norms["prev"])
             if why:
                 if cfg.nonfinite == "raise":
                     raise DivergenceError(f"step {s}: {why}; stopped before export (nonfinite='raise'); "
                                           "lower OptimizerConfig.learning_rate")
-                log.warning("step %d: %s: training looks diverged", s, why)
+                diverged.append({"step": s, "why": why})
+                log.warning("step %d: %s: training looks diverged (RunConfig.nonfinite='raise' stops the run "
+                            "here)", s, why)
 
     preempted_at = None
     try:
@@ -539,6 +559,11 @@ def _finish(r: _Run) -> dict:
     if r.checkpointer.latest_step() != cfg.num_steps:
         r.checkpointer.save(cfg.num_steps, r.state, r.data_state, force=True)
     r.checkpointer.wait()
+    diverged = r.data_state.get("divergence", [])
+    if diverged:
+        log.warning("training looked diverged at step(s) %s (%s); the checkpoint%s that model",
+                    ", ".join(str(d["step"]) for d in diverged), diverged[0]["why"],
+                    " and the HF export hold" if cfg.export_hf else " holds")
     export_dir = None
     if cfg.export_hf:
         export_dir = os.path.join(cfg.log_dir, "hf_export")
@@ -554,6 +579,7 @@ def _finish(r: _Run) -> dict:
         "total_s": time.perf_counter() - r.t_start,
         "log_dir": os.path.abspath(cfg.log_dir), "checkpoint_dir": os.path.abspath(r.checkpointer.directory),
         "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
+        "divergence": diverged,
     }
     with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=float)

@@ -3,6 +3,7 @@ divergence detection, and RunConfig's defaults equal to the quickstart."""
 
 import dataclasses
 import json
+import logging
 import os
 
 import numpy as np
@@ -11,6 +12,15 @@ import pytest
 from treejax.errors import ConfigError, DataError, DivergenceError
 from treejax.rl import loop
 from treejax.run_dir import RunLock, prepare_log_dir
+
+@pytest.fixture
+def treejax_caplog(caplog, monkeypatch):
+    """caplog that sees treejax's records even after a CLI test gave the treejax logger its own handler
+    (``configure_logging``: no propagation, WARNING with ``--quiet``)."""
+    monkeypatch.setattr(logging.getLogger("treejax"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="treejax")
+    return caplog
+
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
@@ -73,7 +83,8 @@ def _task(tmp_path, lengths):
     return get_task("gsm8k_file", path=str(path), instruction="", system_prompt=None)
 
 
-def test_overlong_prompts_are_filtered_with_a_count_or_refused(tmp_path, caplog, monkeypatch):
+def test_overlong_prompts_are_filtered_with_a_count_or_refused(tmp_path, treejax_caplog, monkeypatch):
+    caplog = treejax_caplog
     from treejax.data import prompts
 
     monkeypatch.setattr(prompts, "format_prompt", lambda tok, msgs, **kw: " ".join(m["content"] for m in msgs))
@@ -190,7 +201,8 @@ def test_divergence_stops_the_run_before_export(tiny_checkpoint, tmp_path, learn
 
 
 @pytest.mark.slow
-def test_divergence_without_raise_is_reported_in_the_log_and_summary(tiny_checkpoint, tmp_path, caplog):
+def test_divergence_without_raise_is_reported_in_the_log_and_summary(tiny_checkpoint, tmp_path, treejax_caplog):
+    caplog = treejax_caplog
     from treejax.rl.report import format_summary
 
     summary = loop.run(_tiny_run(tiny_checkpoint, tmp_path, 1e3, "skip"))

@@ -357,8 +357,10 @@ class _Run:
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     """Runs training as configured and returns the summary (also written to ``log_dir/summary.json``)."""
+    from treejax.log import show_progress
     from treejax.run_dir import RunLock, prepare_log_dir
 
+    show_progress()
     with RunLock(cfg.log_dir):
         prepare_log_dir(cfg.log_dir, cfg.log_dir_mode)
         r = _setup(cfg, operative_config)
@@ -476,6 +478,8 @@ def _train(r: _Run) -> int | None:
     key = jax.random.key(cfg.seed)
     evals = r.data_state.setdefault("evals", [])
     if not evals:
+        log.info("evaluating %d held-out problems before training (the first call compiles the decoder)",
+                 len(r.eval_examples))
         evals.append(_evaluate(r, 0))
     preemption = ckpt_lib.PreemptionHandler()
     if threading.current_thread() is threading.main_thread():
@@ -509,6 +513,9 @@ def _train(r: _Run) -> int | None:
     preempted_at = None
     try:
         for step in range(r.start_step, cfg.num_steps):
+            if step == r.start_step:
+                log.info("step %d: rollout, scoring and update (the first step compiles the tree sampler and the "
+                         "update; later steps are faster)", step + 1)
             r.state, ro, device_metrics, host = rl_step(r.step_fns, r.state, r.source, jax.random.fold_in(key, step),
                                                         step, r.ref_params)
             pending_host[step + 1] = dict(host, **{"time/step_s": time.perf_counter() - r.t_start})

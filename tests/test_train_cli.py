@@ -256,6 +256,9 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tiny_checkpoint, tmp_path
     assert resumed["history"][1] == {**straight["history"][1], **{k: v for k, v in resumed["history"][1].items()
                                                                    if k.startswith("time/") or k.endswith("per_s")}}
     assert _export_bytes(resumed) == _export_bytes(straight)
+    # the resumed run kept the interrupted run's "before" evaluation: one step-0 point in TensorBoard, not two
+    assert resumed["eval_before"]["step"] == 0 and resumed["evals"][0] == resumed["eval_before"]
+    assert [s for s, _ in _events(str(tmp_path / "resumed"))["eval/accuracy"]] == [0, 2]
 
 
 def test_dynamic_sampling_masks_degenerate_prompts(tiny_checkpoint, tmp_path):

@@ -61,6 +61,14 @@ def test_run_config_defaults_are_the_quickstart():
                                         if getattr(parsed, f.name) != getattr(loop.RunConfig(), f.name)]
 
 
+def test_run_config_default_task_data_exists():
+    """The default task options ask for problems the generator has (the old default asked for 1000 distinct
+    chain_sum_2x1 problems; about 160 exist)."""
+    task, train, evals = loop.load_task_data(loop.RunConfig())
+    assert len(train) == 128 and len(evals) == 32
+    assert not {r["question"] for r in train} & {e.metadata["question"] for e in evals}
+
+
 class _Tok:
     """Whitespace tokenizer with a trivial chat template (enough for prompt measurement)."""
 

@@ -118,6 +118,9 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
+        from treejax.config_types import check_types
+
+        check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
         rows = self.prompts_per_step * self.rollout.num_leaves

@@ -230,3 +230,26 @@ def test_summary_of_a_healthy_run_has_no_divergence_warning():
     assert "diverged" not in format_summary(summary)
     summary["divergence"] = [{"step": 2, "why": "the policy entropy 10.79 is at ..."}]
     assert "WARNING: training looked diverged at step(s) 2 (the policy entropy" in format_summary(summary)
+
+
+def test_nonfinite_update_in_the_jitted_step_becomes_a_divergence_error():
+    """nonfinite='raise' inside the update raises in a host callback; jax hands the loop a JaxRuntimeError whose
+    text holds the FloatingPointError: the loop turns it into one DivergenceError line."""
+    import jax
+    import jax.numpy as jnp
+
+    from treejax.rl.update import _raise_nonfinite
+
+    @jax.jit
+    def update(loss):
+        jax.debug.callback(_raise_nonfinite, jnp.isfinite(loss), 3, loss, loss)
+        return loss
+
+    with pytest.raises(Exception) as err:
+        jax.block_until_ready(update(jnp.float32(np.nan)))
+    error = loop.nonfinite_update_error(err.value)
+    assert isinstance(error, DivergenceError)
+    assert str(error) == ("non-finite update at step 3: loss=nan, grad_norm=nan; stopped before export "
+                          "(nonfinite='raise'); lower OptimizerConfig.learning_rate")
+    assert loop.nonfinite_update_error(RuntimeError("INTERNAL: something else")) is None
+    assert loop.nonfinite_update_error(ValueError("FloatingPointError: non-finite update at step 1")) is None

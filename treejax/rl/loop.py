@@ -68,6 +68,9 @@ class RunConfig:
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
+    ``nonfinite``: ``"skip"`` (an update with a non-finite loss or gradient is not applied; a step that looks
+    diverged, see :func:`divergence`, is logged and listed in the summary's ``"divergence"``) or ``"raise"`` (either
+    stops the run with a :class:`~treejax.errors.DivergenceError` before anything is exported).
     ``max_prompt_length`` / ``overlong_prompts``: prompts are measured when the run starts (train and eval
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
@@ -547,9 +550,29 @@ def _train(r: _Run) -> int | None:
                 log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume", done)
                 break
         write(deferred.flush())
+    except RuntimeError as e:
+        diverged_error = nonfinite_update_error(e)
+        if diverged_error is None:
+            raise
+        raise diverged_error from e
     finally:
         preemption.uninstall()
     return preempted_at
+
+
+def nonfinite_update_error(e: BaseException):
+    """The :class:`~treejax.errors.DivergenceError` for a jax runtime error that carries the update's
+    ``nonfinite='raise'`` check (:func:`treejax.rl.update._raise_nonfinite`, raised in a host callback, so it
+    reaches the loop wrapped in jax's error with a traceback as text); ``None`` for any other error."""
+    import re
+
+    from treejax.errors import DivergenceError
+
+    found = re.search(r"FloatingPointError: (non-finite update at step \d+[^\n]*)", str(e))
+    if not isinstance(e, RuntimeError) or found is None:
+        return None
+    what = found.group(1).split("; params and optimizer state")[0]
+    return DivergenceError(f"{what}; stopped before export (nonfinite='raise'); lower OptimizerConfig.learning_rate")
 
 
 def _finish_preempted(r: _Run, preempted_at: int) -> dict:

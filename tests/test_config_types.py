@@ -69,3 +69,18 @@ def test_string_annotations_are_resolved():
     check_types(Local(3))
     with pytest.raises(ConfigError, match="Local.n must be int | None, got '3'"):
         check_types(Local("3"))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: RunConfig(num_steps="two"), "RunConfig.num_steps must be int, got 'two' (str)"),
+    (lambda: RunConfig(num_steps=2.5), "RunConfig.num_steps must be int, got 2.5 (float)"),
+    (lambda: OptimizerConfig(learning_rate="1e-5"), "OptimizerConfig.learning_rate must be float, got '1e-5' (str)"),
+    (lambda: RunConfig(rollout=TreeConfig(stop_ids=[2])),
+     "TreeConfig.stop_ids must be tuple[int, ...] | None, got [2] (list)"),
+])
+def test_configs_built_from_python_are_checked_at_once(make, message):
+    """Not only through gin: building the config in Python names the field (no comparison error from
+    ``__post_init__``, no failure after the model has loaded)."""
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert str(err.value) == message

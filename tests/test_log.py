@@ -41,3 +41,26 @@ def test_quiet_keeps_warnings_only(treejax_logger, capsys):
     logging.getLogger("treejax.rl.loop").warning("non-finite loss")
     err = capsys.readouterr().err
     assert "step line" not in err and "non-finite loss" in err
+
+
+def test_run_from_python_shows_progress(treejax_logger, capsys):
+    """``loop.run`` from Python: an unconfigured treejax logger gets INFO and a handler when none exists on the
+    way to the root; a configured one (a handler or a level of its own) is left alone."""
+    from treejax.log import show_progress
+
+    logger, root = logging.getLogger("treejax"), logging.getLogger()
+    logger.handlers[:] = []
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    root_handlers = list(root.handlers)
+    root.handlers[:] = []  # a plain `python script.py`: nobody configured logging
+    try:
+        show_progress()
+        logging.getLogger("treejax.rl.loop").info("step 1/3 | reward/mean -1")
+        assert "step 1/3 | reward/mean -1" in capsys.readouterr().err
+    finally:
+        root.handlers[:] = root_handlers
+    logger.handlers[:] = []
+    logger.setLevel(logging.WARNING)  # the caller chose: stays
+    show_progress()
+    assert logger.level == logging.WARNING and not logger.handlers

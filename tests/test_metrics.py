@@ -33,3 +33,18 @@ def test_deferred_returns_previous_step_only():
     assert d.push(1, {"x": jnp.float32(1.0)}) == [(0, {"x": 0.0})]
     assert d.flush() == [(1, {"x": 1.0})]
     assert d.flush() == []
+
+
+def test_two_writers_in_one_folder_never_share_an_event_file(tmp_path):
+    """Two writers opened in the same second (two runs, or a run and its resume) write separate files, and every
+    point of both reads back."""
+    import os
+
+    a = MetricsWriter(tmp_path, print_fn=lambda line: None)
+    b = MetricsWriter(tmp_path, print_fn=lambda line: None)
+    a.write_scalars(1, {"x": 1.0})
+    b.write_scalars(1, {"x": 2.0})
+    a.close()
+    b.close()
+    assert len([f for f in os.listdir(tmp_path) if "tfevents" in f]) == 2
+    assert sorted(v for t, _, v in iter_event_scalars(tmp_path) if t == "x") == [1.0, 2.0]

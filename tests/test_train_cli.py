@@ -177,6 +177,13 @@ def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):
         assert json.load(f)["steps"] == 2
     steps = sorted(int(d) for d in os.listdir(summary["checkpoint_dir"]) if d.isdigit())
     assert steps[-1] == 2
+    # TensorBoard: the learning rate per step, the tree picture and a few leaves' text (reward, verifier score)
+    events = _events(log_dir)
+    assert [(s, round(v, 12)) for s, v in events["update/learning_rate"]] == [(1, 1e-5), (2, 1e-5)]
+    assert [s for s, _ in events["rollout/tree"]] == [1, 2]
+    samples = dict(events["rollout/samples/text_summary"])
+    assert sorted(samples) == [1, 2]
+    assert "**leaf 0** (reward -1.00, score 0.00)" in samples[1] and "**leaf 2**" in samples[1]
     # Rerunning the same command is refused (it would train nothing and overwrite the summary) ...
     with pytest.raises(ConfigError, match="already holds a finished run; pass --resume"):
         train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
@@ -188,6 +195,34 @@ def test_tiny_run_writes_all_artifacts_and_resumes(tiny_checkpoint, tmp_path):
     # the history is kept across the resume and the run appends to it; "before" stays the original evaluation
     assert [row["step"] for row in resumed["history"]] == [1, 2, 3]
     assert resumed["eval_before"] == summary["eval_before"]
+
+
+def _events(log_dir):
+    """``{tag: [(step, value)]}`` of every scalar (float), image (encoded bytes) and text (str) in the run's event
+    files (tensorboardX's protos; no TensorFlow)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for name in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        data = open(name, "rb").read()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    value = v.simple_value
+                elif v.HasField("image"):
+                    value = v.image.encoded_image_string
+                elif v.HasField("tensor") and v.tensor.string_val:
+                    value = v.tensor.string_val[0].decode("utf-8")
+                else:
+                    continue
+                out.setdefault(v.tag, []).append((int(event.step), value))
+    return out
 
 
 def _export_bytes(summary):
@@ -236,6 +271,9 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tiny_checkpoint, tmp_path
     assert resumed["history"][1] == {**straight["history"][1], **{k: v for k, v in resumed["history"][1].items()
                                                                    if k.startswith("time/") or k.endswith("per_s")}}
     assert _export_bytes(resumed) == _export_bytes(straight)
+    # the resumed run kept the interrupted run's "before" evaluation: one step-0 point in TensorBoard, not two
+    assert resumed["eval_before"]["step"] == 0 and resumed["evals"][0] == resumed["eval_before"]
+    assert [s for s, _ in _events(str(tmp_path / "resumed"))["eval/accuracy"]] == [0, 2]
 
 
 def test_dynamic_sampling_masks_degenerate_prompts(tiny_checkpoint, tmp_path):

@@ -63,3 +63,30 @@ def test_bad_arguments(forest, tmp_path):
         draw_tree(forest, np.zeros(3), tmp_path / "tree.png")
     with pytest.raises(ValueError, match="prompt"):
         draw_tree(forest, REWARDS, tmp_path / "tree.png", prompt=1)
+
+
+def _svg_text(forest, tmp_path, rewards, **kw):
+    return open(draw_tree(forest, rewards, tmp_path / "tree.svg", **kw)).read()
+
+
+def test_fixed_colour_scale_draws_all_wrong_leaves_red(forest, tmp_path):
+    """Every leaf at -1: with the run's range (-1, 1) the nodes are the scale's low end (red); a scale refitted
+    to this picture alone (-2..0) would draw -1 in its neutral middle."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    red, middle = to_hex(colormaps["RdYlGn"](0.0)), to_hex(colormaps["RdYlGn"](0.5))
+    fixed = _svg_text(forest, tmp_path, -np.ones(5), reward_range=(-1.0, 1.0))
+    assert red in fixed and middle not in fixed
+    refitted = _svg_text(forest, tmp_path, -np.ones(5))
+    assert middle in refitted and red not in refitted
+
+
+def test_leaf_labels_come_from_the_verifier(forest, tmp_path):
+    """A leaf that stopped on EOS and scored +1 is marked correct; no label claims 'no answer'."""
+    rewards = np.array([1.0, 1.0, -1.0, -1.0, -1.0])  # leaf 1 stopped with EOS and is correct
+    text = _svg_text(forest, tmp_path, rewards, reward_range=(-1.0, 1.0),
+                     correct=np.array([True, True, False, False, False]))
+    assert text.count("+1.00 \u2713") == 2 and text.count("-1.00 \u2717") == 3
+    assert "verifier says correct / wrong" in text and "no answer" not in text
+    assert "stop token" in text  # the finish reason stays a finish reason

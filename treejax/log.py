@@ -5,6 +5,10 @@ installs one (leaving the root at WARNING), so ``basicConfig(level=INFO)`` in ``
 per-step lines. Instead the
 ``treejax`` logger (parent of every ``treejax.*`` module logger) gets its own stderr handler and does not
 propagate, whatever a library did to the root logger.
+
+From Python, :func:`treejax.rl.loop.run` calls :func:`show_progress`: unless the caller configured the
+``treejax`` logger, its INFO records (the per-step lines) are made visible without taking them from the
+handlers the caller's program already has (the root's, pytest's).
 """
 
 from __future__ import annotations
@@ -45,4 +49,23 @@ def configure_logging(quiet: bool = False) -> logging.Logger:
     logger.propagate = False
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    return logger
+
+
+def show_progress() -> logging.Logger:
+    """Makes the ``treejax`` logger's INFO records (progress lines) visible when nobody configured it.
+
+    A logger with a handler or an explicit level of its own is left alone (``configure_logging`` ran, or the
+    caller chose). Otherwise its level becomes INFO (records still propagate to the root's handlers, e.g. a
+    ``logging.basicConfig`` of the caller's), and when no handler exists on the way to the root it gets the
+    stderr handler of :func:`configure_logging`.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    if logger.handlers or logger.level != logging.NOTSET:
+        return logger
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        handler = _TreejaxHandler()
+        handler.setFormatter(logging.Formatter(FORMAT))
+        logger.addHandler(handler)
     return logger

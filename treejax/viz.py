@@ -6,8 +6,10 @@ value, the mean reward of the leaves under it:
 
     V(p, n) = sum_w R[p, w] * [leaf_path[p, w, depth(n)] == n] / sum_w [leaf_path[p, w, depth(n)] == n]
 
-Leaves (the end node of each of the W rollouts) get a marker for their finish reason (``NodeStatus``) and their
-reward written next to them. Pruned nodes are crossed out. Matplotlib's object API is used without pyplot, so
+Leaves (the end node of each of the W rollouts) get a marker for their finish reason (``NodeStatus``: why decoding
+stopped, which says nothing about the answer) and their reward written next to them, with a check or a cross when
+the verifier's results are given (``correct``). The colour scale is the run's reward range when given
+(``reward_range``), so one colour means one value in every picture of a run. Pruned nodes are crossed out. Matplotlib's object API is used without pyplot, so
 drawing never changes the global backend (safe in notebooks and headless servers).
 """
 
@@ -152,7 +154,10 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
             mark = " \u2713" if correct_W[w] else " \u2717"
         ax.annotate(f"{rewards_W[w]:+.2f}{mark}", (x + 0.4, y), va="center", fontsize=7)
         seen[int(status)] = Line2D([], [], marker=marker, color="k", ls="", label=label)
-    ax.legend(handles=[seen[k] for k in sorted(seen)], loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3,
+    handles = [seen[k] for k in sorted(seen)]
+    if correct_W is not None:
+        handles.append(Line2D([], [], ls="", label="\u2713 / \u2717: verifier says correct / wrong"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3,
               fontsize=7, title="leaf finish reason", title_fontsize=7, frameon=False)
     fig.colorbar(sc, ax=ax, label="value (mean leaf reward)", fraction=0.05)
     ax.set_xlabel("depth (segment)")

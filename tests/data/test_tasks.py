@@ -26,9 +26,12 @@ def test_unknown_task_suggests_close_names():
 
 
 def test_reasoning_gym_unknown_dataset_and_config_field():
-    with pytest.raises(ValueError, match="valid names"):
+    with pytest.raises(DataError, match="valid names") as err:
         get_task("reasoning_gym", dataset="no_such_dataset")
-    with pytest.raises(TypeError, match="min_terms"):
+    assert len(str(err.value)) < 200  # no kilobytes of names
+    with pytest.raises(DataError, match="'chain_sums'; did you mean 'chain_sum'"):
+        get_task("reasoning_gym", dataset="chain_sums")
+    with pytest.raises(DataError, match="min_terms"):
         get_task("chain_sum", not_a_field=3)
 
 
@@ -161,17 +164,17 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
         json.dumps({"question": "q2", "answer": "#### 2"}),
         '{"question": "q3", "answer": "#### 3"',
     ])
-    with pytest.raises(ValueError, match=r"bad\.jsonl:4: malformed JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:4: malformed JSON"):
         get_task("gsm8k_file", path=path)
 
 
 def test_missing_answer_field_is_a_clear_error(tmp_path):
     path = _write(tmp_path / "missing.jsonl", [json.dumps({"question": "q1", "answer": "#### 1"}),
                                                json.dumps({"question": "q2", "solution": "#### 2"})])
-    with pytest.raises(KeyError, match=r"missing\.jsonl:2: missing field 'answer'"):
+    with pytest.raises(DataError, match=r"missing\.jsonl:2: missing field 'answer'"):
         get_task("gsm8k_file", path=path)
     path = _write(tmp_path / "nobox.jsonl", [json.dumps({"problem": "p", "solution": "it is 3"})])
-    with pytest.raises(ValueError, match=r"nobox\.jsonl:1: .*no \\boxed"):
+    with pytest.raises(DataError, match=r"nobox\.jsonl:1: .*no \\boxed"):
         get_task("math_file", path=path)
     path = _write(tmp_path / "trunc.jsonl", [json.dumps({"problem": "p", "solution": "\\boxed{\\frac{1"})])
     with pytest.raises(ValueError, match=r"trunc\.jsonl:1: .*truncated"):
@@ -187,6 +190,62 @@ def test_eval_file_overlapping_train_is_an_error(tmp_path):
     ok = _write(tmp_path / "eval_ok.jsonl", [json.dumps({"question": "new?", "answer": "#### 5"})])
     task = get_task("gsm8k_file", path=GSM8K, eval_path=ok)
     assert [r["answer"] for r in task.records("eval")] == ["5"]
+
+
+def test_empty_task_file_names_the_file(tmp_path):
+    """Not the pipeline's "shard 0 of 1 is empty": the file task says which file holds nothing."""
+    empty = _write(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(DataError, match=r"task file .*empty\.jsonl holds no problems"):
+        get_task("gsm8k_file", path=empty)
+    with pytest.raises(DataError, match=r"task file .*empty\.jsonl holds no problems"):
+        get_task("gsm8k_file", path=GSM8K, eval_path=empty)
+
+
+def test_numeric_answers_are_the_ground_truth(tmp_path):
+    path = _write(tmp_path / "ints.jsonl", [json.dumps({"question": "2+3?", "answer": 5}),
+                                            json.dumps({"question": "3/2?", "answer": 1.5}),
+                                            json.dumps({"question": "9-2?", "answer": 7.0}),
+                                            json.dumps({"question": "1+1?", "answer": "so #### 2"})])
+    task = get_task("gsm8k_file", path=path)
+    assert [r["answer"] for r in task.records("train")] == ["5", "1.5", "7", "2"]
+    ex = task.make_example(task.records("train")[0])
+    assert task.score("\\boxed{5}", ex) == 1.0 and task.score("\\boxed{6}", ex) == 0.0
+    math_path = _write(tmp_path / "math_ints.jsonl", [json.dumps({"problem": "2+3?", "answer": 5})])
+    assert get_task("math_file", path=math_path, answer_field="answer").records("train")[0]["answer"] == "5"
+    for bad, kind in ((True, "bool"), ([5], "list"), (None, None)):
+        path = _write(tmp_path / "bad.jsonl", [json.dumps({"question": "q", "answer": bad})])
+        message = f"bad\\.jsonl:1: field 'answer' must be a string or a number, got {kind}" if kind else \
+            "bad\\.jsonl:1: missing field 'answer'"
+        with pytest.raises(DataError, match=message):
+            get_task("gsm8k_file", path=path)
+    path = _write(tmp_path / "q.jsonl", [json.dumps({"question": 7, "answer": 5})])
+    with pytest.raises(DataError, match="q\\.jsonl:1: field 'question' must be a string, got int"):
+        get_task("gsm8k_file", path=path)
+
+
+def test_numeric_parquet_answers(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "ints.parquet")
+    pq.write_table(pa.Table.from_pylist([{"question": "2+3?", "answer": 5}, {"question": "2+4?", "answer": 6}]),
+                   path)
+    assert [r["answer"] for r in get_task("gsm8k_file", path=path).records("train")] == ["5", "6"]
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
+        get_task("gsm8k_file", path=str(tmp_path / "junk.parquet"))
+
+
+def test_file_task_option_errors_are_data_errors(tmp_path):
+    with pytest.raises(DataError, match="task 'gsm8k_file': .*'eval_pth'; did you mean 'eval_path'[?] [(]its options: path, "):
+        get_task("gsm8k_file", path=GSM8K, eval_pth="x.jsonl")
+    with pytest.raises(DataError, match="task 'gsm8k_file': missing a required argument: 'path'"):
+        get_task("gsm8k_file")
+    with pytest.raises(DataError, match="unsupported task file type"):
+        get_task("gsm8k_file", path=_write(tmp_path / "t.csv", ["question,answer"]))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "caf\xe9", "answer": "#### 1"}\n')
+    with pytest.raises(DataError, match="latin1.jsonl:1: not UTF-8 text"):
+        get_task("gsm8k_file", path=str(tmp_path / "latin1.jsonl"))
 
 
 def test_example_is_frozen_dataclass():

@@ -3,6 +3,7 @@ divergence detection, and RunConfig's defaults equal to the quickstart."""
 
 import dataclasses
 import json
+import logging
 import os
 
 import numpy as np
@@ -11,6 +12,15 @@ import pytest
 from treejax.errors import ConfigError, DataError, DivergenceError
 from treejax.rl import loop
 from treejax.run_dir import RunLock, prepare_log_dir
+
+@pytest.fixture
+def treejax_caplog(caplog, monkeypatch):
+    """caplog that sees treejax's records even after a CLI test gave the treejax logger its own handler
+    (``configure_logging``: no propagation, WARNING with ``--quiet``)."""
+    monkeypatch.setattr(logging.getLogger("treejax"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="treejax")
+    return caplog
+
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
@@ -51,6 +61,14 @@ def test_run_config_defaults_are_the_quickstart():
                                         if getattr(parsed, f.name) != getattr(loop.RunConfig(), f.name)]
 
 
+def test_run_config_default_task_data_exists():
+    """The default task options ask for problems the generator has (the old default asked for 1000 distinct
+    chain_sum_2x1 problems; about 160 exist)."""
+    task, train, evals = loop.load_task_data(loop.RunConfig())
+    assert len(train) == 128 and len(evals) == 32
+    assert not {r["question"] for r in train} & {e.metadata["question"] for e in evals}
+
+
 class _Tok:
     """Whitespace tokenizer with a trivial chat template (enough for prompt measurement)."""
 
@@ -73,7 +91,8 @@ def _task(tmp_path, lengths):
     return get_task("gsm8k_file", path=str(path), instruction="", system_prompt=None)
 
 
-def test_overlong_prompts_are_filtered_with_a_count_or_refused(tmp_path, caplog, monkeypatch):
+def test_overlong_prompts_are_filtered_with_a_count_or_refused(tmp_path, treejax_caplog, monkeypatch):
+    caplog = treejax_caplog
     from treejax.data import prompts
 
     monkeypatch.setattr(prompts, "format_prompt", lambda tok, msgs, **kw: " ".join(m["content"] for m in msgs))
@@ -91,6 +110,9 @@ def test_divergence_rules():
     V = 49152
     assert loop.divergence({"update/entropy": 2.0, "update/param_norm": 100.0}, 100.5, V) is None
     assert "uniform" in loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V)
+    assert "uniform" in loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=1.5)
+    # a model that started uniform (a random initialisation) has not diverged by staying there
+    assert loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=0.99 * np.log(V)) is None
     assert "jumped" in loop.divergence({"update/param_norm": 400.0}, 100.0, V)
     assert "norm is nan" in loop.divergence({"update/param_norm": float("nan")}, 100.0, V)
 
@@ -107,3 +129,127 @@ def test_invalid_sampled_ids_stop_the_run():
     nan = forest.replace(logprobs=forest.logprobs.at[tuple(valid)].set(np.nan))
     with pytest.raises(DivergenceError, match="1 non-finite log-probs"):
         loop.check_sampled_ids(nan, 10**6, 0)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _no_model_load(monkeypatch):
+    """Makes loading weights fail loudly: what is checked before it must not get that far."""
+    from treejax.models import registry
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the task data was checked")
+
+    monkeypatch.setattr(registry, "load_model", load_model)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "task file .*train.jsonl holds no problems"),
+    ([{"question": "2+3?", "answer": 5}, {"question": "2+4?", "answer": "#### 6"}],
+     "has no held-out [(]eval[)] problems, and the run evaluates EvalConfig.num_problems=32 .* "
+     "eval_path='<held-out file>' .* or eval_fraction=0.05"),
+    ([{"question": "2+3?", "answer": [5]}], "train.jsonl:1: field 'answer' must be a string or a number"),
+])
+def test_task_file_problems_stop_the_run_before_the_model_loads(tmp_path, monkeypatch, rows, message):
+    _no_model_load(monkeypatch)
+    path = _jsonl(tmp_path / "train.jsonl", rows)
+    cfg = loop.RunConfig(task="gsm8k_file", task_options={"path": path}, log_dir=str(tmp_path / "run"),
+                         model=str(tmp_path / "no_model_here"))
+    with pytest.raises(DataError, match=message):
+        loop.run(cfg)
+
+
+def test_overlong_prompts_are_refused_before_the_model_loads(tiny_checkpoint, tmp_path, monkeypatch):
+    _no_model_load(monkeypatch)
+    question = " ".join(["word"] * 400) + "?"
+    path = _jsonl(tmp_path / "train.jsonl", [{"question": question, "answer": 1}, {"question": "1+1?", "answer": 2}])
+    evals = _jsonl(tmp_path / "eval.jsonl", [{"question": "2+2?", "answer": 4}])
+    cfg = loop.RunConfig(model=tiny_checkpoint, task="gsm8k_file", log_dir=str(tmp_path / "run"),
+                         task_options={"path": path, "eval_path": evals}, max_prompt_length=128,
+                         overlong_prompts="error")
+    with pytest.raises(DataError, match="1 of 2 training and 0 of 1 evaluation prompts .* longer than "
+                                        "max_prompt_length=128 tokens"):
+        loop.run(cfg)
+    with pytest.raises(DataError, match="1 usable training prompts, fewer than prompts_per_step=2"):
+        loop.run(dataclasses.replace(cfg, overlong_prompts="filter"))
+
+
+def _tiny_run(tiny_checkpoint, tmp_path, learning_rate, nonfinite, export_hf=True):
+    """One RL step of a tiny random model through the real loop, at the smallest sizes (compiles dominate)."""
+    from treejax.rl.evaluation import EvalConfig
+
+    base = loop.RunConfig()
+    return dataclasses.replace(
+        base, model=tiny_checkpoint, log_dir=str(tmp_path / "run"), num_steps=1, prompts_per_step=1,
+        rollout=dataclasses.replace(base.rollout, num_leaves=2, max_depth=1, segment_length=2),
+        eval=EvalConfig(num_problems=1, max_new_tokens=1), tree_picture_every=0, export_hf=export_hf,
+        old_logp="sampler", nonfinite=nonfinite,
+        optimizer=dataclasses.replace(base.optimizer, learning_rate=learning_rate))
+
+
+@pytest.mark.parametrize("learning_rate, why", [
+    (1e3, "the parameter norm jumped from .* to .* in one step"),
+    pytest.param(1e30, "the parameter norm is inf", marks=pytest.mark.slow),
+])
+def test_divergence_stops_the_run_before_export(tiny_checkpoint, tmp_path, learning_rate, why):
+    """The issue's cases: learning_rate=1e3 (AdamW's decay alone multiplies every weight by 1 - 1e3 * 0.1 = -99;
+    a random tiny model gets no reward, so no gradient) and 1e30, with nonfinite='raise': a DivergenceError at
+    step 1, nothing exported, no summary, no checkpoint."""
+    cfg = _tiny_run(tiny_checkpoint, tmp_path, learning_rate, "raise")
+    with pytest.raises(DivergenceError, match=f"step 1: {why}; stopped before export"):
+        loop.run(cfg)
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "hf_export").exists() and not (run_dir / "summary.json").exists()
+    assert not [d for d in os.listdir(run_dir / "checkpoints") if d.isdigit()]
+    failure = json.load(open(run_dir / "failure.json"))
+    assert failure["user_error"] and failure["type"] == "treejax.errors.DivergenceError"
+
+
+@pytest.mark.slow
+def test_divergence_without_raise_is_reported_in_the_log_and_summary(tiny_checkpoint, tmp_path, treejax_caplog):
+    caplog = treejax_caplog
+    from treejax.rl.report import format_summary
+
+    summary = loop.run(_tiny_run(tiny_checkpoint, tmp_path, 1e3, "skip"))
+    assert [d["step"] for d in summary["divergence"]] == [1] and "jumped" in summary["divergence"][0]["why"]
+    assert "step 1: the parameter norm jumped" in caplog.text
+    assert "training looked diverged at step(s) 1" in caplog.text
+    assert "WARNING: training looked diverged at step(s) 1 (the parameter norm jumped" in format_summary(summary)
+
+
+def test_summary_of_a_healthy_run_has_no_divergence_warning():
+    from treejax.rl.report import format_summary
+
+    ev = {"accuracy": 0.25, "n": 4}
+    summary = {"model": "m", "task": "t", "estimator": "treepo", "steps": 1, "total_s": 1.0, "eval_before": ev,
+               "eval_after": ev, "history": [], "decoded_tokens": 0, "log_dir": "l", "checkpoint_dir": "c",
+               "precision": {"param_dtype": "float32", "compute_dtype": "float32"}, "divergence": []}
+    assert "diverged" not in format_summary(summary)
+    summary["divergence"] = [{"step": 2, "why": "the policy entropy 10.79 is at ..."}]
+    assert "WARNING: training looked diverged at step(s) 2 (the policy entropy" in format_summary(summary)
+
+
+def test_nonfinite_update_in_the_jitted_step_becomes_a_divergence_error():
+    """nonfinite='raise' inside the update raises in a host callback; jax hands the loop a JaxRuntimeError whose
+    text holds the FloatingPointError: the loop turns it into one DivergenceError line."""
+    import jax
+    import jax.numpy as jnp
+
+    from treejax.rl.update import _raise_nonfinite
+
+    @jax.jit
+    def update(loss):
+        jax.debug.callback(_raise_nonfinite, jnp.isfinite(loss), 3, loss, loss)
+        return loss
+
+    with pytest.raises(Exception) as err:
+        jax.block_until_ready(update(jnp.float32(np.nan)))
+    error = loop.nonfinite_update_error(err.value)
+    assert isinstance(error, DivergenceError)
+    assert str(error) == ("non-finite update at step 3: loss=nan, grad_norm=nan; stopped before export "
+                          "(nonfinite='raise'); lower OptimizerConfig.learning_rate")
+    assert loop.nonfinite_update_error(RuntimeError("INTERNAL: something else")) is None
+    assert loop.nonfinite_update_error(ValueError("FloatingPointError: non-finite update at step 1")) is None

@@ -23,6 +23,7 @@ entry is regenerated from its index and reasoning-gym's ``score_answer(answer, e
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from typing import Any, Optional
@@ -30,6 +31,7 @@ from typing import Any, Optional
 from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
 from treejax.data.tasks import Example, Task, register_task
+from treejax.errors import DataError
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "EASY_PRESETS", "ReasoningGymTask"]
 
@@ -79,6 +81,8 @@ class ReasoningGymTask(Task):
       **dataset_config: fields of the dataset's reasoning-gym config class.
     """
 
+    eval_options = "give task_options eval_size=N (> 0) for N held-out problems"
+
     def __init__(
         self,
         dataset: str,
@@ -101,20 +105,23 @@ class ReasoningGymTask(Task):
         from reasoning_gym.factory import DATASETS
 
         if dataset not in DATASETS:
-            raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; valid names: {', '.join(sorted(DATASETS))}")
+            close = difflib.get_close_matches(dataset, DATASETS, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise DataError(f"unknown reasoning-gym dataset {dataset!r}{hint} ({len(DATASETS)} valid names: "
+                            "sorted(reasoning_gym.factory.DATASETS))")
         if size < 0 or eval_size < 0:
-            raise ValueError(f"size and eval_size must be >= 0, got {size}, {eval_size}")
+            raise DataError(f"size and eval_size must be >= 0, got {size}, {eval_size}")
         if not 0.0 < eval_fraction < 1.0 and not (eval_size == 0 and eval_fraction == 0.0):
-            raise ValueError(f"eval_fraction must lie in (0, 1) (or be 0 with eval_size=0), got {eval_fraction!r}")
+            raise DataError(f"eval_fraction must lie in (0, 1) (or be 0 with eval_size=0), got {eval_fraction!r}")
         if extraction not in verifiers.EXTRACTION_MODES:
-            raise ValueError(f"unknown extraction {extraction!r}; valid: {sorted(verifiers.EXTRACTION_MODES)}")
+            raise DataError(f"unknown extraction {extraction!r}; valid: {sorted(verifiers.EXTRACTION_MODES)}")
         if not 0.0 < correct_threshold <= 1.0:
-            raise ValueError(f"correct_threshold must lie in (0, 1], got {correct_threshold!r}")
+            raise DataError(f"correct_threshold must lie in (0, 1], got {correct_threshold!r}")
         config_cls = DATASETS[dataset][1]
         valid_fields = {f.name for f in dataclasses.fields(config_cls)} - {"seed", "size"}
         unknown = sorted(set(dataset_config) - valid_fields)
         if unknown:
-            raise TypeError(
+            raise DataError(
                 f"unknown config field(s) {unknown} for reasoning-gym dataset {dataset!r}; "
                 f"valid fields: {sorted(valid_fields)} (task options: size, eval_size, seed, eval_fraction, "
                 "scan_size, dedupe, system_prompt, instruction, extraction, correct_threshold, partial_credit, name)"
@@ -153,7 +160,7 @@ class ReasoningGymTask(Task):
             )
         for split, recs in out.items():
             if len(recs) < wanted[split]:
-                raise ValueError(
+                raise DataError(
                     f"{self.name}: found only {len(recs)} {'distinct ' if self.dedupe else ''}{split} problems in "
                     f"{self.scan_size} generated items, {wanted[split]} requested; the config "
                     f"{self.dataset_config} may have too few distinct problems: lower size/eval_size, raise "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
+import inspect
 import json
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -81,11 +82,13 @@ class Task(abc.ABC):
       name: registry-style name (includes the dataset for reasoning-gym tasks).
       system_prompt: optional system message added to every prompt.
       instruction: optional answer-format instruction appended to the user message (after a blank line).
+      eval_options: how to give this task held-out problems (the task options to set), for error messages.
     """
 
     name: str
     system_prompt: Optional[str] = None
     instruction: Optional[str] = None
+    eval_options: str = "set the task options that give it an eval split"
 
     @abc.abstractmethod
     def records(self, split: str) -> list[dict[str, str]]:
@@ -156,6 +159,16 @@ def check_task_name(name: str) -> None:
 
 
 def get_task(name: str, **config: Any) -> Task:
-    """Build the task registered under ``name`` with its config; an unknown name suggests the closest ones."""
+    """Build the task registered under ``name`` with its config; an unknown name suggests the closest ones, and an
+    option the factory does not take (or a required one that is missing) is a :class:`DataError` naming it."""
     check_task_name(name)
-    return _REGISTRY[name](**config)
+    factory = _REGISTRY[name]
+    try:
+        inspect.signature(factory).bind(**config)
+    except TypeError as e:
+        names = [p.name for p in inspect.signature(factory).parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        close = [c for key in config if key not in names for c in difflib.get_close_matches(key, names, n=1)]
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise DataError(f"task {name!r}: {e}{hint} (its options: {', '.join(names)})") from None
+    return factory(**config)

@@ -53,22 +53,39 @@ def _with_tokenizer_vocab(config: ModelConfig, tokenizer: TextTokenizer) -> Mode
     return config.replace(**changes)
 
 
-def load_model(name_or_path: str, param_dtype: str = "float32", compute_dtype: str | None = None,
-               shardings: dict | None = None) -> tuple[ModelConfig, dict, TextTokenizer]:
-    """``(config, params, tokenizer)`` for an embedded model name, an HF folder or a ``.gguf`` file."""
-    from treejax.models.gguf_checkpoint import load_gguf_checkpoint, open_gguf
-    from treejax.models.hf_checkpoint import load_hf_checkpoint
-
+def _resolve(name_or_path: str) -> str:
     path = embedded_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
     if not os.path.exists(path):
         raise ModelFileError(f"model {name_or_path!r} not found: it is neither an embedded model "
                              f"({sorted(EMBEDDED_MODELS)}), an existing HF checkpoint folder, nor a .gguf file")
+    if not (os.path.isdir(path) or path.endswith(".gguf")):
+        raise ModelFileError(f"{path}: expected an HF checkpoint folder or a .gguf file")
+    return path
+
+
+def load_tokenizer(name_or_path: str) -> TextTokenizer:
+    """The tokenizer of :func:`load_model`'s model alone (no weights read): the training loop measures the task's
+    prompts with it before the weights load, so a data problem is reported in seconds."""
+    from treejax.models.gguf_checkpoint import open_gguf
+
+    path = _resolve(name_or_path)
+    return TextTokenizer.from_hf_folder(path) if os.path.isdir(path) else TextTokenizer.from_gguf(open_gguf(path))
+
+
+def load_model(name_or_path: str, param_dtype: str = "float32", compute_dtype: str | None = None,
+               shardings: dict | None = None, tokenizer: TextTokenizer | None = None,
+               ) -> tuple[ModelConfig, dict, TextTokenizer]:
+    """``(config, params, tokenizer)`` for an embedded model name, an HF folder or a ``.gguf`` file.
+
+    ``tokenizer``: the model's tokenizer if already loaded (:func:`load_tokenizer`); it is then not read again.
+    """
+    from treejax.models.gguf_checkpoint import load_gguf_checkpoint
+    from treejax.models.hf_checkpoint import load_hf_checkpoint
+
+    path = _resolve(name_or_path)
     if os.path.isdir(path):
         config, params = load_hf_checkpoint(path, param_dtype, compute_dtype, shardings)
-        tokenizer = TextTokenizer.from_hf_folder(path)
-    elif path.endswith(".gguf"):
-        config, params = load_gguf_checkpoint(path, param_dtype, compute_dtype, shardings)
-        tokenizer = TextTokenizer.from_gguf(open_gguf(path))
     else:
-        raise ValueError(f"{path}: expected an HF checkpoint folder or a .gguf file")
+        config, params = load_gguf_checkpoint(path, param_dtype, compute_dtype, shardings)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
     return _with_tokenizer_vocab(config, tokenizer), params, tokenizer

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from treejax.errors import record_failure
 from treejax.forest import Forest
@@ -67,6 +68,9 @@ class RunConfig:
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
+    ``nonfinite``: ``"skip"`` (an update with a non-finite loss or gradient is not applied; a step that looks
+    diverged, see :func:`divergence`, is logged and listed in the summary's ``"divergence"``) or ``"raise"`` (either
+    stops the run with a :class:`~treejax.errors.DivergenceError` before anything is exported).
     ``max_prompt_length`` / ``overlong_prompts``: prompts are measured when the run starts (train and eval
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
@@ -117,6 +121,9 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
+        from treejax.config_types import check_types
+
+        check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
         rows = self.prompts_per_step * self.rollout.num_leaves
@@ -279,12 +286,26 @@ ENTROPY_UNIFORM_FRACTION = 0.98
 PARAM_NORM_JUMP = 0.5
 
 
-def divergence(row: dict, prev_param_norm: float | None, vocab_size: int) -> str | None:
-    """Why step ``row`` looks diverged (``None`` if it does not)."""
+def divergence(row: dict, prev_param_norm: float | None, vocab_size: int,
+               initial_entropy: float | None = None) -> str | None:
+    """Why step ``row`` looks diverged (``None`` if it does not). The rules, first match wins:
+
+    * the parameter norm after the update is not finite;
+    * the policy entropy ``H >= 0.98 ln V`` (uniform over the vocabulary) — only when the run's first measured
+      entropy ``initial_entropy`` was below that (a randomly initialised model starts uniform: that is no
+      divergence); ``None``: unknown, the rule applies;
+    * ``|norm - prev_param_norm| > 0.5 prev_param_norm``, where ``prev_param_norm`` is the norm after the previous
+      step (before the first step: the initial, or restored, parameters' norm).
+
+    ``update/entropy`` is measured in the update's forward, i.e. under the parameters before that step's update,
+    and ``update/param_norm`` after it: a learning rate that wrecks the model in step ``s`` shows as a norm jump
+    in step ``s`` and as entropy at ln V in step ``s + 1``.
+    """
     ent, norm = row.get("update/entropy"), row.get("update/param_norm")
     if norm is not None and not np.isfinite(norm):
         return f"the parameter norm is {norm}"
-    if ent is not None and ent >= ENTROPY_UNIFORM_FRACTION * np.log(vocab_size):
+    uniform = ENTROPY_UNIFORM_FRACTION * np.log(vocab_size)
+    if ent is not None and ent >= uniform and (initial_entropy is None or initial_entropy < uniform):
         return f"the policy entropy {ent:.2f} is at the uniform distribution's ln(V) = {np.log(vocab_size):.2f}"
     if norm is not None and prev_param_norm and abs(norm - prev_param_norm) > PARAM_NORM_JUMP * prev_param_norm:
         return f"the parameter norm jumped from {prev_param_norm:.4g} to {norm:.4g} in one step"
@@ -342,8 +363,10 @@ class _Run:
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     """Runs training as configured and returns the summary (also written to ``log_dir/summary.json``)."""
+    from treejax.log import show_progress
     from treejax.run_dir import RunLock, prepare_log_dir
 
+    show_progress()
     with RunLock(cfg.log_dir):
         prepare_log_dir(cfg.log_dir, cfg.log_dir_mode)
         r = _setup(cfg, operative_config)
@@ -362,9 +385,9 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
 def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     from treejax import checkpoint as ckpt_lib
     from treejax import metrics as metrics_lib
-    from treejax.data import get_task, make_prompt_pipeline
+    from treejax.data import make_prompt_pipeline
     from treejax.models import transformer
-    from treejax.models.registry import load_model
+    from treejax.models.registry import load_model, load_tokenizer
     from treejax.sampling.decode import make_model_fns
     from treejax.sampling.tree import make_tree_rollout
 
@@ -375,13 +398,15 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
             f.write(operative_config)
 
-    task = get_task(cfg.task, **dict(cfg.task_options))
-    train_records = task.records("train")
-    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    # The task's data is read, validated and measured before the weights load: a data problem is reported in
+    # seconds, not after minutes of loading and compiling.
+    task, train_records, eval_examples = load_task_data(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
-                                                 compute_dtype=prec.compute_dtype)
+                                                 compute_dtype=prec.compute_dtype, tokenizer=tokenizer)
     warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     tree_cfg = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
@@ -413,7 +438,6 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         return jitted["fn"](state, jax.device_put(mini, jitted["sh"]))
 
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id), prec, update)
-    train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 
@@ -460,6 +484,8 @@ def _train(r: _Run) -> int | None:
     key = jax.random.key(cfg.seed)
     evals = r.data_state.setdefault("evals", [])
     if not evals:
+        log.info("evaluating %d held-out problems before training (the first call compiles the decoder)",
+                 len(r.eval_examples))
         evals.append(_evaluate(r, 0))
     preemption = ckpt_lib.PreemptionHandler()
     if threading.current_thread() is threading.main_thread():
@@ -468,7 +494,9 @@ def _train(r: _Run) -> int | None:
     pending_host: dict[int, dict] = {}
     history = r.data_state.setdefault("history", [])
 
-    norms = {"prev": None}
+    # the norm of the parameters the first step starts from (initial or restored): a jump in step 1 is seen too
+    norms = {"prev": history[-1].get("update/param_norm") if history else float(optax.global_norm(r.state.params))}
+    diverged = r.data_state.setdefault("divergence", [])
 
     def write(ready):
         from treejax.errors import DivergenceError
@@ -477,17 +505,23 @@ def _train(r: _Run) -> int | None:
             row = dict(pending_host.pop(s), **values)
             r.writer.write_scalars(s, row)
             history.append(dict(row, step=s))
-            why = divergence(row, norms["prev"], r.sampler_fns.sampling_vocab_size)
+            why = divergence(row, norms["prev"], r.sampler_fns.sampling_vocab_size,
+                             initial_entropy=history[0].get("update/entropy"))
             norms["prev"] = row.get("update/param_norm", norms["prev"])
             if why:
                 if cfg.nonfinite == "raise":
                     raise DivergenceError(f"step {s}: {why}; stopped before export (nonfinite='raise'); "
                                           "lower OptimizerConfig.learning_rate")
-                log.warning("step %d: %s: training looks diverged", s, why)
+                diverged.append({"step": s, "why": why})
+                log.warning("step %d: %s: training looks diverged (RunConfig.nonfinite='raise' stops the run "
+                            "here)", s, why)
 
     preempted_at = None
     try:
         for step in range(r.start_step, cfg.num_steps):
+            if step == r.start_step:
+                log.info("step %d: rollout, scoring and update (the first step compiles the tree sampler and the "
+                         "update; later steps are faster)", step + 1)
             r.state, ro, device_metrics, host = rl_step(r.step_fns, r.state, r.source, jax.random.fold_in(key, step),
                                                         step, r.ref_params)
             pending_host[step + 1] = dict(host, **{"time/step_s": time.perf_counter() - r.t_start})
@@ -516,9 +550,29 @@ def _train(r: _Run) -> int | None:
                 log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume", done)
                 break
         write(deferred.flush())
+    except RuntimeError as e:
+        diverged_error = nonfinite_update_error(e)
+        if diverged_error is None:
+            raise
+        raise diverged_error from e
     finally:
         preemption.uninstall()
     return preempted_at
+
+
+def nonfinite_update_error(e: BaseException):
+    """The :class:`~treejax.errors.DivergenceError` for a jax runtime error that carries the update's
+    ``nonfinite='raise'`` check (:func:`treejax.rl.update._raise_nonfinite`, raised in a host callback, so it
+    reaches the loop wrapped in jax's error with a traceback as text); ``None`` for any other error."""
+    import re
+
+    from treejax.errors import DivergenceError
+
+    found = re.search(r"FloatingPointError: (non-finite update at step \d+[^\n]*)", str(e))
+    if not isinstance(e, RuntimeError) or found is None:
+        return None
+    what = found.group(1).split("; params and optimizer state")[0]
+    return DivergenceError(f"{what}; stopped before export (nonfinite='raise'); lower OptimizerConfig.learning_rate")
 
 
 def _finish_preempted(r: _Run, preempted_at: int) -> dict:
@@ -538,6 +592,11 @@ def _finish(r: _Run) -> dict:
     if r.checkpointer.latest_step() != cfg.num_steps:
         r.checkpointer.save(cfg.num_steps, r.state, r.data_state, force=True)
     r.checkpointer.wait()
+    diverged = r.data_state.get("divergence", [])
+    if diverged:
+        log.warning("training looked diverged at step(s) %s (%s); the checkpoint%s that model",
+                    ", ".join(str(d["step"]) for d in diverged), diverged[0]["why"],
+                    " and the HF export hold" if cfg.export_hf else " holds")
     export_dir = None
     if cfg.export_hf:
         export_dir = os.path.join(cfg.log_dir, "hf_export")
@@ -554,10 +613,32 @@ def _finish(r: _Run) -> dict:
         "total_s": time.perf_counter() - r.t_start,
         "log_dir": os.path.abspath(cfg.log_dir), "checkpoint_dir": os.path.abspath(r.checkpointer.directory),
         "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
+        "divergence": diverged,
     }
     with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=float)
     return summary
+
+
+def load_task_data(cfg: RunConfig) -> tuple[Any, list[dict[str, str]], list]:
+    """``(task, train records, eval examples)`` of the run's task, checked before any model is loaded.
+
+    Raises :class:`~treejax.errors.DataError` when the task has no training problems, or no held-out problems
+    (the run evaluates ``EvalConfig.num_problems`` of them before and after training; the message names the task
+    options that give it an eval split, e.g. ``eval_path`` / ``eval_fraction`` for a file task)."""
+    from treejax.data import get_task
+    from treejax.errors import DataError
+
+    task = get_task(cfg.task, **dict(cfg.task_options))
+    train_records = task.records("train")
+    if not train_records:
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no training problems")
+    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    if not eval_examples:
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no held-out (eval) problems, and the run evaluates "
+                        f"EvalConfig.num_problems={cfg.eval.num_problems} of them before and after training: "
+                        f"{task.eval_options}")
+    return task, train_records, eval_examples
 
 
 def prompt_cap(cfg: RunConfig) -> int:
@@ -592,5 +673,8 @@ def filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
     if len(train_records) < cfg.prompts_per_step:
         raise DataError(f"task {cfg.task!r} has {len(train_records)} usable training prompts, fewer than "
                         f"prompts_per_step={cfg.prompts_per_step}")
+    if eover and eover == len(elens):
+        raise DataError(f"every evaluation prompt of task {cfg.task!r} is longer than max_prompt_length={cap} "
+                        "tokens; raise RunConfig.max_prompt_length")
     kept = [n for n in lens if n <= cap] + [n for n in elens if n <= cap]
     return train_records, eval_examples, bucket_length(max(kept))

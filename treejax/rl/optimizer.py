@@ -50,6 +50,9 @@ class OptimizerConfig:
     moments_dtype: str | None = None  # None: same dtype as the params; "bfloat16" to halve m's memory
 
     def __post_init__(self):
+        from treejax.config_types import check_types
+
+        check_types(self)  # OptimizerConfig(learning_rate="1e-5") names the field, not a failed comparison
         if self.decay not in DECAY_SCHEDULES:
             raise ValueError(f"OptimizerConfig.decay must be one of {DECAY_SCHEDULES}, got {self.decay!r}")
         if self.learning_rate < 0 or self.weight_decay < 0:

@@ -24,6 +24,11 @@ def format_summary(s: dict) -> str:
         lines.append(f"  last step: reward {last['reward/mean']:+.3f}{acc}, rollout {last['time/rollout_s']:.1f} s, "
                      f"scoring {last['time/scoring_s']:.1f} s, old log-probs {last['time/logp_s']:.1f} s, "
                      f"update {last['time/update_s']:.1f} s")
+    if s.get("divergence"):
+        d = s["divergence"]
+        lines.append(f"  WARNING: training looked diverged at step(s) {', '.join(str(x['step']) for x in d)} "
+                     f"({d[0]['why']}); the checkpoint and export hold that model. Lower "
+                     "OptimizerConfig.learning_rate; RunConfig.nonfinite='raise' stops such a run before export.")
     lines.append(f"  decoded tokens: {s['decoded_tokens']} in {s['steps']} steps; precision: "
                  f"{s['precision']['param_dtype']} master, {s['precision']['compute_dtype']} compute")
     lines += [

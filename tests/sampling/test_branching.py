@@ -96,11 +96,43 @@ class Recorded(B.BranchingRule):
         return out
 
 
+# ----------------------------------------------------------------------------------------------- README's example rule
+@B.register("readme_confident")
+@dataclasses.dataclass(frozen=True)
+class Confident(B.BranchingRule):
+    """Extra children to the most confident paths (mean log-prob of the last segment); prune below `floor`."""
+    floor: float = -3.0
+    prunes = True      # static: rules that never prune skip the stage
+    top_k = 0          # per-token statistics it reads (needs_entropy = True for the entropy)
+
+    def score(self, stats):
+        return stats.masked_mean(stats.logp_PxWxT, stats.segment_mask())
+
+    def prune(self, stats):
+        return self.score(stats) < self.floor
+
+    def allocate(self, stats, total_P):
+        cap = jnp.full(stats.live_PxW.shape, stats.branch_factor - 1)
+        return B.capped_allocation(self.score(stats), cap, stats.live_PxW, total_P)
+
+
+def _confident_score(s):
+    P, W = s["live_PxW"].shape
+    out = np.zeros((P, W))
+    for p in range(P):
+        for w in range(W):
+            lp = [float(s["logp_PxWxT"][p, w, t]) for t in range(s["segment_start_PxW"][p, w], s["length_PxW"][p, w])]
+            out[p, w] = sum(lp) / max(len(lp), 1)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- references per rule
 def _reference_counts(rule, s, total, S):
     live = s["live_PxW"]
     if isinstance(rule, B.FixedAverage):
         return ref.fixed_average(live, total, rule.remainder)
+    if isinstance(rule, Confident):
+        return ref.capped(_confident_score(s), np.full(live.shape, BASE.branch_factor - 1), live, total, True)
     if isinstance(rule, B.EntropyGuided):
         cap = np.full(live.shape, (BASE.branch_factor if rule.branches is None else rule.branches) - 1)
         return ref.capped(ref.entropy_scores(s, rule.statistic, rule.reduce), cap, live, total, rule.spill)
@@ -118,6 +150,8 @@ def _reference_prune(rule, s, S):
         return ref.latr_prune(s, rule.lookahead, rule.suffix_threshold, rule.rouge_threshold, S)
     if isinstance(rule, B.ECHO):
         return ref.echo_prune(s, rule) & s["live_PxW"]
+    if isinstance(rule, Confident):
+        return (_confident_score(s) < rule.floor) & s["live_PxW"]
     return np.zeros(s["live_PxW"].shape, bool)
 
 
@@ -218,6 +252,16 @@ def test_echo_matches_reference_branches_and_prunes():
                   prune_threshold=1.9, tail_threshold=2.4, delta_upper=0.2)
     totals = run_and_check(rule, FLAT, seeds=[0, 1, 2])
     assert totals["pruned"] > 0 and totals["uneven"] > 0
+
+
+def test_readme_example_rule():
+    """A new rule is one class + ``register`` (README, "Adding a branching rule"); gin knows it by class name."""
+    from treejax import train
+
+    totals = run_and_check(Confident(floor=-1.6), FLAT, seeds=[0, 1])
+    assert totals["pruned"] > 0 and totals["uneven"] > 0
+    assert B.get_rule("readme_confident", floor=-2.0) == Confident(floor=-2.0)
+    assert train.register_configurables()["Confident"] is Confident
 
 
 # ----------------------------------------------------------------------------------------------- kernels

@@ -46,7 +46,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+_DEFAULT_CASES = ("toy", "answer_entropy")  # the rest are slow: two compiles each (old and new)
+
+
+@pytest.mark.parametrize("case", [c if c in _DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(CASES)])
 def test_toy_rollout_bit_exact(case):
     with pytest.warns(DeprecationWarning) if "divergence" in CASES[case] else contextlib.nullcontext():
         tc = dataclasses.replace(TOY_TREE, **CASES[case])

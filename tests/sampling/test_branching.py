@@ -274,7 +274,8 @@ def test_capped_allocation_matches_reference():
         cap = rng.randint(0, 4, (P, W))
         total = rng.randint(0, 3 * W, P)
         for spill in (True, False):
-            got = B.capped_allocation(jnp.asarray(score), jnp.asarray(cap), jnp.asarray(live), jnp.asarray(total), spill)
+            got = B.capped_allocation(jnp.asarray(score), jnp.asarray(cap), jnp.asarray(live), jnp.asarray(total),
+                                      spill)
             np.testing.assert_array_equal(np.asarray(got), ref.capped(score, cap, live, total, spill))
 
 

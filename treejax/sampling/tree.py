@@ -15,20 +15,19 @@ Loop (``lax.while_loop`` over segments, ``lax.while_loop`` over the <= S tokens 
    n-gram repetition (``kernels.ngram_repetition`` on the last segment, or on the whole response) ->
    ``REPETITION``; response length >= ``max_response_length`` or depth == ``D`` -> ``TRUNCATED``; else live.
    Ended paths are written to the leaf store (tokens, log-probs, path, status);
-4. branch-budget transfer (official code): with ``F`` leaves so far, ``A`` live paths and ``f`` paths that
-   ended in this segment,
+4. the branching rule (``TreeConfig.branching``, :mod:`treejax.sampling.branching`) sees per-path statistics
+   (:class:`~treejax.sampling.branching.PathStats`) and may prune live paths: they end as ``PRUNED`` leaves;
+5. branch-budget transfer (official code): with ``F`` leaves so far, ``A`` live paths and ``f`` paths that
+   ended (or were pruned) in this segment,
        ``total = max(min(W - F, b * A + b * f), A)``
-   (``budget_transfer=False``: ``max(min(W - F, b * A), A)``), split over the live paths, each >= 1:
-     * ``fixed_average``          largest remainder with equal weights (``total // A`` each, the remainder one
-                                   each to the first paths);
-     * ``fixed_average_official`` the official code's split: ``total // A`` each, the whole remainder to the last
-                                   live path;
-     * ``logprob_segment`` / ``logprob_path`` weights ``softmax(sign * (x - min x) / T)`` with ``x`` the mean
-       log-prob of the path's last segment / whole response, temperature ``T`` fixed or scheduled by the
-       training step (``kernels.temperature_schedule``), integer split by largest remainder
-       (``kernels.allocate_budget``);
-   a path with ``c`` children keeps decoding in its own row and forks ``c - 1`` copies into free rows;
-5. depth-first fallback: a prompt with no live path and fewer than ``W`` leaves re-enters the tree from a
+   (``budget_transfer=False``: ``max(min(W - F, b * A), A)``), split over the live paths by the rule, each >= 1
+   (TreePO's: :class:`~treejax.sampling.branching.FixedAverage` -- ``total // A`` each, the remainder one each
+   to the first paths, or all to the last path as the official code does;
+   :class:`~treejax.sampling.branching.LogProbWeighted` -- weights ``softmax(sign * (x - min x) / T)`` of the
+   mean log-prob ``x`` of the last segment / whole response, ``T`` fixed or scheduled by the training step,
+   largest remainder; and EntropyGuided, LATR, ECHO); a path with ``c`` children keeps decoding in its own row
+   and forks ``c - 1`` copies into free rows;
+6. depth-first fallback: a prompt with no live path and fewer than ``W`` leaves re-enters the tree from a
    random FINISHED/EOS leaf whose KV is still resident in one of the prompt's rows, cut at a random earlier
    segment boundary (``k ~ U{1..n_b}``, cut depth ``n_b - k``; official code), with ``min(b, W - F)`` copies;
    from the root when there is no such leaf. Shared prefix nodes keep their ids; new nodes get fresh ids.
@@ -41,6 +40,12 @@ Differences from the official code (documented choices):
     on in the released script), and the first fallback does not crash.
   * repetition: the official code looks for a 32-character substring occurring >= 8 times in the segment text;
     here an ``n``-gram of token ids occurring >= ``count`` times (configurable).
+
+Code layout: the loop carry is a typed :class:`~treejax.sampling.tree_state.TreeState` (rows, leaves, nodes,
+counters, cache); one segment is :func:`~treejax.sampling.tree_stages.segment_step`, a chain of pure stage
+functions (open nodes, decode a segment, classify paths, path statistics and pruning, store leaves, budget and
+child counts, assign free rows, fall back, fork), each testable alone. ``tests/sampling/test_tree_refactor.py``
+checks that this reproduces the dict-state rollout before it bit for bit.
 
 Keys: token ``t`` of row ``r`` is drawn with ``decode.token_keys(key, r, epoch_r, t)``; a row's epoch grows
 each time the row is given to a new path (fork or fallback), so no two paths share draws and a tree that never
@@ -62,7 +67,8 @@ Without a mesh nothing is constrained and the compiled program is the unsharded 
 Counters (returned next to the forest): ``decoded_tokens`` (sampled tokens = unique tree tokens),
 ``prefilled_tokens`` (``sum(len_p - 1)``: tokens through the prefill pass; each row's first decode step feeds the
 prompt's last token), ``forks`` (rows created by copying a parent at a branch point), ``fallbacks`` (fallback
-events), ``fallback_from_root``, ``segments`` (loop iterations), ``stops`` (leaves per :class:`NodeStatus`).
+events), ``fallback_from_root``, ``segments`` (loop iterations), ``stops`` (leaves per :class:`NodeStatus`,
+``pruned`` included).
 """
 
 from __future__ import annotations

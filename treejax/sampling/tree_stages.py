@@ -259,7 +259,8 @@ def store_leaves(leaves: Leaves, nodes: Nodes, counters: Counters, rows: Rows, e
     ended_PxW = ended_R.reshape(P, W)
     slot = (nodes.leaves_P[:, None] + rank_within(ended_PxW)).reshape(R)
     dst = jnp.where(ended_R, row_prompt * W + slot, R)
-    leaves = Leaves(paths=leaves.paths.put(dst, rows.paths), status_R=leaves.status_R.at[dst].set(status_R, mode="drop"),
+    leaves = Leaves(paths=leaves.paths.put(dst, rows.paths),
+                    status_R=leaves.status_R.at[dst].set(status_R, mode="drop"),
                     row_R=leaves.row_R.at[dst].set(jnp.arange(R, dtype=jnp.int32), mode="drop"))
     finished_now = jnp.sum(ended_PxW, axis=-1).astype(jnp.int32)
     leaf_node = jnp.take_along_axis(rows.paths.path_RxD1, rows.depth_R[:, None], axis=1)[:, 0]
@@ -320,7 +321,8 @@ def fall_back(leaves: Leaves, nodes: Nodes, n_live_P: jax.Array, key: jax.Array,
     need = (n_live_P == 0) & (leaves_P < W) if tc.fallback else jnp.zeros((P,), bool)
     k_pick, k_cut = jax.random.split(jax.random.fold_in(jax.random.fold_in(key, FALLBACK_STREAM), segment))
     status = leaves.status_R
-    cand = ((leaves.row_R >= 0) & ((status == int(NodeStatus.FINISHED)) | (status == int(NodeStatus.EOS)))).reshape(P, W)
+    resumable = (status == int(NodeStatus.FINISHED)) | (status == int(NodeStatus.EOS))
+    cand = ((leaves.row_R >= 0) & resumable).reshape(P, W)
     cand = cand & (jnp.arange(W)[None, :] < leaves_P[:, None])
     pick = jnp.argmax(jnp.where(cand, jax.random.uniform(k_pick, (P, W)), -1.0), axis=-1)  # local leaf slot
     has_leaf = jnp.any(cand, axis=-1)

@@ -87,7 +87,8 @@ class PathStats:
     def segment_mask(self) -> jax.Array:
         """bool[P, W, T]: ``segment_start <= t < length`` (the last segment)."""
         t = jnp.arange(self.tokens_PxWxT.shape[-1])
-        return (t[None, None, :] >= self.segment_start_PxW[:, :, None]) & (t[None, None, :] < self.length_PxW[:, :, None])
+        t = t[None, None, :]
+        return (t >= self.segment_start_PxW[:, :, None]) & (t < self.length_PxW[:, :, None])
 
     def masked_mean(self, x_PxWxT: jax.Array, mask_PxWxT: jax.Array) -> jax.Array:
         """float[P, W]: ``sum_t mask x / max(sum_t mask, 1)``."""
@@ -175,8 +176,9 @@ def capped_allocation(score_PxW: jax.Array, cap_PxW: jax.Array, live_PxW: jax.Ar
     score = jnp.where(live, score_PxW.astype(jnp.float32), -jnp.inf)
     W = live.shape[-1]
     idx = jnp.arange(W)
+    # ahead[p, i, j]: path j ranks before path i (higher score, or equal score and lower index)
     ahead = ((score[:, None, :] > score[:, :, None])
-             | ((score[:, None, :] == score[:, :, None]) & (idx[None, :] < idx[:, None])[None]))  # [P, i, j]: j before i
+             | ((score[:, None, :] == score[:, :, None]) & (idx[None, :] < idx[:, None])[None]))
     before = jnp.sum(jnp.where(ahead & live[:, None, :], cap[:, None, :], 0), axis=-1)  # caps ranked ahead of i
     extra = jnp.where(live, jnp.clip(extra_P[:, None] - before, 0, cap), 0)
     counts = jnp.where(live, 1 + extra, 0)

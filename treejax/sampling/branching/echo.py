@@ -129,7 +129,8 @@ class ECHO(BranchingRule):
         trig = (stats.segment_mask() & (t[None, None, :] >= self.min_depth) & (s.entropy >= self.entropy_high)
                 & (s.group <= self.branch_threshold) & (s.delta_entropy >= self.entropy_delta_threshold))
         first = jnp.argmax(trig, axis=-1)[:, :, None]
-        w = self.width(jnp.take_along_axis(s.entropy, first, -1)[..., 0], jnp.take_along_axis(s.group, first, -1)[..., 0])
+        h_first = jnp.take_along_axis(s.entropy, first, -1)[..., 0]
+        w = self.width(h_first, jnp.take_along_axis(s.group, first, -1)[..., 0])
         return jnp.where(jnp.any(trig, axis=-1), w, 1)
 
     def allocate(self, stats: PathStats, total_P: jax.Array) -> jax.Array:

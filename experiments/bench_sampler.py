@@ -14,6 +14,12 @@ Tree table: TreePO rollout (W leaves, branch factor b, depth D, segment S) vs in
 prompt, same API) on the same prompts: decoded tokens and wall time (compiled; random weights, so nearly no path
 stops early: the tree's saving is structural, b^d paths at depth d until W).
 
+Branching table (``--branching``): for each registered branching rule (default arguments), its boundary work
+(per-path statistics -> pruning -> budget -> child counts, jitted on its own, on synthetic sampler state of
+``rows`` paths x ``D * S`` tokens) next to one segment's decode (``S`` decode steps at ``rows`` live rows and
+``context`` KV slots, with the per-token statistics the rule asks for), and the decode-step overhead of those
+statistics (entropy, top-k log-probs) vs the plain step. Target: boundary <= 3% of a 512-token segment.
+
 Optional ``--hf-baseline`` (needs torch with CUDA): transformers ``generate`` with a static cache and
 ``torch.compile`` on the same shapes, decode tokens/s from the difference of two generation lengths.
 
@@ -21,6 +27,8 @@ Examples:
   python experiments/bench_sampler.py --preset tiny --rows 16 64 --context 256            # CPU smoke run
   python experiments/bench_sampler.py --preset qwen2.5-0.5b qwen2.5-1.5b --rows 64 256 1024 --context 2048 \
       --tree-segment 512 --hf-baseline                                                     # GPU
+  python experiments/bench_sampler.py --preset qwen2.5-0.5b --rows 256 --context 2048 --no-tree --no-decode \
+      --branching --branch-segment 512 --branch-depth 8                                     # rules' boundary cost
 """
 
 from __future__ import annotations
@@ -74,7 +82,8 @@ def weight_bytes(cfg) -> int:
     return cfg.num_params() * jnp.dtype(cfg.params_dtype).itemsize
 
 
-def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, attention: str):
+def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, attention: str,
+                 with_entropy: bool = False, top_k: int = 0):
     fns = decode.make_model_fns(cfg, attention=attention, block_size=block, cache_dtype="bfloat16",
                                 fuse=None if FUSE else False)
     L = decode.attention_lib.round_cache_length(context + steps, fns.cache_multiple)
@@ -94,9 +103,9 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
             cache, tok, acc = carry
             pos = jnp.full((rows,), context - steps, jnp.int32) + i
             keys = decode.token_keys(key, rows_r, jnp.zeros_like(rows_r), pos)
-            tok, lp, _, _, cache = decode.decode_token(fns, strategy, params, cache, tok, pos,
-                                                       jnp.ones((rows,), bool), keys, with_entropy=False)
-            return cache, tok, acc + jnp.sum(lp)
+            tok, lp, _, ent, topk, cache = decode.decode_token_stats(
+                fns, strategy, params, cache, tok, pos, jnp.ones((rows,), bool), keys, with_entropy, top_k)
+            return cache, tok, acc + jnp.sum(lp) + jnp.sum(ent) + jnp.sum(jnp.maximum(topk, -1e4))
 
         cache, tok, acc = jax.lax.fori_loop(0, steps, body, (cache, jnp.ones((rows,), jnp.int32), 0.0))
         return cache, tok, acc
@@ -109,7 +118,7 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
         cache, *_ = jax.block_until_ready(run(params, cache, jax.random.key(2 + r)))
         times.append(time.perf_counter() - t0)
     dt = float(np.median(times))
-    if PROFILE:
+    if PROFILE and not (with_entropy or top_k):  # trace the plain step only
         with jax.profiler.trace(f"{PROFILE}/decode_{cfg.num_layers}L_{rows}rows", create_perfetto_trace=True):
             cache, *_ = jax.block_until_ready(run(params, cache, jax.random.key(9)))
     kv_read = 2 * cfg.num_layers * rows * context * cfg.num_kv_heads * cfg.head_dim * 2
@@ -139,6 +148,73 @@ def bench_tree(cfg, params, prompts: int, prompt_len: int, W: int, b: int, D: in
             times.append(time.perf_counter() - t0)
         out[name] = (int(info["decoded_tokens"]), min(times), int(info["segments"]), int(info["forks"]))
     return out
+
+
+def synthetic_path_stats(rows: int, W: int, S: int, D: int, K: int, seed: int = 0):
+    """A :class:`PathStats` of ``rows`` paths (``rows / W`` prompts) half-way through a tree: random tokens,
+    log-probs, entropies and top-k log-probs over ``D * S`` slots, lengths at segment boundaries, 3/4 live."""
+    from treejax.sampling.branching import PathStats
+
+    P, T = rows // W, D * S
+    k = jax.random.split(jax.random.key(seed), 6)
+    depth = jax.random.randint(k[0], (P, W), 1, D, dtype=jnp.int32)
+    length = depth * S
+    logp = -jax.random.exponential(k[1], (P, W, T))
+    topk = jnp.sort(-jax.random.exponential(k[2], (P, W, T, K)), axis=-1)[..., ::-1]
+    path = jnp.where(jnp.arange(D + 1)[None, None, :] <= depth[:, :, None],
+                     jax.random.randint(k[3], (P, W, D + 1), 0, W * D, dtype=jnp.int32), -1)
+    live = jax.random.uniform(k[4], (P, W)) < 0.75
+    return PathStats(live_PxW=live, ended_PxW=~live, status_PxW=jnp.where(live, 1, 3).astype(jnp.int32),
+                     depth_PxW=depth, length_PxW=length, segment_start_PxW=length - S,
+                     tokens_PxWxT=jax.random.randint(k[5], (P, W, T), 0, 50000, dtype=jnp.int32), logp_PxWxT=logp,
+                     entropy_PxWxT=-logp, topk_PxWxTxK=topk, path_PxWxD1=path, leaves_P=jnp.full((P,), W // 4),
+                     step=jnp.int32(3), segment=jnp.int32(2), key=jax.random.key(1), branch_factor=2,
+                     segment_length=S)
+
+
+def bench_boundary(rule, rows: int, W: int, S: int, D: int, repeats: int = 20) -> float:
+    """Seconds of one rule's boundary work (prune -> budget -> counts) on synthetic state (compiled, median)."""
+    from treejax.sampling.tree_config import TreeConfig
+    from treejax.sampling.tree_stages import branch_budget, prune_paths
+
+    tc = TreeConfig(num_leaves=W, max_depth=D, segment_length=S, branch_factor=2, branching=rule)
+    stats = synthetic_path_stats(rows, W, S, D, rule.top_k)
+
+    @jax.jit
+    def boundary(stats):
+        if rule.prunes:
+            stats = prune_paths(stats, rule)
+        total = branch_budget(stats.live_PxW, jnp.sum(stats.ended_PxW, -1).astype(jnp.int32), stats.leaves_P, tc=tc)
+        return rule.allocate(stats, total), stats.live_PxW
+
+    jax.block_until_ready(boundary(stats))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(boundary(stats))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def branching_table(cfg, params, rows: int, context: int, W: int, S: int, D: int, steps: int, block: int,
+                    attention: str):
+    """Prints the branching table (module docstring) for every registered rule with default arguments."""
+    from treejax.sampling import branching
+
+    decode_tps = {}
+    print(f"\n{'rule':<16}{'boundary ms':>12}{'segment ms':>12}{'boundary %':>11}{'stats step':>11}"
+          f"   (rows {rows}, context {context}, S={S}, D={D}, W={W}; stats step = decode step with the rule's "
+          "per-token statistics / plain step)")
+    for name, cls in sorted(branching.rule_classes().items()):
+        rule = cls()
+        sig = (bool(rule.needs_entropy), int(rule.top_k))
+        for key in {(False, 0), sig}:
+            if key not in decode_tps:
+                decode_tps[key] = bench_decode(cfg, params, rows, context, steps, block, attention, *key)[0]
+        segment_s = S * rows / decode_tps[sig]
+        b = bench_boundary(rule, rows, W, S, D)
+        print(f"{name:<16}{1e3 * b:>12.3f}{1e3 * segment_s:>12.1f}{100 * b / segment_s:>10.2f}%"
+              f"{decode_tps[(False, 0)] / decode_tps[sig]:>10.3f}x", flush=True)
 
 
 def bench_hf(preset: str, rows: int, context: int, steps: int):
@@ -192,6 +268,10 @@ def main(argv=None):
     ap.add_argument("--tree-branch", type=int, default=2)
     ap.add_argument("--tree-depth", type=int, default=4)
     ap.add_argument("--tree-segment", type=int, default=32)
+    ap.add_argument("--branching", action="store_true", help="branching rules' boundary cost table")
+    ap.add_argument("--branch-segment", type=int, default=512, help="segment length S for --branching")
+    ap.add_argument("--branch-depth", type=int, default=8, help="max depth D for --branching (T = D * S)")
+    ap.add_argument("--branch-leaves", type=int, default=16, help="leaves per prompt W for --branching")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers generate (needs CUDA)")
     ap.add_argument("--hf-only", action="store_true",
                     help="only the transformers baseline (run it in its own process so JAX holds no GPU memory)")
@@ -236,6 +316,10 @@ def main(argv=None):
                     hf = bench_hf(preset, rows, ctx, args.steps)
                     line += f"{hf:>12.0f}{tps / hf:>7.2f}"
                 print(line, flush=True)
+        if args.branching:
+            for rows in args.rows:
+                branching_table(cfg, params, rows, args.context[0], args.branch_leaves, args.branch_segment,
+                                args.branch_depth, args.steps, args.block_size, args.attention)
         if not args.no_tree:
             W, b, D, S = args.tree_leaves, args.tree_branch, args.tree_depth, args.tree_segment
             res = bench_tree(cfg, params, args.tree_prompts, args.tree_prompt_len, W, b, D, S, args.attention,

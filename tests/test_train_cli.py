@@ -290,3 +290,17 @@ def test_dynamic_sampling_masks_degenerate_prompts(tiny_checkpoint, tmp_path):
     row = summary["history"][0]
     assert row["reward/mean"] == -1.0
     assert row["update/grad_norm"] == 0.0 and row["update/loss"] == 0.0
+
+
+def test_branching_rule_from_gin():
+    """``TreeConfig.branching`` takes any registered rule, with its own bindings; unknown ones are errors."""
+    from treejax.sampling import branching
+
+    cfg = train.parse([os.path.join(CONFIGS, "treepo_smollm2.gin")],
+                      ["TreeConfig.branching = @ECHO()", "ECHO.max_branches = 3", "ECHO.pruning = False"])
+    assert cfg.rollout.rule == branching.ECHO(max_branches=3, pruning=False)
+    cfg = train.parse([os.path.join(CONFIGS, "treepo_smollm2.gin")],
+                      ["TreeConfig.branching = @LogProbWeighted()", "LogProbWeighted.schedule = (5.0, 1.0, 100)"])
+    assert cfg.rollout.rule == branching.LogProbWeighted(schedule=(5.0, 1.0, 100))
+    with pytest.raises(ConfigError, match="LATR"):
+        train.parse([os.path.join(CONFIGS, "treepo_smollm2.gin")], ["LATR.look_ahead = (20,)"])

@@ -15,6 +15,8 @@ from treejax.models.tokenizer import TextTokenizer  # noqa: F401
 from treejax.sampling import (  # noqa: F401
     BoxedAnswer, Greedy, MinP, Temperature, TopK, TopP, TreeConfig, generate, make_independent_rollout,
     make_tree_rollout)
+from treejax.sampling.branching import (  # noqa: F401
+    ECHO, LATR, BranchingRule, EntropyGuided, FixedAverage, LogProbWeighted, PathStats)
 from treejax.sampling.kernels import allocate_budget, divergence_weights, ngram_repetition  # noqa: F401
 from treejax.rl.advantages import (  # noqa: F401
     Advantages, estimator_spec, get_estimator, list_estimators, register_estimator)

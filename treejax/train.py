@@ -51,7 +51,7 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.loop import RunConfig
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig
-    from treejax.sampling import strategies
+    from treejax.sampling import branching, strategies
     from treejax.sampling.tree import TreeConfig
 
     classes = {"RunConfig": RunConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
@@ -59,6 +59,8 @@ def register_configurables() -> dict[str, type]:
                "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,
                "Temperature": strategies.Temperature, "TopK": strategies.TopK, "TopP": strategies.TopP,
                "MinP": strategies.MinP}
+    for cls in branching.rule_classes().values():  # TreeConfig.branching = @FixedAverage(), @ECHO(), ...
+        classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():
         cls = adv_registry.estimator_spec(name).options_cls
         classes.setdefault(cls.__name__, cls)

@@ -167,8 +167,9 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     ax.set_xlim(-0.4, forest.max_depth + 1.0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or f"prompt {prompt}: {forest.num_leaves} leaves, segment length {forest.segment_length}",
-                 fontsize=9)
+    n_pruned = int(np.sum(leaf_status == NodeStatus.PRUNED))
+    ax.set_title(title or f"prompt {prompt}: {forest.num_leaves} leaves, segment length {forest.segment_length}"
+                 + (f", {n_pruned} pruned" if n_pruned else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi, format=ext[1:])
     return path

@@ -224,6 +224,16 @@ def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, 
 
     Dead rows (``~live_R``) are fed position ``L`` (writes dropped). Returns ``(token, policy_logprob,
     sampling_logprob, entropy, cache)``, each ``[R]`` (entropy zeros unless ``with_entropy``)."""
+    token, policy, sampling, entropy, _, cache = decode_token_stats(model, strategy, params, cache, pending_R,
+                                                                    position_R, live_R, keys_R, with_entropy)
+    return token, policy, sampling, entropy, cache
+
+
+def decode_token_stats(model: ModelFns, strategy: Strategy, params, cache, pending_R, position_R, live_R, keys_R,
+                       with_entropy: bool = True, top_k: int = 0):
+    """:func:`decode_token` plus the policy's ``top_k`` largest log-probs per row, descending
+    (``topk_RxK = top_k(z) - logsumexp(z)`` on the true vocabulary; ``[R, 0]`` when ``top_k = 0``, computing
+    nothing). Returns ``(token, policy_logprob, sampling_logprob, entropy, topk_RxK, cache)``."""
     L = jax.tree.leaves(cache)[0].shape[2]
     pos = jnp.where(live_R, position_R, L)
     logits, cache = model.step(params, pending_R, pos, cache)
@@ -232,7 +242,13 @@ def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, 
     processed = strategy.process(logits)
     token = strategy.sample(keys_R, logits)
     policy, sampling, entropy = token_statistics(logits, processed, token, strategy.greedy, with_entropy)
-    return token, policy, sampling, entropy, cache
+    if top_k > 0:
+        k = min(top_k, logits.shape[-1])  # a vocabulary smaller than k: the missing entries are -inf
+        topk = lax.top_k(logits, k)[0] - jax.nn.logsumexp(logits, axis=-1)[:, None]
+        topk = jnp.pad(topk, ((0, 0), (0, top_k - k)), constant_values=-jnp.inf)
+    else:
+        topk = jnp.zeros((logits.shape[0], 0), jnp.float32)
+    return token, policy, sampling, entropy, topk, cache
 
 
 # ----------------------------------------------------------------------------------------------- linear sampler

@@ -1,0 +1,22 @@
+"""Branching and pruning rules of the tree rollout: one file per rule family, registered by name.
+
+Interface and registry: :mod:`treejax.sampling.branching.base`. A new rule is one file with a
+``@register("name")`` frozen dataclass plus its import line below (which registers it; gin then knows it by
+its class name, e.g. ``TreeConfig.branching = @EntropyGuided()``).
+
+  ``fixed_average``  :class:`FixedAverage`     TreePO's equal split (treejax's or the official remainder);
+  ``logprob``        :class:`LogProbWeighted`  TreePO's log-prob weighted split (temperature schedule);
+  ``entropy``        :class:`EntropyGuided`    EPTree idea: extra children to the most uncertain paths;
+  ``latr``           :class:`LATR`             top-2 closeness branching, similarity pruning after a lookahead;
+  ``echo``           :class:`ECHO`             entropy-confidence branching with a width rule, three prune rules.
+"""
+
+from treejax.sampling.branching.base import (BranchingRule, PathStats, capped_allocation, get_rule, register,
+                                             rule_classes, windowed_mean)
+from treejax.sampling.branching.treepo import FixedAverage, LogProbWeighted
+from treejax.sampling.branching.entropy import EntropyGuided
+from treejax.sampling.branching.latr import LATR
+from treejax.sampling.branching.echo import ECHO
+
+__all__ = ["BranchingRule", "ECHO", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
+           "capped_allocation", "get_rule", "register", "rule_classes", "windowed_mean"]

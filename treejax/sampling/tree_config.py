@@ -1,0 +1,152 @@
+"""Static settings of a tree rollout (:class:`TreeConfig`) and the GRPO-baseline config of independent chains."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+from treejax.sampling.branching import BranchingRule, FixedAverage, LogProbWeighted
+from treejax.sampling.strategies import Strategy, Temperature
+
+#: Deprecated string names of TreePO's branching rules (``TreeConfig.divergence``), mapped to rules.
+DIVERGENCE_POLICIES = ("fixed_average", "fixed_average_official", "logprob_segment", "logprob_path")
+_DIVERGENCE_DEFAULTS = dict(divergence="fixed_average", divergence_sign=1.0, divergence_temperature=2.0,
+                            divergence_schedule=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """Static settings of a tree rollout (hashable; part of the jit signature).
+
+    ``num_leaves`` W, ``max_depth`` D, ``segment_length`` S, ``branch_factor`` b; ``init_divergence`` initial
+    branches per prompt (default b) or ``init_divergence_range=(m, n)`` for a random count in ``[m, n]`` per
+    prompt; ``max_response_length`` (default ``D * S``); ``stop_ids`` (default: the model's EOS ids);
+    ``answer_fn(tokens_T, length) -> bool`` optional jittable predicate (e.g. ``predicates.BoxedAnswer``);
+    ``repetition_ngram``/``repetition_count`` (0 disables) and ``repetition_scope`` ("segment" | "response");
+    ``branching``: the branching/pruning rule (:mod:`treejax.sampling.branching`; default
+    :class:`~treejax.sampling.branching.FixedAverage`), e.g. ``TreeConfig.branching = @LogProbWeighted()`` in
+    gin. Deprecated: ``divergence`` (one of :data:`DIVERGENCE_POLICIES`) with ``divergence_sign``,
+    ``divergence_temperature`` and ``divergence_schedule`` still work, mapped to the rule they name
+    (:attr:`rule`), and warn; setting them together with ``branching`` is an error.
+    ``with_entropy``: record per-token entropy in ``info["entropy"]`` (also computed whenever the rule needs it);
+    ``max_prompt_length``: prompts longer than this are rejected (the cache is sized from it when given).
+    ``row_buckets``: the decode step runs on the smallest of ``R, R/2, ..., R/2^(row_buckets-1)`` rows that
+    holds every live path (live rows are packed first at each segment start; 1 = always all ``R`` rows). A tree
+    has few live paths near the root, so this is where its saving in decode cost comes from.
+    """
+
+    num_leaves: int = 16
+    max_depth: int = 4
+    segment_length: int = 64
+    branch_factor: int = 2
+    init_divergence: int | None = None
+    init_divergence_range: tuple[int, int] | None = None
+    max_response_length: int | None = None
+    strategy: Strategy = Temperature(1.0)
+    stop_ids: tuple[int, ...] | None = None
+    answer_fn: Callable | None = None
+    finish_on_answer: bool = False
+    repetition_ngram: int = 0
+    repetition_count: int = 0
+    repetition_scope: str = "segment"
+    branching: BranchingRule | None = None
+    divergence: str = "fixed_average"
+    divergence_sign: float = 1.0
+    divergence_temperature: float = 2.0
+    divergence_schedule: tuple[float, float, int] | None = None
+    budget_transfer: bool = True
+    fallback: bool = True
+    max_prompt_length: int | None = None
+    with_entropy: bool = False
+    row_buckets: int = 4
+
+    def __post_init__(self):
+        W, b = self.num_leaves, self.branch_factor
+        if W < 1:
+            raise ValueError(f"TreeConfig.num_leaves (W) must be >= 1, got {W}")
+        if self.segment_length <= 0:
+            raise ValueError(f"TreeConfig.segment_length (S) must be > 0, got {self.segment_length}")
+        if self.max_depth <= 0:
+            raise ValueError(f"TreeConfig.max_depth (D) must be > 0, got {self.max_depth}")
+        if b < 1:
+            raise ValueError(f"TreeConfig.branch_factor (b) must be >= 1, got {b}")
+        if W < b:
+            raise ValueError(f"TreeConfig.num_leaves (W={W}) must be >= branch_factor (b={b})")
+        if self.init_divergence is not None and not 1 <= self.init_divergence <= W:
+            raise ValueError(f"TreeConfig.init_divergence must be in [1, W={W}], got {self.init_divergence}")
+        if self.init_divergence_range is not None:
+            m, n = self.init_divergence_range
+            if not 1 <= m <= n <= W:
+                raise ValueError(f"TreeConfig.init_divergence_range must satisfy 1 <= m <= n <= W={W}, got {(m, n)}")
+        if self.max_response_length is not None and not 0 < self.max_response_length <= self.max_depth * self.segment_length:
+            raise ValueError(f"TreeConfig.max_response_length must be in (0, D*S={self.max_depth * self.segment_length}]"
+                             f", got {self.max_response_length}")
+        if self.divergence not in DIVERGENCE_POLICIES:
+            raise ValueError(f"unknown divergence policy {self.divergence!r}; valid: {DIVERGENCE_POLICIES} "
+                             "(deprecated: set TreeConfig.branching to a rule instead)")
+        legacy = [k for k, v in _DIVERGENCE_DEFAULTS.items() if getattr(self, k) != v]
+        if legacy and self.branching is not None:
+            raise ValueError(f"TreeConfig: set either branching={self.branching!r} or the deprecated {legacy}, "
+                             "not both")
+        if legacy:
+            warnings.warn(f"TreeConfig.{legacy[0]} is deprecated: use TreeConfig.branching={self.rule!r}",
+                          DeprecationWarning, stacklevel=3)
+        if self.branching is not None and not isinstance(self.branching, BranchingRule):
+            raise ValueError(f"TreeConfig.branching must be a BranchingRule (treejax.sampling.branching), got "
+                             f"{self.branching!r}")
+        if self.repetition_scope not in ("segment", "response"):
+            raise ValueError(f"repetition_scope must be 'segment' or 'response', got {self.repetition_scope!r}")
+        if (self.repetition_ngram > 0) != (self.repetition_count > 0):
+            raise ValueError("set both repetition_ngram and repetition_count (> 0) or neither")
+        if self.row_buckets < 1:
+            raise ValueError(f"row_buckets must be >= 1, got {self.row_buckets}")
+        if self.max_prompt_length is not None and self.max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
+
+    @property
+    def rule(self) -> BranchingRule:
+        """The branching rule: ``branching``, or the one the deprecated ``divergence`` fields name."""
+        if self.branching is not None:
+            return self.branching
+        if self.divergence == "fixed_average":
+            return FixedAverage()
+        if self.divergence == "fixed_average_official":
+            return FixedAverage(remainder="last")
+        return LogProbWeighted(scope=self.divergence.removeprefix("logprob_"), sign=self.divergence_sign,
+                               temperature=self.divergence_temperature, schedule=self.divergence_schedule)
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the decode step computes per-token entropy (asked for, or needed by the rule)."""
+        return self.with_entropy or self.rule.needs_entropy
+
+    @property
+    def response_capacity(self) -> int:
+        """T = D * S: per-leaf token capacity."""
+        return self.max_depth * self.segment_length
+
+    @property
+    def max_length(self) -> int:
+        return self.response_capacity if self.max_response_length is None else self.max_response_length
+
+    @property
+    def num_nodes(self) -> int:
+        """Node capacity per prompt: every node lies on some leaf's path, so ``N <= 1 + W * D``."""
+        return 1 + self.num_leaves * self.max_depth
+
+    @property
+    def max_segments(self) -> int:
+        """Loop bound: each round of a prompt ends >= 1 leaf within D segments, so W * D iterations suffice."""
+        return self.num_leaves * self.max_depth
+
+
+def independent_config(num_samples: int, max_new_tokens: int, segment_length: int | None = None, **kw) -> TreeConfig:
+    """The GRPO baseline as a tree: ``num_samples`` chains per prompt (``b = 1``, init divergence W, no fallback
+    needed since every chain ends in exactly one leaf). ``max_new_tokens`` is rounded up to whole segments."""
+    S = segment_length or max_new_tokens
+    D = -(-max_new_tokens // S)
+    return TreeConfig(num_leaves=num_samples, max_depth=D, segment_length=S, branch_factor=1,
+                      init_divergence=num_samples, max_response_length=max_new_tokens, **kw)
+
+

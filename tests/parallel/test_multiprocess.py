@@ -45,6 +45,52 @@ def _launch(args, *, timeout=300, **popen):
                           capture_output=True, text=True, **popen)
 
 
+def test_start_up_arguments_are_checked(monkeypatch):
+    from treejax.errors import ConfigError
+    from treejax.parallel.multihost import maybe_initialize_distributed
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "TREEJAX_DISTRIBUTED", "TREEJAX_HEARTBEAT_TIMEOUT_S"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="need --coordinator"):
+        maybe_initialize_distributed(num_processes=2, process_id=0)
+    with pytest.raises(ConfigError, match="--num_processes / --process_id are not"):
+        maybe_initialize_distributed("localhost:1234", num_processes=2)
+    with pytest.raises(ConfigError, match="0 <= process_id < num_processes"):
+        maybe_initialize_distributed("localhost:1234", num_processes=2, process_id=2)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        maybe_initialize_distributed("localhost", num_processes=2, process_id=0)
+    with pytest.raises(ConfigError, match="heartbeat timeout must be >= 1"):
+        maybe_initialize_distributed("localhost:1234", num_processes=2, process_id=0, heartbeat_timeout_s=0)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES must be an integer"):
+        maybe_initialize_distributed()
+
+
+def test_cli_refuses_process_flags_without_a_coordinator(capsys):
+    from treejax import train
+
+    with pytest.raises(SystemExit) as e:
+        train.console_main(["--num_processes", "2", "--process_id", "1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "treejax-train: error: --num_processes / --process_id need --coordinator HOST:PORT")
+
+
+def test_launcher_environment_per_process():
+    from treejax.launch import process_env
+
+    base = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", "KEEP": "1"}
+    env = process_env(base, 1, 2, "127.0.0.1:5000", 4, "cpu", 7)
+    assert env["KEEP"] == "1" and env["JAX_PLATFORMS"] == "cpu"
+    assert (env["JAX_COORDINATOR_ADDRESS"], env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == \
+        ("127.0.0.1:5000", "2", "1")
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    assert env["TREEJAX_HEARTBEAT_TIMEOUT_S"] == "7"
+    gpu = process_env({}, 1, 2, "127.0.0.1:5000", 2, "gpu", None)
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "2,3" and "JAX_PLATFORMS" not in gpu and "TREEJAX_HEARTBEAT_TIMEOUT_S" not in gpu
+
+
 def test_host_rules_in_two_processes(tmp_path):
     out = _launch(["-n", "2", "--devices_per_process", "4", "--module", "multiprocess_worker", "--timeout_s", "240",
                    "--", "helpers", str(tmp_path)])

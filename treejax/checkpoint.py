@@ -121,8 +121,8 @@ class PreemptionHandler:
     """Turns SIGTERM (and optionally other signals) into a flag the training loop polls at step boundaries.
 
     The handler only sets a flag (safe in a signal handler); the loop saves and exits cleanly at the next step
-    boundary. On multi-host runs :meth:`should_stop` also consults the checkpointer's preemption sync point so all
-    hosts stop at the same step.
+    boundary. On multi-process runs :meth:`should_stop` combines the flags of all processes and the checkpointer's
+    preemption sync point, so all processes stop at the same step.
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
@@ -147,9 +147,16 @@ class PreemptionHandler:
         self._previous.clear()
 
     def should_stop(self, step: int, checkpointer: Checkpointer | None = None) -> bool:
-        if self.requested:
+        """Whether to save and stop after ``step``. With several processes every process must call it at every
+        step: a signal received by any process stops all of them at the same step (one all-gather of a flag), and
+        so does JAX's preemption sync point (orbax ``reached_preemption``)."""
+        if jax.process_count() == 1:
+            return self.requested
+        from treejax.parallel.multihost import any_process
+
+        if any_process(self.requested):
             return True
-        return checkpointer is not None and jax.process_count() > 1 and checkpointer.reached_preemption(step)
+        return checkpointer is not None and checkpointer.reached_preemption(step)
 
     def __enter__(self) -> "PreemptionHandler":
         return self.install()

@@ -45,8 +45,11 @@ class ModelFileError(UserFileError):
     """A model name or path that names no embedded model, checkpoint folder or ``.gguf`` file."""
 
 
-def record_failure(log_dir: str, step: int | None, exc: BaseException) -> str:
+def record_failure(log_dir: str, step: int | None, exc: BaseException, process: int | None = None) -> str:
     """Writes ``log_dir/failure.json`` for a run that stopped on ``exc`` at ``step``; returns its path.
+
+    ``process``: the index of the failing process in a multi-process run; process ``i > 0`` writes
+    ``failure.process{i}.json`` so processes sharing the folder never overwrite each other's record.
 
     The record holds ``step``, ``type`` (qualified class name), ``message``, ``user_error`` (whether ``exc`` is a
     :class:`UserError`), ``traceback`` (the formatted text) and ``time`` (local ISO 8601 with offset).
@@ -61,7 +64,7 @@ def record_failure(log_dir: str, step: int | None, exc: BaseException) -> str:
         "traceback": "".join(traceback.format_exception(exc)),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    path = os.path.join(log_dir, "failure.json")
+    path = os.path.join(log_dir, "failure.json" if not process else f"failure.process{process}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
     return path

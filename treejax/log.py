@@ -33,8 +33,12 @@ class _TreejaxHandler(logging.StreamHandler):
         del value  # always the current sys.stderr
 
 
-def configure_logging(quiet: bool = False) -> logging.Logger:
+def configure_logging(quiet: bool = False, process: tuple[int, int] | None = None) -> logging.Logger:
     """Sends ``treejax.*`` records to stderr (INFO and up, WARNING and up when ``quiet``); returns the logger.
+
+    ``process = (index, count)`` of a multi-process run (``count > 1``): every line is prefixed with
+    ``[process i/N]``, and only process 0 logs INFO; the others log warnings and errors only (so a run's log is
+    one process's, yet a failure on any process is visible).
 
     Idempotent: a second call replaces the handler of the first (its class marks it). The libraries of
     ``NOISY_LOGGERS`` are lowered to WARNING.
@@ -43,9 +47,11 @@ def configure_logging(quiet: bool = False) -> logging.Logger:
     for handler in [h for h in logger.handlers if isinstance(h, _TreejaxHandler)]:
         logger.removeHandler(handler)
     handler = _TreejaxHandler()
-    handler.setFormatter(logging.Formatter(FORMAT))
+    multi = process is not None and process[1] > 1
+    fmt = f"%(asctime)s [process {process[0]}/{process[1]}] %(message)s" if multi else FORMAT
+    handler.setFormatter(logging.Formatter(fmt))
     logger.addHandler(handler)
-    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.setLevel(logging.WARNING if quiet or (multi and process[0] != 0) else logging.INFO)
     logger.propagate = False
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -22,7 +22,6 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
-import jax
 import numpy as np
 
 
@@ -31,8 +30,10 @@ _WRITERS = itertools.count()  # event-file names: time (s), host, pid, writer nu
 
 def to_host_scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """Flattens a (nested) dict of scalar arrays into ``{"prefix/key": float}``; non-scalars raise ValueError."""
+    from treejax.parallel.multihost import host_tree
+
     out: dict[str, float] = {}
-    host = jax.device_get(metrics)
+    host = host_tree(metrics)  # scalars are replicated: a local copy on every process
     for k, v in host.items():
         name = f"{prefix}/{k}" if prefix else str(k)
         if isinstance(v, dict):
@@ -76,6 +77,32 @@ def format_console(step: int, metrics: dict[str, float], keys: tuple[str, ...] |
     head = f"step {step}" + (f"/{total_steps}" if total_steps else "")
     names = sorted(metrics) if keys is None else [k for k in keys if k in metrics]
     return " | ".join([head] + [f"{k} {_fmt(metrics[k])}" for k in names])
+
+
+class NullWriter:
+    """A :class:`MetricsWriter` that writes nothing: the writer of every process but process 0 in a multi-process
+    run (one process writes the event files and the console lines)."""
+
+    def write_scalars(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
+        del step, metrics, console
+
+    def write_image(self, step: int, tag: str, image: Any) -> None:
+        del step, tag, image
+
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        del step, tag, text
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "NullWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class MetricsWriter:

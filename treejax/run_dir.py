@@ -11,15 +11,24 @@ has checkpoints but no summary (preempted or killed). ``RunConfig.log_dir_mode``
 
 :class:`RunLock` holds an exclusive ``flock`` on ``log_dir/.treejax.lock`` for the whole run, so a second run in
 the same folder fails at once with the first run's pid instead of corrupting its checkpoints and event files.
+
+Several processes of one run share the folder (:func:`claim_log_dir`): process 0 alone takes the lock and applies
+the mode (an ``"overwrite"`` deletes files once, before any process writes), then tells the others whether the
+folder is theirs, so a refused folder stops every process with the same message rather than leaving the others
+waiting in the first collective. A multi-host run needs the folder on a file system every host sees (as orbax's
+checkpoints do); flock on a network file system is only as reliable as that file system's locking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
+import socket
+from typing import Iterator
 
-from treejax.errors import ConfigError
+from treejax.errors import ConfigError, UserError
 
 LOG_DIR_MODES = ("new", "resume", "overwrite")
 _RUN_FILES = ("summary.json", "checkpoints", "operative_config.gin", "failure.json")
@@ -70,7 +79,7 @@ class RunLock:
             raise ConfigError(f"another treejax run (pid {holder}) is using the log folder "
                               f"{os.path.dirname(self.path)}; wait for it or choose another RunConfig.log_dir")
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        os.write(fd, f"{os.getpid()} on {socket.gethostname()}".encode())
         self._fd = fd
         return self
 
@@ -85,3 +94,42 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def claim_log_dir(log_dir: str, mode: str) -> Iterator[None]:
+    """:class:`RunLock` + :func:`prepare_log_dir` for a run of one or several processes (module docstring).
+
+    Process 0 locks and prepares ``log_dir``; its outcome is broadcast, so with several processes every process
+    raises the same :class:`ConfigError` for a refused folder (process 0 re-raises its own exception). With one
+    process this is exactly ``with RunLock(log_dir): prepare_log_dir(log_dir, mode)``.
+    """
+    from treejax.parallel import multihost
+
+    lock = None
+    error: BaseException | None = None
+    if multihost.is_primary():
+        try:
+            lock = RunLock(log_dir).acquire()
+            prepare_log_dir(log_dir, mode)
+        except Exception as e:  # noqa: BLE001 -- told to the other processes, then re-raised
+            if lock is not None:
+                lock.release()
+                lock = None
+            if multihost.process_count() == 1:
+                raise
+            error = e
+    kind_message = multihost.broadcast_text(
+        None if error is None else ("user:" if isinstance(error, UserError) else "bug:") + str(error))
+    if error is not None:
+        raise error
+    if kind_message is not None:
+        kind, message = kind_message.split(":", 1)
+        if kind == "user":
+            raise ConfigError(message)
+        raise RuntimeError(f"process 0 could not prepare the log folder {log_dir}: {message}")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

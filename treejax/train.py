@@ -335,14 +335,25 @@ def main(argv: list[str] | None = None) -> dict:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in RunConfig.log_dir, finished or not")
     mode.add_argument("--overwrite", action="store_true", help="delete the run in RunConfig.log_dir and start over")
+    dist = parser.add_argument_group("multi-process runs (jax.distributed; README: 'Several processes and hosts')")
+    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="address of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, else one process)")
+    dist.add_argument("--num_processes", type=int, default=None, help="processes in the run (with --coordinator)")
+    dist.add_argument("--process_id", type=int, default=None, help="this process's index, 0..N-1 (with --coordinator)")
+    dist.add_argument("--heartbeat_timeout_s", type=int, default=None,
+                      help="a process silent this long is declared dead and the others stop (default: JAX's 100 s)")
     args = parser.parse_args(argv)
     if args.resume or args.overwrite:
         args.gin_param = args.gin_param + [f"RunConfig.log_dir_mode = '{'resume' if args.resume else 'overwrite'}'"]
     configure_logging(args.quiet)
 
-    from treejax.parallel.mesh import maybe_initialize_distributed
+    from treejax.parallel.multihost import is_primary, maybe_initialize_distributed
 
-    maybe_initialize_distributed()
+    if maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                    heartbeat_timeout_s=args.heartbeat_timeout_s):
+        import jax
+
+        configure_logging(args.quiet, process=(jax.process_index(), jax.process_count()))
     gin_files = args.gin_file
     if gin_files is None:
         d = default_config_dir()
@@ -354,10 +365,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary = run(cfg, operative_config=gin.config_str())
     if "preempted_at" in summary:
-        print(f"preempted: saved step {summary['preempted_at']} to {summary['checkpoint_dir']}; "
-              "rerun the same command to resume")
+        if is_primary():
+            print(f"preempted: saved step {summary['preempted_at']} to {summary['checkpoint_dir']}; "
+                  "rerun the same command to resume")
         return summary
-    print(format_summary(summary))
+    if is_primary():  # one process prints the summary of a multi-process run
+        print(format_summary(summary))
     return summary
 
 

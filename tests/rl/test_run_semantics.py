@@ -5,6 +5,8 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import socket
 
 import numpy as np
 import pytest
@@ -48,7 +50,8 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path):
 
 def test_second_run_in_one_folder_fails_at_once(tmp_path):
     with RunLock(str(tmp_path)):
-        with pytest.raises(ConfigError, match=f"another treejax run \\(pid {os.getpid()}\\)"):
+        holder = re.escape(f"(pid {os.getpid()} on {socket.gethostname()})")
+        with pytest.raises(ConfigError, match=f"another treejax run {holder}"):
             RunLock(str(tmp_path)).acquire()
     RunLock(str(tmp_path)).acquire().release()  # released: free again
 

@@ -1,4 +1,5 @@
-"""Device mesh from config, logical axes -> shardings, sharded init, the sharded jitted update, multi-host start.
+"""Device mesh from config, logical axes -> shardings, sharded init, the sharded jitted update (multi-process
+start-up: :mod:`treejax.parallel.multihost`).
 
 Axis types: ``jax.make_mesh`` defaults to *Explicit* axes in current JAX, where sharding is part of the array
 type and a contraction over a sharded dimension is a type error unless every op states its output sharding.
@@ -13,20 +14,17 @@ directly on its device. The update is jitted with the same shardings in and out,
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import os
 from typing import Any, Callable
 
 import jax
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from treejax.errors import ConfigError
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules, rules_dict
+from treejax.parallel.multihost import maybe_initialize_distributed  # noqa: F401 (re-exported)
 
 MESH_AXES = ("data", "fsdp", "tensor")
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,29 +149,3 @@ def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, 
     """``jax.jit(update_fn)`` with explicit in/out shardings (metrics replicated) and the state donated."""
     return jax.jit(update_fn, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
-
-
-def maybe_initialize_distributed() -> bool:
-    """Calls ``jax.distributed.initialize`` for multi-host runs; returns whether it did.
-
-    Triggers: ``JAX_COORDINATOR_ADDRESS`` set (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; explicit
-    GPU-cluster start), or ``TREEJAX_DISTRIBUTED=1`` (let JAX auto-detect the cluster: Cloud TPU pod slices,
-    SLURM, Open MPI). Must run before anything touches the devices; idempotent.
-    """
-    if jax.distributed.is_initialized():
-        return False
-    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if addr:
-        num = os.environ.get("JAX_NUM_PROCESSES")
-        pid = os.environ.get("JAX_PROCESS_ID")
-        if num is None or pid is None:
-            raise ConfigError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES / JAX_PROCESS_ID are not")
-        jax.distributed.initialize(coordinator_address=addr, num_processes=int(num), process_id=int(pid))
-    elif os.environ.get("TREEJAX_DISTRIBUTED", "0") == "1":
-        jax.distributed.initialize()
-    else:
-        return False
-    log.info("jax.distributed initialised: process %d of %d, %d global devices", jax.process_index(),
-             jax.process_count(), jax.device_count())
-    return True
-

@@ -181,6 +181,7 @@ def prompt_width_for(tokenizer, examples, system_prompt=None, instruction=None) 
 
 def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_tokens, batch_size, strategy, key):
     """Responses (texts, lengths) of ``token_lists`` in fixed batches of ``batch_size`` rows."""
+    from treejax.parallel.multihost import host_tree
     from treejax.rl.loop import pad_token_lists
     from treejax.sampling.decode import generate
 
@@ -194,7 +195,8 @@ def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_
         prompts, lens = pad_token_lists(chunk, prompt_width, pad_id)
         out = generate(params, model_config, prompts, lens, jax.random.fold_in(key, b), max_new_tokens, strategy,
                        stop_ids=stop_ids)
-        tokens, out_lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        # all-gathered where the rows span other processes (every process decodes and scores the same problems)
+        tokens, out_lens = host_tree((out.tokens, out.lengths))
         for i in range(real):
             texts.append(tokenizer.decode(tokens[i, : out_lens[i]].tolist(), skip_special_tokens=True))
             lengths.append(int(out_lens[i]))

@@ -23,11 +23,23 @@ was dispatched (:class:`treejax.metrics.DeferredMetrics`).
 
 Precision: :class:`treejax.precision.Precision` (``RunConfig.precision``) — fp32 master weights and optimizer
 state; bf16 compute, sampler weights and KV cache on GPU/TPU; fp32 with full-precision matmuls on CPU.
+
+Several processes (``jax.distributed``, :mod:`treejax.parallel.multihost`): every process runs this loop over one
+global mesh. Every process draws the same global batch of ``P`` prompts from the grain pipeline (same seed, same
+iterator state; the prompt records are a few hundred bytes each), so host values derived from them are identical
+everywhere and enter the jitted sampler and update as replicated inputs; the sampler, the estimator and the update
+run on global arrays sharded over all processes' devices. Host code reads the forest only through explicit
+all-gathers (``multihost.host_tree``): the leaves' tokens and lengths once per rollout for the verifier (every
+process scores every leaf, so the rewards are the same everywhere without a second exchange), prompt 0's tree for
+the picture, the evaluation's outputs, the parameters for the HF export. Process 0 alone holds the log folder's
+lock and writes the event files, pictures, ``summary.json`` and the export; all processes save and restore the
+orbax checkpoints together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -42,6 +54,7 @@ import optax
 
 from treejax.errors import record_failure
 from treejax.forest import Forest
+from treejax.parallel import multihost
 from treejax.parallel.mesh import (MeshConfig, batch_sharding, jit_update, logical_to_sharding, make_mesh,
                                    train_state_shardings)
 from treejax.precision import Precision, warn_if_updates_round_away
@@ -176,17 +189,26 @@ def pad_token_lists(token_lists, width: int | None = None, pad_id: int = 0):
 
 
 # ----------------------------------------------------------------------------------------------- rewards
+def decode_leaves(tokenizer, tokens_PxWxT: np.ndarray, lengths_PxW: np.ndarray) -> list[list[str]]:
+    """Every leaf's response text from host arrays of its tokens and lengths."""
+    return [[tokenizer.decode(tokens_PxWxT[p, w, : lengths_PxW[p, w]].tolist(), skip_special_tokens=True)
+             for w in range(tokens_PxWxT.shape[1])] for p in range(tokens_PxWxT.shape[0])]
+
+
 def leaf_texts(tokenizer, forest: Forest) -> list[list[str]]:
-    tokens = np.asarray(forest.tokens)
-    lengths = np.asarray(forest.leaf_length)
-    return [[tokenizer.decode(tokens[p, w, : lengths[p, w]].tolist(), skip_special_tokens=True)
-             for w in range(tokens.shape[1])] for p in range(tokens.shape[0])]
+    """Every leaf's response text (the forest's tokens are all-gathered in a multi-process run: call it on every
+    process)."""
+    return decode_leaves(tokenizer, *multihost.host_tree((forest.tokens, forest.leaf_length)))
+
+
+def score_texts(task, examples, texts_PxW: list[list[str]]) -> np.ndarray:
+    """[P, W] verifier scores in [0, 1] of response texts (row ``p`` answers ``examples[p]``)."""
+    return np.array([[task.score(t, ex) for t in row] for row, ex in zip(texts_PxW, examples)], np.float32)
 
 
 def score_forest(tokenizer, task, examples, forest: Forest) -> np.ndarray:
     """[P, W] verifier scores in [0, 1] of every leaf's decoded text."""
-    texts = leaf_texts(tokenizer, forest)
-    return np.array([[task.score(t, ex) for t in row] for row, ex in zip(texts, examples)], np.float32)
+    return score_texts(task, examples, leaf_texts(tokenizer, forest))
 
 
 def shaped_rewards(scores: np.ndarray, lengths: np.ndarray, cfg: RunConfig) -> np.ndarray:
@@ -226,9 +248,12 @@ class TaskRollouts:
                     info[k] = info.get(k, 0) + int(v)
             check_sampled_ids(forest, self.sampler_fns.sampling_vocab_size, step)
             t = time.perf_counter()
-            scores = score_forest(self.tokenizer, self.task, examples, forest)
+            # one explicit all-gather of the leaves (a no-op copy with one process); every process then scores
+            # every leaf, so rewards, dynamic sampling and the refills agree on all processes
+            tokens, leaf_lengths = multihost.host_tree((forest.tokens, forest.leaf_length))
+            scores = score_texts(self.task, examples, decode_leaves(self.tokenizer, tokens, leaf_lengths))
             info["time/scoring_s"] += time.perf_counter() - t
-            rewards = shaped_rewards(scores, np.asarray(forest.leaf_length), cfg)
+            rewards = shaped_rewards(scores, leaf_lengths, cfg)
             keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(rewards))) if cfg.dynamic_sampling
                     else np.ones(P, bool))
             idx = np.nonzero(keep)[0][: P - have]
@@ -247,6 +272,7 @@ class TaskRollouts:
                          [examples[i] for i in idx], prompts[idx], lens[idx]))
             info["filler_prompts"] = int(P - have)
         forests, rewards, scores, examples, prompts, lens = zip(*kept)
+        # rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs
         return Rollouts(forest=_concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
                         scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
                         lengths_P=np.concatenate(lens), info=info, examples=[e for ex in examples for e in ex])
@@ -258,7 +284,7 @@ class TaskRollouts:
 
         out = generate(params, self.sampler_fns, ro.prompts_PxLp, ro.lengths_P, jax.random.key(0),
                        self.cfg.rollout.max_length, Greedy(), stop_ids=self.cfg.rollout.stop_ids)
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        tokens, lengths = multihost.host_tree((out.tokens, out.lengths))
         scores = np.array([self.task.score(self.tokenizer.decode(tokens[p, : lengths[p]].tolist(),
                                                                  skip_special_tokens=True), ex)
                            for p, ex in enumerate(ro.examples)], np.float32)
@@ -270,14 +296,21 @@ def check_sampled_ids(forest: Forest, vocab_size: int, step: int) -> None:
     non-finite log-probs (what a model with non-finite logits does; decoding such ids would crash the tokenizer)."""
     from treejax.errors import DivergenceError
 
-    valid = np.asarray(forest.segment_index) >= 0
-    tokens, logp = np.asarray(forest.tokens), np.asarray(forest.logprobs)
-    bad_ids = int(np.sum(valid & ((tokens < 0) | (tokens >= vocab_size))))
-    bad_logp = int(np.sum(valid & ~np.isfinite(logp)))
+    # counted on the device: two replicated scalars come back, not the forest (which may span other processes)
+    bad_ids, bad_logp = (int(v) for v in _bad_samples(forest.tokens, forest.logprobs, forest.segment_index,
+                                                      vocab_size))
     if bad_ids or bad_logp:
         raise DivergenceError(f"step {step + 1}: the sampler produced {bad_ids} token ids outside the vocabulary "
                               f"and {bad_logp} non-finite log-probs: the policy has diverged (non-finite logits); "
                               "lower OptimizerConfig.learning_rate")
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _bad_samples(tokens, logprobs, segment_index, vocab_size: int):
+    """(ids outside ``[0, vocab_size)``, non-finite log-probs) among the forest's valid tokens."""
+    valid = segment_index >= 0
+    bad_ids = jnp.sum(valid & ((tokens < 0) | (tokens >= vocab_size)))
+    return bad_ids, jnp.sum(valid & ~jnp.isfinite(logprobs))
 
 
 #: Divergence rules on a step's host metrics: entropy within 2% of the uniform distribution's ln(V), or the
@@ -319,8 +352,9 @@ def reward_range(cfg: RunConfig) -> tuple[float, float]:
 
 
 def sample_completions(tokenizer, ro: Rollouts, leaves: int = 3) -> str:
-    """A few leaves of the first prompt as Markdown (reward, verifier score, text) for TensorBoard's text tab."""
-    texts = leaf_texts(tokenizer, _take_prompts(ro.forest, np.arange(1)))[0]
+    """A few leaves of the first prompt as Markdown (reward, verifier score, text) for TensorBoard's text tab
+    (gathers prompt 0's leaves in a multi-process run: call it on every process)."""
+    texts = leaf_texts(tokenizer, first_prompt(ro.forest))[0]
     rewards = np.asarray(ro.rewards_PxW)[0]
     lines = []
     for w in range(min(leaves, len(texts))):
@@ -334,7 +368,14 @@ def _concat_forests(forests: list[Forest]) -> Forest:
 
 
 def _take_prompts(forest: Forest, idx: np.ndarray) -> Forest:
+    if len(idx) == forest.num_prompts and np.array_equal(idx, np.arange(len(idx))):
+        return forest  # every prompt kept in order (no dynamic sampling): no gather
     return jax.tree.map(lambda x: x[jnp.asarray(idx)], forest)
+
+
+def first_prompt(forest: Forest) -> Forest:
+    """Prompt 0's tree as host (NumPy) arrays, all-gathered where it spans other processes (a collective)."""
+    return multihost.host_tree(jax.tree.map(lambda x: x[:1], forest))
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -362,13 +403,16 @@ class _Run:
 
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
-    """Runs training as configured and returns the summary (also written to ``log_dir/summary.json``)."""
-    from treejax.log import show_progress
-    from treejax.run_dir import RunLock, prepare_log_dir
+    """Runs training as configured and returns the summary (also written to ``log_dir/summary.json``).
 
-    show_progress()
-    with RunLock(cfg.log_dir):
-        prepare_log_dir(cfg.log_dir, cfg.log_dir_mode)
+    In a multi-process run every process calls this with the same config; process 0 holds the log folder's lock
+    and writes the files, every process returns the summary."""
+    from treejax.log import show_progress
+    from treejax.run_dir import claim_log_dir
+
+    if multihost.is_primary():
+        show_progress()
+    with claim_log_dir(cfg.log_dir, cfg.log_dir_mode):
         r = _setup(cfg, operative_config)
         try:
             with r.precision.matmul_context():
@@ -378,7 +422,8 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             with r.precision.matmul_context():
                 return _finish(r)
         except BaseException as e:  # record where the run stopped, then let the error surface unchanged
-            record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e)
+            record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
+                           process=multihost.process_index() if multihost.process_count() > 1 else None)
             raise
 
 
@@ -394,7 +439,7 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     t_start = time.perf_counter()
     prec = cfg.precision.resolve()
     os.makedirs(cfg.log_dir, exist_ok=True)
-    if operative_config is not None:
+    if operative_config is not None and multihost.is_primary():
         with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
             f.write(operative_config)
 
@@ -441,8 +486,9 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 
-    writer = metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
-                                       console_keys=_CONSOLE_KEYS)
+    writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
+                                        console_keys=_CONSOLE_KEYS)
+              if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files
     checkpointer = ckpt_lib.Checkpointer(os.path.join(os.path.abspath(cfg.log_dir), "checkpoints"),
                                          max_to_keep=cfg.keep_checkpoints)
     data_state: dict = {"rl_step": 0}
@@ -530,11 +576,13 @@ def _train(r: _Run) -> int | None:
             r.data_state.update(rl_step=done, pipeline=r.source.pipeline.get_state())
             if cfg.tree_picture_every and done % cfg.tree_picture_every == 0:
                 picture = os.path.join(cfg.log_dir, f"tree_step{done}.png")
-                viz.draw_tree(ro.forest, np.asarray(ro.rewards_PxW), picture, prompt=0,
-                              title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves",
-                              reward_range=reward_range(cfg), correct=ro.scores_PxW >= 1.0)
-                r.writer.write_image(done, "rollout/tree", picture)
-                r.writer.write_text(done, "rollout/samples", sample_completions(r.tokenizer, ro))
+                first = dataclasses.replace(ro, forest=first_prompt(ro.forest))  # gathered on every process
+                if multihost.is_primary():
+                    viz.draw_tree(first.forest, np.asarray(ro.rewards_PxW)[:1], picture, prompt=0,
+                                  title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves",
+                                  reward_range=reward_range(cfg), correct=ro.scores_PxW[:1] >= 1.0)
+                    r.writer.write_image(done, "rollout/tree", picture)
+                    r.writer.write_text(done, "rollout/samples", sample_completions(r.tokenizer, first))
                 r.data_state["tree_picture"] = os.path.abspath(picture)
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.num_steps:
                 write(deferred.flush())
@@ -600,13 +648,17 @@ def _finish(r: _Run) -> dict:
     export_dir = None
     if cfg.export_hf:
         export_dir = os.path.join(cfg.log_dir, "hf_export")
-        export_hf(jax.device_get(r.state.params), r.model_config, export_dir, r.tokenizer)
+        params = multihost.host_tree(r.state.params)  # all-gathered: every process takes part
+        if multihost.is_primary():
+            export_hf(params, r.model_config, export_dir, r.tokenizer)
+        del params
     r.writer.close()
     r.checkpointer.close()
     history = r.data_state["history"]
     summary = {
         "model": cfg.model, "task": cfg.task, "estimator": cfg.estimator, "steps": cfg.num_steps,
         "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+        "num_processes": jax.process_count(),
         "precision": dataclasses.asdict(r.precision),
         "eval_before": evals[0], "eval_after": evals[-1], "evals": evals, "history": history,
         "decoded_tokens": int(sum(h.get("rollout/decoded_tokens", 0) for h in history)),
@@ -615,8 +667,10 @@ def _finish(r: _Run) -> dict:
         "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
         "divergence": diverged,
     }
-    with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=float)
+    if multihost.is_primary():
+        with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=float)
+    multihost.sync("treejax_run_finished")  # no process leaves before the summary marks the run finished
     return summary
 
 

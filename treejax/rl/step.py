@@ -241,7 +241,7 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         "time/rollout_s": t_rollout - t0 - t_scoring, "time/scoring_s": t_scoring + (t_inputs - t_rollout),
         "time/logp_s": t_logp - t_inputs, "time/update_s": t_update - t_logp,
         "rollout/decoded_tokens": int(info.get("decoded_tokens", 0)),
-        "rollout/mean_leaf_length": float(np.asarray(ro.forest.leaf_length).mean()),
+        "rollout/mean_leaf_length": float(jnp.mean(ro.forest.leaf_length)),  # a replicated scalar
         "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
         **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
     }

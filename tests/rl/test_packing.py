@@ -104,6 +104,16 @@ def _assert_grads_close(g_packed, g_ref, rtol=1e-5):
         assert err <= rtol * norm + 1e-12, (jax.tree_util.keystr(path), err, norm)
 
 
+def _assert_steps_close(new_packed, new_ref, old, rtol=1e-5):
+    """Two optimizer steps from ``old`` agree: ``|p - p_ref| <= rtol |p_ref - old| + 2 ulp |old|`` per parameter
+    (the second term is the fp32 rounding of ``old + delta``, e.g. 1.2e-7 on a norm weight of 1)."""
+    for (path, a), b, o in zip(jax.tree_util.tree_leaves_with_path(new_packed), jax.tree.leaves(new_ref),
+                               jax.tree.leaves(old)):
+        a, b, o = (np.asarray(x, np.float64) for x in (a, b, o))
+        err, step = np.linalg.norm(a - b), np.linalg.norm(b - o)
+        assert err <= rtol * step + 2 * 2.0 ** -23 * np.linalg.norm(o), (jax.tree_util.keystr(path), err, step)
+
+
 # ----------------------------------------------------------------------------------------------- the layout
 def test_layout_on_a_hand_built_forest():
     """Prompt, then nodes in preorder; positions by depth; predictors; preorder intervals; the gather map."""
@@ -254,6 +264,34 @@ def test_packed_update_on_8_devices_equals_expanded_on_one(sampled, policy_param
     new_state, m = update(jax.device_put(jax.tree.map(jnp.copy, state), state_sh), jax.device_put(packed, sh))
     for k in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "num_tokens", "tis_weight_mean"):
         np.testing.assert_allclose(float(m[k]), float(ref_m[k]), rtol=1e-5, err_msg=k)
-    delta = jax.tree.map(lambda a, b: a - b, jax.device_get(new_state.params), host_params)
-    ref_delta = jax.tree.map(lambda a, b: a - b, jax.device_get(ref_state.params), host_params)
-    _assert_grads_close(delta, ref_delta)
+    _assert_steps_close(jax.device_get(new_state.params), jax.device_get(ref_state.params), host_params)
+
+
+# ----------------------------------------------------------------------------------------------- the RL step
+def test_rl_step_packed_equals_expanded(policy_params):
+    """``StepConfig.packing`` through :func:`treejax.rl.step.rl_step`: the same rollout, old / reference log-prob
+    passes and update as the expanded step (one mini-batch, 2 micro-batches, KL + TIS): equal metrics and
+    parameters, the first PPO ratio 1."""
+    from treejax.precision import Precision
+    from treejax.rl.step import StepConfig, initial_reference, make_step_fns, rl_step
+    from treejax.testing.sources import FixedPromptRollouts
+
+    loss_cfg = losses.LossConfig(eps_high=0.28, kl_coef=0.05, tis_cap=1.5, entropy_coef=0.01)
+    opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
+    source = FixedPromptRollouts(tree.make_tree_rollout(CFG, TC), PROMPTS, LENGTHS,
+                                 lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
+    update = jax.jit(make_update_fn(CFG, loss_cfg, opt, num_micro_batches=2))
+    out = {}
+    for packed in (False, True):
+        cfg = StepConfig(estimator="treepo_segment", loss=loss_cfg, micro_batches=2, row_multiple=2,
+                         packing=SMALL_ROWS if packed else None)
+        fns = make_step_fns(CFG, cfg, Precision().resolve("cpu"), update)
+        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt, jax.random.key(1))
+        state, _, m, _ = rl_step(fns, state, source, jax.random.key(8), 0, initial_reference(state.params, loss_cfg))
+        out[packed] = jax.device_get((state.params, m))
+    (p0, m0), (p1, m1) = out[False], out[True]
+    assert abs(m1["update/first_ratio_min"] - 1) < 1e-5 and abs(m1["update/first_ratio_max"] - 1) < 1e-5
+    for k in ("update/loss", "update/pg_loss", "update/grad_norm", "update/entropy", "update/kl",
+              "update/tis_weight_mean", "update/num_tokens", "mismatch/abs_mean", "mismatch/abs_max"):
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    _assert_steps_close(p1, p0, jax.device_get(policy_params))

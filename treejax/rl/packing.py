@@ -54,7 +54,7 @@ step per node, NumPy per token); placing the per-pair arrays into it (:func:`pac
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from typing import Any
 
 import jax
@@ -63,7 +63,7 @@ import numpy as np
 from flax import struct
 
 from treejax.forest import Forest
-from treejax.models.tree_attention import tree_mask  # noqa: F401  (re-exported)
+from treejax.models.tree_attention import TREE_ATTENTION_IMPLS, tree_mask  # noqa: F401  (tree_mask re-exported)
 
 PAD_NODE = 1 << 30  # node_lo / node_hi of padding tokens (above every real preorder number)
 PAIR_KEYS = ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
@@ -79,6 +79,9 @@ class PackingConfig:
       max_trees_per_row: cap on trees sharing one row (``None``: as many as fit).
       align: pad the prompt and every node segment to a multiple of this many tokens (1: no padding).
       skip_untrained: leave trees without any trained token (filler prompts) out of the packed rows.
+      attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
+        mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU) or ``"auto"``
+        (pallas on a GPU, xla elsewhere).
     """
 
     row_length: int | None = None
@@ -86,6 +89,7 @@ class PackingConfig:
     max_trees_per_row: int | None = None
     align: int = 1
     skip_untrained: bool = True
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         if self.row_length is not None and self.row_length < 1:
@@ -94,6 +98,9 @@ class PackingConfig:
             raise ValueError(f"PackingConfig.granule and align must be >= 1, got {self.granule}, {self.align}")
         if self.max_trees_per_row is not None and self.max_trees_per_row < 1:
             raise ValueError(f"PackingConfig.max_trees_per_row must be >= 1 or None, got {self.max_trees_per_row}")
+        if self.attention_impl not in TREE_ATTENTION_IMPLS:
+            raise ValueError(f"PackingConfig.attention_impl must be one of {TREE_ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
 
 
 @struct.dataclass
@@ -410,10 +417,11 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
 
 
 # ----------------------------------------------------------------------------------------------- per-pair arrays
-def pack_pairs(plan: PackingPlan | PackedBatch, x_BxT: jax.Array, fill=0) -> jax.Array:
+def pack_pairs(plan: PackingPlan | PackedBatch | jax.Array, x_BxT: jax.Array, fill=0) -> jax.Array:
     """Per-pair array of the whole forest ``[P * W, T]`` (leaf ``b = p * W + w``) -> ``[R, Wr, T]`` in the packed
-    slots (``fill`` in empty slots). Jittable in the arrays; ``plan`` supplies ``leaf_id``."""
-    leaf = jnp.asarray(plan.leaf_id)
+    slots (``fill`` in empty slots). Jittable in the arrays; ``plan`` (or a ``leaf_id [R, Wr]`` array) supplies
+    the leaf of each slot."""
+    leaf = jnp.asarray(getattr(plan, "leaf_id", plan))
     out = jnp.take(x_BxT, jnp.maximum(leaf, 0), axis=0)
     return jnp.where((leaf >= 0).reshape(leaf.shape + (1,) * (x_BxT.ndim - 1)), out, jnp.asarray(fill, x_BxT.dtype))
 
@@ -429,6 +437,27 @@ def unpack_pairs(batch: PackedBatch | PackingPlan, x_RxWrxT: jax.Array, num_leav
     return out.at[jnp.where(leaf >= 0, leaf, num_leaves_total)].set(vals, mode="drop")
 
 
+PLAN_ARRAYS = ("tokens", "positions", "node_lo", "node_hi", "prev", "pair_index", "pair_valid", "leaf_id")
+
+
+def plan_arrays(plan: PackingPlan) -> dict[str, np.ndarray]:
+    """The plan's arrays by name (what :func:`assemble` needs besides the per-pair inputs)."""
+    return {k: getattr(plan, k) for k in PLAN_ARRAYS}
+
+
+@functools.partial(jax.jit, static_argnames=("num_sequences", "sequence_length"))
+def assemble(arrays: dict[str, jax.Array], pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None, *,
+             num_sequences: int, sequence_length: int) -> PackedBatch:
+    """Jitted body of :func:`packed_batch`: gathers the per-pair arrays into the plan's slots."""
+    leaf = arrays["leaf_id"]
+    packed = {k: pack_pairs(arrays["leaf_id"], jnp.asarray(v, jnp.float32)) for k, v in pairs.items()}
+    packed["loss_mask"] = jnp.where(arrays["pair_valid"], packed["loss_mask"], 0.0)
+    eps = None if eps_scale_B is None else pack_pairs(leaf, jnp.asarray(eps_scale_B, jnp.float32), fill=1.0)
+    return PackedBatch(tokens=arrays["tokens"], positions=arrays["positions"], node_lo=arrays["node_lo"],
+                       node_hi=arrays["node_hi"], prev=arrays["prev"], pair_index=arrays["pair_index"], leaf_id=leaf,
+                       eps_scale=eps, num_sequences=num_sequences, sequence_length=sequence_length, **packed)
+
+
 def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None = None
                  ) -> PackedBatch:
     """The :class:`PackedBatch` of ``plan`` with per-pair arrays ``pairs`` in the forest's leaf layout
@@ -440,14 +469,8 @@ def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: ja
     unknown = set(pairs) - set(PAIR_KEYS)
     if unknown:
         raise ValueError(f"packed_batch: unknown pair arrays {sorted(unknown)}; allowed: {PAIR_KEYS}")
-    packed = {k: pack_pairs(plan, jnp.asarray(v, jnp.float32)) for k, v in pairs.items()}
-    packed["loss_mask"] = jnp.where(jnp.asarray(plan.pair_valid), packed["loss_mask"], 0.0)
-    eps = None if eps_scale_B is None else pack_pairs(plan, jnp.asarray(eps_scale_B, jnp.float32), fill=1.0)
-    return PackedBatch(
-        tokens=jnp.asarray(plan.tokens), positions=jnp.asarray(plan.positions), node_lo=jnp.asarray(plan.node_lo),
-        node_hi=jnp.asarray(plan.node_hi), prev=jnp.asarray(plan.prev), pair_index=jnp.asarray(plan.pair_index),
-        leaf_id=jnp.asarray(plan.leaf_id), eps_scale=eps, num_sequences=plan.num_sequences,
-        sequence_length=plan.sequence_length, **packed)
+    return assemble(plan_arrays(plan), dict(pairs), eps_scale_B, num_sequences=plan.num_sequences,
+                    sequence_length=plan.sequence_length)
 
 
 def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None
@@ -460,8 +483,8 @@ def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: j
     valid = forest.segment_index >= 0
     flat = lambda x: jnp.asarray(x, jnp.float32).reshape(P * W, T)  # noqa: E731
     sampler = flat(jnp.where(valid, forest.logprobs, 0.0))
-    return {"loss_mask": flat(jnp.where(valid, mask, 0.0)), "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)),
-            "old_logp": sampler, "sampler_logp": sampler}
+    return {"loss_mask": flat(jnp.where(valid, mask, 0.0)),
+            "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)), "old_logp": sampler, "sampler_logp": sampler}
 
 
 def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advantages_PxWxT,
@@ -490,5 +513,5 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
 
 
 __all__ = ["PackingConfig", "PackedBatch", "PackingPlan", "plan_packing", "pack_pairs", "unpack_pairs",
-           "packed_batch", "forest_pairs", "forest_to_packed", "tree_mask", "bucket_row_length", "bucket_units",
-           "describe", "PAD_NODE"]
+           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "forest_to_packed", "tree_mask",
+           "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

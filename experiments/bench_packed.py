@@ -175,7 +175,7 @@ def bench_setting(preset, Lp, args):
         peak = peak_flops()[1]
         mfu = flops[name] / r["s"] / peak if peak else float("nan")
         print(f"  {name:<9} {r['s'] * 1e3:>9.1f} ms  MFU {mfu:>6.1%}  {flops[name] / r['s'] / 1e12:>7.1f} TFLOP/s  "
-              f"leaf tok/s {info['expanded_tokens'] / r['s']:>10.0f}  peak {r["peak_gb"]:>7.2f} GB  "
+              f"leaf tok/s {info['expanded_tokens'] / r['s']:>10.0f}  peak {r['peak_gb']:>7.2f} GB  "
               f"loss {r['loss']:.6f}  compile {r['compile_s']:.0f} s  micro {micro}", flush=True)
     if len(results) == 2:
         e, p = results["expanded"], results["packed"]

@@ -78,3 +78,32 @@ def test_forward_tree_equals_expanded_forward(impl):
             want = want_all[b, lens[p]: lens[p] + length[p, w]]
             got = hidden[r, plan.pair_index[r, s, : length[p, w]]]
             np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"row {r} leaf {b}")
+
+
+def test_block_tables_cover_every_visible_tile_and_skip_the_rest():
+    """The kernel's tile tables list every tile with a visible pair (a superset), and on a binary tree with
+    node-aligned blocks exactly those: far fewer than the causal tiles."""
+    W, D, S = 8, 3, 8
+    paths = np.zeros((1, W, D + 1), np.int64)
+    for w in range(W):  # binary tree: node ids by (depth, prefix)
+        paths[0, w, 1:] = [(1 << d) - 1 + (w >> (D - d)) for d in range(1, D + 1)]
+    tok = np.zeros((1, W, D * S), np.int64)
+    for d in range(1, D + 1):
+        tok[0, :, (d - 1) * S: d * S] = 3 + paths[0, :, d, None]
+    forest = forest_from_paths(paths, np.full((1, W), D * S), S, tokens=tok)
+    plan = packing.plan_packing(np.full((1, 8), 5), np.array([8]), forest.leaf_path, forest.leaf_length,
+                                forest.tokens, S, packing.PackingConfig(granule=8))
+    lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+    blk = 8
+    kv_list, q_end = (np.asarray(x) for x in tree_flash.block_tables(lo, hi, blk, blk))
+    mask = np.asarray(tree_attention.tree_mask(lo, hi))[0]
+    n = mask.shape[0] // blk
+    exact = mask.reshape(n, blk, n, blk).any(axis=(1, 3))  # [q block, k block]
+    listed = np.zeros_like(exact)
+    for i in range(n):
+        listed[i, kv_list[0, i, 1: 1 + kv_list[0, i, 0]]] = True
+    np.testing.assert_array_equal(listed, exact)  # node-aligned blocks: the table is exact
+    for j in range(n):
+        viewers = np.nonzero(exact[:, j])[0]
+        assert viewers.min() >= j and viewers.max() < q_end[0, j]
+    assert exact.sum() < 0.6 * (n * (n + 1) // 2)

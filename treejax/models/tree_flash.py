@@ -6,13 +6,17 @@ Same function as the dense path of :mod:`treejax.models.tree_attention`::
     visible(i, j) = (j <= i) & (lo_j <= lo_i <= hi_j)      (lo/hi: the token's node preorder interval)
 
 computed FlashAttention-2 style (Dao 2023, arXiv 2307.08691): queries in blocks of ``block_q`` (the grid), keys
-in blocks of ``block_k`` (a loop up to the causal bound), an online softmax in fp32 and base 2
-(``m``: running max, ``l``: running sum, ``lse = m + log2 l``), ``O(block)`` memory. The tree mask is computed per
-tile from the interval vectors, and a tile with no visible (query, key) pair is **skipped** (``lax.cond``): in a
-row laid out in preorder, the key blocks before a query block are its ancestors (visible) or subtrees that ended
-before it (``hi < lo_q``: invisible), so a query block of a depth-``d`` node does the work of its own path only,
-``~ (n_p + d S) / block_k`` tiles, not ``i / block_k``. With ``PackingConfig.align`` a multiple of the block
-sizes every tile is entirely visible or entirely skipped.
+in blocks of ``block_k``, an online softmax in fp32 and base 2 (``m``: running max, ``l``: running sum,
+``lse = m + log2 l``), ``O(block)`` memory. Only tiles that may hold a visible pair are visited
+(:func:`block_tables`, built once per forward in XLA from per-block interval summaries: key block ``j`` may be
+visible to query block ``i`` iff ``j <= i``, ``min lo_k <= max lo_q`` and ``min lo_q <= max hi_k``, a superset
+of the exact tiles). In a row laid out in preorder the key blocks before a query block are its ancestors
+(visible) or subtrees that ended before it (``hi < lo_q``: invisible), so a query block of a depth-``d`` node
+visits ``~ (n_p + d S) / block_k`` tiles, not ``i / block_k``: the forward and ``dq`` loops read a list of key
+blocks per query block; the ``dk, dv`` loop runs over the query blocks ``[j, end_j)`` that may see key block ``j``
+(contiguous in preorder: a key's viewers are the rest of its node and its node's subtree). Inside a tile the
+exact mask is applied, and a tile with no visible pair is skipped (``lax.cond``). With ``PackingConfig.align``
+a multiple of the block sizes, tiles are node-aligned and the tables exact.
 
 Backward (same paper, Algorithm 2): ``delta_i = sum_h o_ih do_ih`` (XLA), then one fused kernel per key block:
 ``dv_j = sum_i p_ij do_i``, ``dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`` over the query blocks at or
@@ -59,7 +63,7 @@ def _visible(q_lo, span_q, k_lo, k_hi, span_k):
 
 
 def _any(mask):
-    return jnp.max(mask.astype(jnp.int32)) > 0
+    return jnp.max(jnp.max(mask.astype(jnp.int32), axis=1), axis=0) > 0
 
 
 def _load(ref, head_dim):
@@ -69,7 +73,28 @@ def _load(ref, head_dim):
     return plgpu.load(ref, mask=head_mask, other=0.0)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, lse_ref, *, scale, block_q, block_k, head_dim):
+def block_tables(lo_BxL: jax.Array, hi_BxL: jax.Array, block_q: int, block_k: int):
+    """Tile tables of packed rows (module docstring).
+
+    Returns ``kv_list [B, nq, 1 + nk]`` (entry 0: how many key blocks query block ``i`` may see; then their
+    indices, ascending) and ``q_end [B, nk]`` (one past the last query block that may see key block ``j``)."""
+    B, L = lo_BxL.shape
+    nq, nk = L // block_q, L // block_k
+    klo = lo_BxL.reshape(B, nk, block_k).min(-1)
+    khi = hi_BxL.reshape(B, nk, block_k).max(-1)
+    qlo_min = lo_BxL.reshape(B, nq, block_q).min(-1)
+    qlo_max = lo_BxL.reshape(B, nq, block_q).max(-1)
+    causal = (jnp.arange(nk) * block_k)[None, :] <= (jnp.arange(nq) * block_q + block_q - 1)[:, None]
+    vis = causal[None] & (klo[:, None, :] <= qlo_max[:, :, None]) & (qlo_min[:, :, None] <= khi[:, None, :])
+    count = jnp.sum(vis, axis=-1).astype(jnp.int32)
+    order = jnp.argsort(jnp.where(vis, 0, 1), axis=-1, stable=True).astype(jnp.int32)
+    kv_list = jnp.concatenate([count[..., None], order], axis=-1)
+    q_end = jnp.max(jnp.where(vis, jnp.arange(1, nq + 1)[None, :, None], 0), axis=1).astype(jnp.int32)
+    return kv_list, q_end
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, kv_ref, o_ref, lse_ref, *, scale, block_q, block_k,
+                head_dim):
     from jax.experimental.pallas import triton as plgpu
 
     start_q = pl.program_id(0)
@@ -80,7 +105,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, lse_ref, *, scale, b
     q_lo = lo_ref[q_slice]
     span_q = start_q * block_q + jnp.arange(block_q)
 
-    def body(start_k, carry):
+    def body(t, carry):
+        start_k = kv_ref[t + 1]
         k_slice = pl.ds(start_k * block_k, block_k)
         mask = _visible(q_lo, span_q, lo_ref[k_slice], hi_ref[k_slice], start_k * block_k + jnp.arange(block_k))
 
@@ -100,18 +126,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, lse_ref, *, scale, b
 
     init = (jnp.zeros((block_q, hp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    upper = lax.div(block_q * (start_q + 1) + block_k - 1, block_k)
-    o, m, l = lax.fori_loop(0, upper, body, init)
+    o, m, l = lax.fori_loop(0, kv_ref[0], body, init)  # the diagonal tile is always listed: l > 0
     o = o / l[:, None]
     lse_ref[...] = m + jnp.log2(l)
     plgpu.store(o_ref.at[:, : o.shape[-1]], o.astype(o_ref.dtype), mask=head_mask)
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *,
-                scale, block, head_dim):
+def _bwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, kv_ref, qend_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref,
+                dv_ref, *, scale, block, head_dim):
     from jax.experimental.pallas import triton as plgpu
 
-    L = q_ref.shape[0]
     hp = q_ref.shape[-1]
     head_mask = (jnp.arange(hp) < head_dim)[None, :]
     ld = lambda ref: plgpu.load(ref, mask=head_mask, other=0.0)  # noqa: E731
@@ -142,7 +166,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
         return lax.cond(_any(mask), tile, lambda c: c, carry)
 
     zeros = jnp.zeros((block, hp), jnp.float32)
-    dv, dk = lax.fori_loop(start_k, L // block, dkdv_body, (zeros, zeros))
+    dv, dk = lax.fori_loop(start_k, qend_ref[start_k], dkdv_body, (zeros, zeros))
     plgpu.store(dv_ref.at[:, : dv.shape[-1]], dv.astype(dv_ref.dtype), mask=head_mask)
     plgpu.store(dk_ref.at[:, : dk.shape[-1]], dk.astype(dk_ref.dtype), mask=head_mask)
 
@@ -156,7 +180,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
     do = ld(do_ref.at[q_slice, :])
     delta = delta_ref[q_slice]
 
-    def dq_body(start_k, dq):
+    def dq_body(t, dq):
+        start_k = kv_ref[t + 1]
         kk_slice = pl.ds(start_k * block, block)
         mask = _visible(q_lo, span_q, lo_ref[kk_slice], hi_ref[kk_slice], start_k * block + jnp.arange(block))
 
@@ -170,7 +195,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref,
 
         return lax.cond(_any(mask), tile, lambda d: d, dq)
 
-    dq = lax.fori_loop(0, start_q + 1, dq_body, jnp.zeros((block, hp), jnp.float32))
+    dq = lax.fori_loop(0, kv_ref[0], dq_body, jnp.zeros((block, hp), jnp.float32))
     plgpu.store(dq_ref.at[:, : dq.shape[-1]], dq.astype(dq_ref.dtype), mask=head_mask)
 
 
@@ -197,20 +222,22 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashBlocks, interpret: bool):
     hp = pl.next_power_of_2(H)
     warps = blocks.num_warps or (4 if H <= 64 else 8)
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(H), block_q=bq, block_k=bk, head_dim=H)
+    kv_list, _ = block_tables(lo, hi, bq, bk)
     row = pl.BlockSpec((None, L), lambda i, b, h: (b, 0))
     out, lse = pl.pallas_call(
         kernel,
         grid=(L // bq, B, Q),
         in_specs=[pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, i, h, 0)),
                   pl.BlockSpec((None, L, None, hp), lambda i, b, h: (b, 0, h // G, 0)),
-                  pl.BlockSpec((None, L, None, hp), lambda i, b, h: (b, 0, h // G, 0)), row, row],
+                  pl.BlockSpec((None, L, None, hp), lambda i, b, h: (b, 0, h // G, 0)), row, row,
+                  pl.BlockSpec((None, None, kv_list.shape[-1]), lambda i, b, h: (b, i, 0))],
         out_specs=[pl.BlockSpec((None, bq, None, hp), lambda i, b, h: (b, i, h, 0)),
                    pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Q, L), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="tree_flash_forward",
-    )(q, k, v, lo, hi)
+    )(q, k, v, lo, hi, kv_list)
     return out, lse
 
 
@@ -237,6 +264,7 @@ def _vjp_bwd(blocks, interpret, res, do):
     blk = min(blocks.block_bwd, L)
     hp = pl.next_power_of_2(H)
     delta = jnp.einsum("blqh,blqh->bql", out.astype(jnp.float32), do.astype(jnp.float32))
+    kv_list, q_end = block_tables(lo, hi, blk, blk)
     full = lambda n: pl.BlockSpec((None, L, None, hp), lambda b, h, i, n=n: (b, 0, h // n, 0))  # noqa: E731
     row = pl.BlockSpec((None, L), lambda b, h, i: (b, 0))
     stat = pl.BlockSpec((None, None, L), lambda b, h, i: (b, h, 0))
@@ -244,14 +272,16 @@ def _vjp_bwd(blocks, interpret, res, do):
     dq, dk, dv = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=1.0 / math.sqrt(H), block=blk, head_dim=H),
         grid=(B, Q, L // blk),
-        in_specs=[full(1), full(G), full(G), row, row, full(1), stat, stat],
+        in_specs=[full(1), full(G), full(G), row, row,
+                  pl.BlockSpec((None, None, kv_list.shape[-1]), lambda b, h, i: (b, i, 0)),
+                  pl.BlockSpec((None, L // blk), lambda b, h, i: (b, 0)), full(1), stat, stat],
         out_specs=[tile, tile, tile],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, jnp.float32),
                    jax.ShapeDtypeStruct(q.shape, jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps or 4, num_stages=blocks.num_stages),
         interpret=interpret,
         name="tree_flash_backward",
-    )(q, k, v, lo, hi, do, lse, delta)
+    )(q, k, v, lo, hi, kv_list, q_end, do, lse, delta)
     group_sum = lambda x: x.reshape(B, L, K, G, H).sum(axis=3).astype(k.dtype)  # noqa: E731
     return dq, group_sum(dk), group_sum(dv), None, None
 

@@ -20,14 +20,15 @@ dense bf16: 989 TFLOP/s) and ``leaf tok/s`` = expanded response+prompt tokens / 
 layouts, so its ratio is the speedup). Peak memory: the compiled update's ``memory_analysis()`` (arguments +
 outputs + temporaries - donated aliases), per program; ``device peak`` is the process-wide high-water mark.
 
-GPU (the issue-12 table; about 5 minutes on one H100, compile included):
+GPU (the issue-12 table; 4 prompts x 16 leaves per update, one tree per micro-batch in both layouts; settings
+after ``--budget-s`` seconds are skipped so the call ends in about 5 minutes on one H100, compile included):
 
   python experiments/bench_packed.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024
 
-CPU smoke (tiny model, tiny shapes, seconds):
+CPU smoke (tiny model, tiny shapes, about a minute):
 
   python experiments/bench_packed.py --preset tiny --prompts 2 --segment 16 --prompt-len 8 32 --granule 16 \
-      --micro 1 --repeats 1
+      --micro 2 --repeats 1
 """
 
 from __future__ import annotations
@@ -188,13 +189,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
     ap.add_argument("--prompt-len", nargs="+", type=int, default=[64, 1024])
-    ap.add_argument("--prompts", type=int, default=8, help="prompts (trees) per mini-batch")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts (trees) per mini-batch")
     ap.add_argument("--leaves", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--segment", type=int, default=512)
     ap.add_argument("--eos-frac", type=float, default=0.0, help="share of leaves that stop inside their last segment")
-    ap.add_argument("--micro", type=int, default=8, help="expanded micro-batches (rows P*W split into this many)")
-    ap.add_argument("--micro-packed", type=int, default=None, help="packed micro-batches (default: one per tree)")
+    ap.add_argument("--micro", type=int, default=4, help="expanded micro-batches (rows P*W split into this many)")
+    ap.add_argument("--micro-packed", type=int, default=None,
+                    help="packed micro-batches (default: --micro, i.e. the same leaves per micro-batch)")
     ap.add_argument("--granule", type=int, default=128)
     ap.add_argument("--align", type=int, default=1)
     ap.add_argument("--remat", default="full", choices=["none", "full", "dots"])
@@ -202,10 +204,10 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="expanded attention")
     ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas"], help="packed attention")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=330.0, help="skip the remaining settings after this long")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
     args = ap.parse_args(argv)
     if args.micro_packed is None:
-        args.micro_packed = args.prompts
+        args.micro_packed = args.micro
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; remat {args.remat}; "
           f"expanded attention {args.attention}; tree attention {args.tree_attention}; jax {jax.__version__}",

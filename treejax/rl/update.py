@@ -13,6 +13,12 @@ Batch layout (every per-token array is ``[B, L]`` and aligned with ``tokens``)::
     sampler_logp float   optional, the sampler's log-probs (truncated importance sampling)
     eps_scale    float   optional ``[B]`` per-sequence clip-range multiplier
 
+Or a :class:`treejax.rl.packing.PackedBatch` (the tree-packed update): each shared prompt / segment token stored
+once with a tree attention mask; its log-prob and entropy are computed once per unique token
+(:func:`packed_logprobs`), gathered to (leaf, token) pairs (:func:`gather_pairs`) and fed to the same
+``losses.policy_loss`` with the expanded batch's denominator (:func:`packed_loss_denominator`): same loss and
+gradient as the expanded batch of the same leaves.
+
 The new log-probs are recomputed with ``transformer.forward`` + ``transformer.token_logprobs`` and shifted so
 that ``logp[b, t]`` scores ``tokens[b, t]`` from the hidden state at ``t - 1`` (:func:`sequence_logprobs`).
 Position ``t`` is trained only if ``loss_mask[b, t] > 0`` and ``t - 1`` lies in the same nonzero segment.

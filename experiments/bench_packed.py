@@ -203,15 +203,21 @@ def main(argv=None):
     ap.add_argument("--logprob-chunk", type=int, default=16384)
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="expanded attention")
     ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas"], help="packed attention")
+    ap.add_argument("--tree-blocks", default="64,64,32",
+                    help="Pallas tree kernel tiles: forward query block, forward key block, backward block")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
     args = ap.parse_args(argv)
     if args.micro_packed is None:
         args.micro_packed = args.micro
+    from treejax.models import tree_flash
+
+    bq, bk, bb = (int(x) for x in args.tree_blocks.split(","))
+    tree_flash.DEFAULT_BLOCKS = tree_flash.TreeFlashBlocks(block_q=bq, block_k=bk, block_bwd=bb)
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; remat {args.remat}; "
-          f"expanded attention {args.attention}; tree attention {args.tree_attention}; jax {jax.__version__}",
-          flush=True)
+          f"expanded attention {args.attention}; tree attention {args.tree_attention} (tiles {args.tree_blocks}); "
+          f"jax {jax.__version__}", flush=True)
     t_start = time.perf_counter()
     rows = []
     for preset in args.preset:
@@ -220,13 +226,14 @@ def main(argv=None):
                 print(f"\n{preset} Lp={Lp}: skipped (time budget {args.budget_s:.0f} s spent)", flush=True)
                 continue
             rows.append((preset, Lp, bench_setting(preset, Lp, args)))
-    print(f"\n| preset | prompt | expanded ms | packed ms | speedup | peak GB exp / packed |")
+    print("\n| preset | prompt | expanded ms | packed ms | speedup | peak GB exp / packed |")
     print("|---|---|---|---|---|---|")
     for preset, Lp, r in rows:
         e, p = r.get("expanded"), r.get("packed")
         f = lambda x, k, s=1.0: f"{x[k] * s:.1f}" if x else "failed"  # noqa: E731
         sp = f"{e['s'] / p['s']:.2f}x" if e and p else "-"
-        print(f"| {preset} | {Lp} | {f(e, 's', 1e3)} | {f(p, 's', 1e3)} | {sp} | {f(e, 'peak_gb')} / {f(p, 'peak_gb')} |")
+        print(f"| {preset} | {Lp} | {f(e, 's', 1e3)} | {f(p, 's', 1e3)} | {sp} | "
+              f"{f(e, 'peak_gb')} / {f(p, 'peak_gb')} |")
     print(f"device peak (process): {device_peak_gb():.1f} GB; total {time.perf_counter() - t_start:.0f} s", flush=True)
 
 

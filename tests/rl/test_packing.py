@@ -144,15 +144,17 @@ def _reference_visible(prompt_idx, pair_idx_WxT, valid_WxT, w, t):
     return set(prompt_idx) | set(pair_idx_WxT[w, : t + 1][valid_WxT[w, : t + 1]])
 
 
-def test_tree_mask_and_predictors_match_the_expanded_rows(sampled):
+@pytest.mark.parametrize("align", [1, 4])
+def test_tree_mask_and_predictors_match_the_expanded_rows(sampled, align):
     """For every (leaf, token) pair: the packed token, position and predictor are those of the expanded row, and
-    the packed mask row is exactly {the prompt} + {the leaf's tokens up to it} (a token sees nothing else)."""
+    the packed mask row is exactly {the prompt} + {the leaf's tokens up to it} (a token sees nothing else), also
+    with the prompt and every node padded to a multiple of ``align`` tokens."""
     prompts, lens, forest = sampled
     P, W, Tr = forest.tokens.shape
     pairs = packing.forest_pairs(forest, jnp.zeros(forest.tokens.shape))
     trained = np.asarray(pairs["loss_mask"]).reshape(P, W, Tr).max(-1) > 0
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, TC.segment_length,
-                                SMALL_ROWS, trained_PxW=trained)
+                                dataclasses.replace(SMALL_ROWS, align=align), trained_PxW=trained)
     mask = np.asarray(tree_mask(jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)))
     tokens, length = np.asarray(forest.tokens), np.asarray(forest.leaf_length)
     seen = set()

@@ -15,6 +15,10 @@ Implementations (``attention_impl``):
   softmax in fp32; forward and backward kernels (:mod:`treejax.models.tree_flash`). On a non-GPU backend it
   runs in Pallas' interpreter (slow; correctness tests only).
 * ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere.
+
+Sharding: the XLA path is partitioned by GSPMD like the rest of the update (rows over ``data x fsdp``, heads
+over ``tensor``). The Pallas call is not partitioned by GSPMD: on a multi-device mesh XLA gathers its operands
+(correct, but not data-parallel); wrapping it in ``shard_map`` over rows and heads is still to do.
 """
 
 from __future__ import annotations

@@ -185,8 +185,9 @@ def table(summary: dict, device: str) -> str:
             f"| {name} | {len(m['seeds'])} | {100 * m['initial_accuracy']:.1f}% | {f.mean():.1f}% "
             f"({f.min():.1f}-{f.max():.1f}) | {m['seconds_mean'][-1]:.0f} | {m['tokens_mean'][-1] / 1e6:.2f} M | "
             f"{fmt(m['step_to_target'], 'd')} | {fmt(m['seconds_to_target'], '.0f')} | "
-            f"{fmt(m['seconds_ratio'], '.2f')} | {fmt(m['tokens_to_target'] and m['tokens_to_target'] / 1e6, '.2f')}"
-            f"{'' if m['tokens_to_target'] is None else ' M'} | {fmt(m['tokens_ratio'], '.2f')} |")
+            f"{fmt(m['seconds_ratio'], '.2f')} | "
+            f"{'-' if m['tokens_to_target'] is None else format(m['tokens_to_target'] / 1e6, '.2f') + ' M'} | "
+            f"{fmt(m['tokens_ratio'], '.2f')} |")
     lines += ["", "Median seconds per training step, first-step compilation (excluded above), decoded tokens per "
               "step and mean leaf length (means over seeds):", "",
               "| method | rollout | scoring | old log-probs | update | compile | tokens / step | mean leaf tokens |",

@@ -174,3 +174,42 @@ def test_pallas_split_choices_match_dense():
         _check_against_dense(fn, q, k, v, pos, live)
     assert attn._pallas_tiling(2304, 128, 16) == (9, 128)  # 18 blocks: 9 splits, not the power-of-two 2
     assert attn._pallas_tiling(2304, 128, 1) == (1, 128)
+
+
+# ----------------------------------------------------------------------------------------------- on a mesh
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 8, 1), (1, 1, 8)])
+def test_pallas_on_a_mesh_runs_per_shard_and_matches(mesh_shape):
+    """On a mesh the Pallas kernel runs inside shard_map on each device's rows and KV heads (XLA cannot partition
+    the custom call and would gather the whole cache onto every device) and gives the unsharded result. A
+    (1, 1, 8) mesh cannot split 2 KV heads: they stay replicated, rows too (``tensor`` is not a row axis)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from treejax.parallel.mesh import MeshConfig, make_mesh
+
+    data, fsdp, tensor = mesh_shape
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+    rng = np.random.RandomState(3)
+    B, K, L, H = 8, 2, 64, 16
+    q = jnp.asarray(rng.randn(B, 1, 2 * K, H), jnp.float32)
+    k, v = (jnp.asarray(rng.randn(B, K, L, H), jnp.bfloat16) for _ in range(2))
+    pos = jnp.asarray([0, 15, 16, 35, 63, 64, 70, 40], jnp.int32)
+    live = np.asarray(pos) < L
+    seen = []
+
+    def kernel(q, k, v, p):
+        seen.append((q.shape, k.shape, p.shape))
+        return attn.pallas_decode_attention(q, k, v, p, block_size=BLOCK, interpret=INTERPRET)
+
+    fn = attn.shard_decode_attention(kernel, mesh)
+    rows = data * fsdp
+    heads = tensor if K % tensor == 0 else 1
+    cache_sh = NamedSharding(mesh, P(("data", "fsdp"), "tensor" if heads > 1 else None))
+    got = jax.jit(fn)(q, jax.device_put(k, cache_sh), jax.device_put(v, cache_sh), pos)
+    assert seen == [((B // rows, 1, 2 * K // heads, H), (B // rows, K // heads, L, H), (B // rows,))]
+    ref = attn.pallas_decode_attention(q, k, v, pos, block_size=BLOCK, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got)[live], np.asarray(ref)[live])
+    # what the sampler builds for a mesh
+    made = attn.make_decode_attention("pallas", BLOCK, head_dim=H, cache_dtype="bfloat16", backend="gpu",
+                                      interpret=INTERPRET, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(jax.jit(made)(q, k, v, pos))[live], np.asarray(ref)[live])

@@ -36,6 +36,13 @@ DEFAULT_RULES: Rules = (
 )
 
 
+#: The sampler's weight copy: like :data:`DEFAULT_RULES` but not split over ``fsdp``. A decode step is a few small
+#: matmuls per layer; ZeRO-3 weights would be all-gathered at every one of the rollout's thousands of steps, so the
+#: sampler's (16-bit) copy is gathered once per RL step instead, when it is cast (``treejax.rl.step``), and stays
+#: split over ``tensor`` only.
+SAMPLER_RULES: Rules = tuple((name, None) if name == "embed" else (name, axes) for name, axes in DEFAULT_RULES)
+
+
 def rules_dict(rules: Rules = DEFAULT_RULES) -> dict[str, tuple[str, ...]]:
     """``{logical: (mesh axes...)}``; raises ``ValueError`` on a duplicated logical name."""
     out: dict[str, tuple[str, ...]] = {}

@@ -149,3 +149,31 @@ def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, 
     """``jax.jit(update_fn)`` with explicit in/out shardings (metrics replicated) and the state donated."""
     return jax.jit(update_fn, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
+
+
+def place_train_state(params: Any, param_logical_axes: Any, create_state: Callable[[Any], Any],
+                      optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules = DEFAULT_RULES
+                      ) -> tuple[Any, Any]:
+    """Loaded ``params`` -> a sharded ``TrainState``: params placed by their logical axes, then
+    ``create_state(params)`` jitted with the state's shardings as outputs. Returns ``(state, state_shardings)``."""
+    param_sh = logical_to_sharding(param_logical_axes, mesh, rules, params)
+    params = jax.device_put(params, param_sh)
+    state_sh = train_state_shardings(jax.eval_shape(create_state, params), param_sh, optimizer, mesh)
+    return jax.jit(create_state, out_shardings=state_sh)(params), state_sh
+
+
+def sharded_update(update_fn: Callable, state_shardings: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Callable:
+    """``update(state, mini_batch)`` jitted once per mini-batch layout (the tree-packed update's shapes bucket):
+    each layout gets its batch shardings (:func:`batch_sharding`) and :func:`jit_update`; the mini-batch is placed
+    with them before the call."""
+    jitted: dict = {}
+
+    def update(state, mini):
+        sig = (jax.tree.structure(mini), tuple(x.shape for x in jax.tree.leaves(mini)))
+        if sig not in jitted:
+            sh = batch_sharding(mesh, mini, rules)
+            jitted[sig] = (sh, jit_update(update_fn, state_shardings, sh, mesh))
+        sh, fn = jitted[sig]
+        return fn(state, jax.device_put(mini, sh))
+
+    return update

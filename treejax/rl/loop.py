@@ -55,8 +55,8 @@ import optax
 from treejax.errors import record_failure
 from treejax.forest import Forest
 from treejax.parallel import multihost
-from treejax.parallel.mesh import (MeshConfig, batch_sharding, jit_update, logical_to_sharding, make_mesh,
-                                   train_state_shardings)
+from treejax.parallel.axis_rules import SAMPLER_RULES
+from treejax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh, place_train_state, sharded_update
 from treejax.precision import Precision, warn_if_updates_round_away
 from treejax.rl import rewards as rewards_lib
 from treejax.rl.evaluation import EvalConfig
@@ -473,31 +473,25 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
     mesh = make_mesh(cfg.mesh)
     sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype, mesh=mesh if mesh.size > 1 else None)
     rollout = make_tree_rollout(sampler_fns, tree_cfg)
-    param_sh = logical_to_sharding(transformer.param_logical_axes(model_config), mesh, shapes=params)
-    params = jax.device_put(params, param_sh)
     optimizer = make_optimizer(cfg.optimizer)
     key = jax.random.key(cfg.seed)
     create = lambda p: TrainState.create(p, optimizer, jax.random.fold_in(key, 1))  # noqa: E731
-    state_sh = train_state_shardings(jax.eval_shape(create, params), param_sh, optimizer, mesh)
-    state = jax.jit(create, out_shardings=state_sh)(params)
+    state, state_sh = place_train_state(params, transformer.param_logical_axes(model_config), create, optimizer,
+                                        mesh)
     ref_params = initial_reference(state.params, cfg.loss)
     del params
     update_fn = make_update_fn(model_config, cfg.loss, optimizer, num_micro_batches=cfg.micro_batches,
                                nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer),
                                attention_impl=cfg.attention_impl, remat=cfg.remat,
                                tree_attention_impl=cfg.packing.attention_impl)
-    jitted = {}
+    update = sharded_update(update_fn, state_sh, mesh)  # jitted per mini-batch layout (packed shapes bucket)
 
-    def update(state, mini):  # jitted with the batch shardings of each mini-batch layout (packed shapes bucket)
-        sig = (jax.tree.structure(mini), tuple(x.shape for x in jax.tree.leaves(mini)))
-        if sig not in jitted:
-            sh = batch_sharding(mesh, mini)
-            jitted[sig] = (sh, jit_update(update_fn, state_sh, sh, mesh))
-        sh, fn = jitted[sig]
-        return fn(state, jax.device_put(mini, sh))
-
+    sampler_sh = None  # on a mesh the sampler's copy is gathered over fsdp once per step (SAMPLER_RULES)
+    if mesh.size > 1:
+        sampler_sh = logical_to_sharding(transformer.param_logical_axes(model_config), mesh, SAMPLER_RULES,
+                                         state.params)
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"]), prec,
-                             update)
+                             update, sampler_shardings=sampler_sh)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 

@@ -172,9 +172,13 @@ class StepFns:
 
 
 def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision,
-                  update: Callable, batch_sharding: Callable | None = None) -> StepFns:
+                  update: Callable, batch_sharding: Callable | None = None,
+                  sampler_shardings: Any = None) -> StepFns:
     """Builds :class:`StepFns`. ``update`` is the jitted ``update(state, batch)``; ``batch_sharding(batch)`` (optional)
-    places each mini-batch before it (e.g. ``jax.device_put`` with the mesh's batch sharding)."""
+    places each mini-batch before it (e.g. ``jax.device_put`` with the mesh's batch sharding).
+    ``sampler_shardings`` (optional, a pytree of shardings like the params): where the sampler's weight copy lives
+    (e.g. ``treejax.parallel.axis_rules.SAMPLER_RULES``: gathered over ``fsdp`` once per step, not per decode
+    step); the cast is then jitted with these output shardings even when the dtype does not change."""
     spec = estimator_spec(cfg.estimator)
     options = cfg.estimator_options if cfg.estimator_options is not None else spec.default_options()
     estimator = jax.jit(lambda f, r, inputs: spec.fn(f, r, options, **inputs))
@@ -204,7 +208,10 @@ def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: Resolve
     take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda v: jnp.take(v, idx, axis=0), batch))
     place = batch_sharding or (lambda b: b)
     same = precision.sampler_dtype == precision.param_dtype
-    sampler_params = (lambda p: p) if same else jax.jit(precision.sampler_params)  # cast once per step
+    if sampler_shardings is not None:  # cast (and gather) once per step
+        sampler_params = jax.jit(precision.sampler_params, out_shardings=sampler_shardings)
+    else:
+        sampler_params = (lambda p: p) if same else jax.jit(precision.sampler_params)  # cast once per step
     pairs = packed_fn = None
     if cfg.packing is not None:
         pairs = jax.jit(packing_lib.forest_pairs)

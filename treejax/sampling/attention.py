@@ -60,6 +60,15 @@ inside a trace. The constraints (:func:`pallas_problem`):
 K/V tiles of the kernel are capped at :data:`PALLAS_TILE_BYTES` (``block * H * itemsize``), the largest tile it
 was measured with (bfloat16, ``H`` = 128, 128 slots: qwen2.5-1.5b on an H200): larger heads or a float32 cache get
 shorter blocks instead of larger tiles.
+
+On a device mesh (:func:`shard_decode_attention`)
+-------------------------------------------------
+XLA's SPMD partitioner cannot split a Pallas (Triton) custom call: given a cache sharded over rows it gathers the
+whole cache onto every device and runs the kernel replicated -- correct, but every device then reads every row's
+KV, so more GPUs decode no faster. The sampler therefore wraps the kernel in ``jax.shard_map`` over the cache's
+own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query heads with their KV heads): each
+device runs the kernel on its rows and heads, and the attention is per row and per KV-head group, so the result
+is exactly the unsharded one. The XLA paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
 """
 
 from __future__ import annotations
@@ -225,16 +234,50 @@ def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, back
     return "pallas" if problem is None and jnp.dtype(cache_dtype).itemsize == 2 else "ragged"
 
 
+def shard_decode_attention(attention_fn, mesh, rules=None):
+    """``attention_fn`` run per shard with ``jax.shard_map`` on ``mesh`` (module docstring).
+
+    Specs come from the rules table at call time, from the arrays' shapes: rows by ``cache_batch``, KV heads by
+    ``cache_kv_heads``; the query heads take the KV heads' mesh axes (GQA groups stay whole: query head ``h``
+    reads KV head ``h // G``, and contiguous blocks of ``Q = K G`` heads line up with blocks of ``K``). A mesh
+    axis that does not divide a dimension is dropped for it (replicated), as everywhere else.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    from treejax.parallel.axis_rules import DEFAULT_RULES
+    from treejax.parallel.mesh import logical_to_spec
+
+    rules = DEFAULT_RULES if rules is None else rules
+
+    def sharded(q, k_cache, v_cache, positions):
+        B, K = k_cache.shape[:2]
+        Q = q.shape[2]
+        rows = logical_to_spec(("cache_batch",), mesh, rules, (B,))[0]
+        heads = logical_to_spec(("cache_kv_heads",), mesh, rules, (K,))[0]
+        if heads is not None and Q % math.prod(mesh.shape[a] for a in (heads if isinstance(heads, tuple)
+                                                                        else (heads,))):
+            heads = None
+        cache_spec = P(rows, heads, None, None)
+        q_spec = P(rows, None, heads, None)
+        return jax.shard_map(attention_fn, mesh=mesh, in_specs=(q_spec, cache_spec, cache_spec, P(rows)),
+                             out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, positions)
+
+    return sharded
+
+
 def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim: int, cache_dtype,
-                          backend: str | None = None, interpret: bool = False):
+                          backend: str | None = None, interpret: bool = False, mesh=None, rules=None):
     """The ``attention_fn`` that :func:`resolve_impl` picks for this head size, cache dtype and block size.
 
     ``interpret``: run the Pallas kernel in Pallas' interpreter (tests off the GPU, with ``backend="gpu"``).
+    ``mesh`` / ``rules``: a sampler on a device mesh; the Pallas kernel is then run per shard
+    (:func:`shard_decode_attention`); the XLA paths are partitioned by GSPMD as they are.
     """
     impl = resolve_impl(name, head_dim=head_dim, cache_dtype=cache_dtype, block_size=block_size, backend=backend)
     if impl == "ragged":
         return functools.partial(ragged_decode_attention, block_size=block_size)
     if impl == "pallas":
         block = min(block_size, 128, PALLAS_TILE_BYTES // (head_dim * jnp.dtype(cache_dtype).itemsize))
-        return functools.partial(pallas_decode_attention, block_size=block, interpret=interpret)
+        fn = functools.partial(pallas_decode_attention, block_size=block, interpret=interpret)
+        return fn if mesh is None or mesh.size == 1 else shard_decode_attention(fn, mesh, rules)
     return dense_decode_attention

@@ -106,16 +106,18 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU for power-of-two head sizes
     and 16-bit caches, ragged otherwise; a ``"pallas"`` the kernel cannot run raises ``ValueError`` here).
     ``fuse``: decode with fused q|k|v and gate|up projections (:func:`treejax.models.transformer.
-    fuse_projections`); ``None`` = fuse on a single device only (on a mesh the concatenation would cross a
-    tensor-sharded heads axis). ``mesh`` (a ``jax.sharding.Mesh``) / ``rules``: run sharded (see
+    fuse_projections`); ``None`` = fuse on a single device, or on a mesh whose ``tensor`` axis is 1 (rows split
+    over ``data``/``fsdp``); not with tensor parallelism (the concatenation would cross a tensor-sharded heads
+    axis) nor for unsharded fns on a multi-device host (their programs stay as they were). ``mesh`` (a ``jax.sharding.Mesh``) / ``rules``: run sharded (see
     :class:`ModelFns`; :mod:`treejax.sampling.cache` says how the cache is laid out).
     """
     if fuse is None:
-        fuse = jax.device_count() == 1
+        fuse = jax.device_count() == 1 if mesh is None else mesh.shape.get("tensor", 1) == 1
     dtype = jnp.dtype(cache_dtype)
     attention = attention_lib.resolve_impl(attention, head_dim=config.head_dim, cache_dtype=dtype,
                                            block_size=block_size)
-    attn_fn = attention_lib.make_decode_attention(attention, block_size, head_dim=config.head_dim, cache_dtype=dtype)
+    attn_fn = attention_lib.make_decode_attention(attention, block_size, head_dim=config.head_dim, cache_dtype=dtype,
+                                                  mesh=mesh, rules=rules)
 
     def init_cache(rows, length):
         return cache_lib.init_kv_cache(config, rows, length, dtype)

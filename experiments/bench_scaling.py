@@ -35,6 +35,7 @@ from treejax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh, pl
 from treejax.precision import Precision
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
+from treejax.rl.packing import PackingConfig
 from treejax.rl.step import StepConfig, make_step_fns, rl_step
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
@@ -52,8 +53,15 @@ def get_config(preset: str):
     return presets.get_config(preset, param_dtype="float32", compute_dtype="bfloat16")
 
 
-def run_one(preset: str, n: int, args) -> dict:
-    """Times ``args.steps`` RL steps (after one compiling step) of ``preset`` on the first ``n`` devices."""
+VARIANTS = ("treepo", "treepo+packed", "grpo")
+
+
+def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
+    """Times ``args.steps`` RL steps (after one compiling step) of ``preset`` on the first ``n`` devices.
+
+    ``variant``: ``treepo`` (tree rollout, b = 2, expanded update), ``treepo+packed`` (the same with the
+    tree-packed update, sticky layouts) or ``grpo`` (the same code with independent samples: b = 1, all
+    ``leaves`` paths opened at the root, no fallback; GRPO advantages)."""
     devices = jax.devices()[:n]
     if len(devices) < n:
         raise SystemExit(f"--devices {n}: only {len(jax.devices())} devices here")
@@ -68,14 +76,20 @@ def run_one(preset: str, n: int, args) -> dict:
     del params
     loss = LossConfig(eps_high=0.28, dual_clip_c=10.0)
     update_fn = make_update_fn(cfg, loss, optimizer, num_micro_batches=args.micro, remat=args.remat)
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; known: {VARIANTS}")
     update = sharded_update(update_fn, state_sh, mesh)
-    fns = make_step_fns(cfg, StepConfig(estimator="treepo", loss=loss, micro_batches=args.micro,
-                                        row_multiple=args.micro * n), precision, update,
+    packing = PackingConfig() if variant == "treepo+packed" else None
+    fns = make_step_fns(cfg, StepConfig(estimator="grpo" if variant == "grpo" else "treepo", loss=loss,
+                                        micro_batches=args.micro, row_multiple=args.micro * n, packing=packing),
+                        precision, update,
                         sampler_shardings=logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params))
     model_fns = make_model_fns(cfg, cache_dtype=precision.cache_dtype, mesh=mesh)
+    shape = (dict(branch_factor=1, init_divergence=args.leaves, fallback=False) if variant == "grpo"
+             else dict(branch_factor=2))
     rollout = make_tree_rollout(model_fns, TreeConfig(num_leaves=args.leaves, max_depth=args.depth,
-                                                      segment_length=args.segment, branch_factor=2,
-                                                      strategy=Temperature(1.0), stop_ids=()))
+                                                      segment_length=args.segment, strategy=Temperature(1.0),
+                                                      stop_ids=(), **shape))
     rng = np.random.RandomState(0)
     prompts = rng.randint(3, cfg.sampling_vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
     source = FixedPromptRollouts(rollout, prompts, np.full((args.prompts,), args.prompt_len, np.int32),
@@ -92,24 +106,27 @@ def run_one(preset: str, n: int, args) -> dict:
         total = time.perf_counter() - t0
         rows.append({"rollout": host["time/rollout_s"], "logp": host["time/logp_s"],
                      "update": host["time/update_s"], "step": total,
-                     "decoded_tokens": host["rollout/decoded_tokens"], "loss": loss_value})
+                     "decoded_tokens": host["rollout/decoded_tokens"], "loss": loss_value,
+                     **{k: v for k, v in host.items() if k.startswith("packing/")}})
     med = {k: float(np.median([r[k] for r in rows])) for k in PHASES}
     tokens = int(np.median([r["decoded_tokens"] for r in rows]))
-    return {"preset": preset, "devices": n, "mesh": dict(mesh.shape), "device_kind": devices[0].device_kind,
+    return {"preset": preset, "variant": variant, "devices": n, "mesh": dict(mesh.shape),
+            "device_kind": devices[0].device_kind,
             "first_step_s": compile_s, **{f"{k}_s": v for k, v in med.items()}, "decoded_tokens": tokens,
             "rollout_tokens_per_s": tokens / med["rollout"], "steps": rows}
 
 
 def table(results: list[dict]) -> str:
-    base = {r["preset"]: r for r in results if r["devices"] == 1}
-    lines = ["| preset | devices | mesh | rollout s | decoded tok/s | old-logp s | update s | RL step s | "
-             "efficiency rollout / update / step |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        b = base.get(r["preset"])
+    """Markdown table; efficiency against the same preset and variant on one device."""
+    base = {(r["preset"], r["variant"]): r for r in results if r["devices"] == 1}
+    lines = ["| preset | variant | devices | mesh | rollout s | decoded tok/s | old-logp s | update s | RL step s | "
+             "efficiency rollout / update / step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["preset"], r["variant"], r["devices"])):
+        b = base.get((r["preset"], r["variant"]))
         eff = "" if b is None else " / ".join(
             f"{b[f'{k}_s'] / (r['devices'] * r[f'{k}_s']):.2f}" for k in ("rollout", "update", "step"))
         mesh = "x".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1"
-        lines.append(f"| {r['preset']} | {r['devices']} | {mesh} | {r['rollout_s']:.3f} | "
+        lines.append(f"| {r['preset']} | {r['variant']} | {r['devices']} | {mesh} | {r['rollout_s']:.3f} | "
                      f"{r['rollout_tokens_per_s']:,.0f} | {r['logp_s']:.3f} | {r['update_s']:.3f} | "
                      f"{r['step_s']:.3f} | {eff} |")
     return "\n".join(lines)
@@ -129,27 +146,37 @@ def main(argv=None):
     ap.add_argument("--remat", default="full", choices=["none", "full", "dots"])
     ap.add_argument("--steps", type=int, default=2, help="timed steps after the compiling one")
     ap.add_argument("--budget-s", type=float, default=None, help="skip the remaining cases after this many seconds")
+    ap.add_argument("--variants", nargs="+", default=["treepo"], choices=VARIANTS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print the table of earlier --json files (e.g. 1-device and 2-device runs) and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        results = [r for path in args.report for r in json.load(open(path))["results"]]
+        print(table(results))
+        return results
     if (args.prompts * args.leaves) % (args.micro * max(args.devices)):
         raise SystemExit(f"--prompts x --leaves ({args.prompts * args.leaves} rows) must split into --micro "
                          f"{args.micro} x {max(args.devices)} devices")
     print(f"device: {jax.devices()[0].device_kind} x {jax.device_count()}, jax {jax.__version__}", flush=True)
     start, results = time.perf_counter(), []
-    for preset in args.preset:
-        for n in args.devices:
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                print(f"skipped {preset} on {n} devices: past --budget-s {args.budget_s}", flush=True)
-                continue
-            r = run_one(preset, n, args)
-            results.append(r)
-            print(f"{preset} x{n}: first step {r['first_step_s']:.1f} s, rollout {r['rollout_s']:.3f} s, "
-                  f"old-logp {r['logp_s']:.3f} s, update {r['update_s']:.3f} s, step {r['step_s']:.3f} s, "
-                  f"{r['decoded_tokens']} decoded tokens, loss {r['steps'][-1]['loss']:.5f}", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "results": results}, f,
-                              indent=1)
+    cases = [(p, v, n) for p in args.preset for v in args.variants for n in args.devices]
+    for preset, variant, n in cases:
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            print(f"skipped {preset} {variant} on {n} devices: past --budget-s {args.budget_s}", flush=True)
+            continue
+        r = run_one(preset, n, args, variant)
+        results.append(r)
+        print(f"{preset} {variant} x{n}: first step {r['first_step_s']:.1f} s, rollout {r['rollout_s']:.3f} s, "
+              f"old-logp {r['logp_s']:.3f} s, update {r['update_s']:.3f} s, step {r['step_s']:.3f} s, "
+              f"{r['decoded_tokens']} decoded tokens, loss {r['steps'][-1]['loss']:.5f}", flush=True)
+        for i, st in enumerate(r["steps"], 1):
+            print(f"  step {i}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in st.items()), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "results": results}, f,
+                          indent=1)
     print(table(results))
     return results
 

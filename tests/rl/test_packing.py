@@ -297,3 +297,43 @@ def test_rl_step_packed_equals_expanded(policy_params):
               "update/tis_weight_mean", "update/num_tokens", "mismatch/abs_mean", "mismatch/abs_max"):
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7, err_msg=k)
     _assert_steps_close(p1, p0, jax.device_get(policy_params))
+
+
+# ----------------------------------------------------------------------------------------------- sticky layouts
+def test_sticky_layout_only_grows_and_keeps_the_loss(sampled, policy_params):
+    """A sticky run (``LayoutFloor``) packs every mini-batch into the largest layout met so far: shapes never
+    shrink, a mini-batch that fits reuses the layout exactly, and the loss and gradients on the padded layout are
+    the expanded batch's."""
+    prompts, lens, forest = sampled
+    P, W, Tr = forest.tokens.shape
+    adv, old, ref, smp, eps = _inputs(forest, "treepo")
+    pairs = packing.forest_pairs(forest, adv.tokens, adv.loss_mask)
+    args = (prompts, lens, np.asarray(forest.leaf_path), np.asarray(forest.leaf_length), np.asarray(forest.tokens),
+            TC.segment_length, SMALL_ROWS)
+    subsets = [[1], [0, 1, 2], [2], [1], [0]]
+    plain = [packing.plan_packing(*args, prompts=s).shape for s in subsets]
+    assert len(set(plain)) >= 3  # without a floor the layout follows each mini-batch
+    floor = packing.LayoutFloor()
+    shapes = []
+    for s in subsets:
+        pl = packing.plan_packing(*args, prompts=s, floor=floor.shape)
+        floor.grow(pl.shape)
+        shapes.append(pl.shape)
+    assert all(all(b >= a for a, b in zip(x, y)) for x, y in zip(shapes, shapes[1:]))  # grow-only
+    assert shapes[2:] == [shapes[1]] * 3 and len(floor.layouts) == 2
+    # the loss on a mini-batch padded into the floor's layout equals the expanded batch's on the same leaves
+    keep = np.zeros((P, W), bool)
+    keep[2] = True
+    mask = adv.loss_mask * jnp.asarray(keep[:, :, None], adv.loss_mask.dtype)
+    batch = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv.tokens, mask)
+    batch["old_logp"] = response_to_sequence(jnp.asarray(old), jnp.asarray(lens), batch["tokens"].shape[1])
+    pl = packing.plan_packing(*args, prompts=[2], floor=floor.shape)
+    assert pl.shape == floor.shape and pl.shape != plain[2]
+    packed = packing.packed_batch(pl, dict(pairs, loss_mask=mask.reshape(P * W, Tr),
+                                           old_logp=jnp.asarray(old).reshape(P * W, Tr)), None)
+    packed = packed.replace(num_sequences=P * W)  # the expanded batch above holds every prompt's leaves
+    grad_fn = jax.jit(make_grad_fn(CFG, losses.LossConfig()))
+    loss, _, grads = grad_fn(policy_params, batch)
+    ploss, _, pgrads = grad_fn(policy_params, packed)
+    np.testing.assert_allclose(float(ploss), float(loss), rtol=1e-5)
+    _assert_grads_close(pgrads, grads)

@@ -43,6 +43,14 @@ per step). Let ``n`` be the largest tree's unique tokens (after alignment paddin
 * ``align`` (optional) pads the prompt and every node to a multiple of ``align`` tokens, so block-sparse
   attention kernels see node-aligned blocks.
 
+Sticky layouts (``PackingConfig.sticky``, default on): a run keeps the largest layout ``(R, L, Wr)`` it has met
+(:class:`LayoutFloor`) and packs every later mini-batch into it whenever the trees fit: ``L`` is at least the
+floor's, trees per row are capped at ``Wr / W`` and the row count is padded up to the floor's. A layout only ever
+grows, so the jitted update meets a handful of shapes over a run (one per growth: the first steps) instead of a
+new one whenever the longest tree crosses a bucket edge in either direction; the price is padding rows and
+tokens when later trees are smaller. ``row_length`` (and ``max_trees_per_row``) pin ``L`` (and ``Wr``) from the
+first step.
+
 Trees without any trained token (dynamic sampling's filler prompts, ``skip_untrained``) are not packed at all:
 they carry no loss and no gradient, but still count as sequences in the Dr.GRPO denominator
 (``num_sequences``) exactly as in the expanded batch.
@@ -82,6 +90,8 @@ class PackingConfig:
       attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
         mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU) or ``"auto"``
         (pallas on a GPU, xla elsewhere).
+      sticky: keep the largest layout met so far and pack later mini-batches into it (module docstring), so a
+        run compiles the update once per layout growth instead of once per new bucket.
     """
 
     row_length: int | None = None
@@ -90,6 +100,7 @@ class PackingConfig:
     align: int = 1
     skip_untrained: bool = True
     attention_impl: str = "auto"
+    sticky: bool = True
 
     def __post_init__(self):
         if self.row_length is not None and self.row_length < 1:
@@ -325,7 +336,8 @@ def _build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: 
 # ----------------------------------------------------------------------------------------------- the plan
 def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_length_PxW, tokens_PxWxT,
                  segment_length: int, config: PackingConfig = PackingConfig(), *, prompts=None,
-                 trained_PxW=None, row_multiple: int = 1, pad_id: int = 0) -> PackingPlan:
+                 trained_PxW=None, row_multiple: int = 1, pad_id: int = 0,
+                 floor: tuple[int, int, int] | None = None) -> PackingPlan:
     """Host-side packing plan of the trees of ``prompts`` (default: all ``P``); arrays are NumPy (or fetched).
 
     ``trained_PxW`` (optional, bool): leaves with at least one trained token; with
@@ -333,7 +345,9 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     count is a multiple of it (micro-batches x batch-sharded devices). Leaf ids are global (``p * W + w``), so
     :func:`pack_pairs` reads per-pair arrays of the whole forest. Raises ``ValueError`` on an inconsistent forest
     (a gap in a path, a node with two parents, leaves that disagree on a shared token, a node with children
-    shorter than a segment) or a tree longer than ``config.row_length``.
+    shorter than a segment) or a tree longer than ``config.row_length``. ``floor`` ``(R, L, Wr)``: the smallest
+    layout to use (a sticky run's :class:`LayoutFloor`): ``L`` and ``R`` at least the floor's, at most ``Wr / W``
+    trees per row (one tree per row always fits, so only ``L`` or ``R`` can grow past the floor).
     """
     prompt_tokens = np.asarray(prompt_tokens_PxLp)
     lens = np.asarray(prompt_lengths_P).astype(np.int64)
@@ -367,10 +381,17 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
                              f"PackingConfig.row_length={L}; raise it or set it to None (bucketed)")
     else:
         L = bucket_row_length(longest, config.granule)
+    cap = config.max_trees_per_row or len(trees) or 1
+    if floor is not None:
+        f_rows, f_len, f_slots = floor
+        if f_slots % W:
+            raise ValueError(f"plan_packing: floor leaf slots {f_slots} are not a multiple of W={W}")
+        if config.row_length is None:
+            L = max(L, f_len)
+        cap = min(cap, max(f_slots // W, 1))
     # First-fit decreasing into rows of L tokens.
     rows: list[list[int]] = []
     free: list[int] = []
-    cap = config.max_trees_per_row or len(trees) or 1
     for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
         for r in range(len(rows)):
             if free[r] >= sizes[i] and len(rows[r]) < cap:
@@ -383,6 +404,8 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     max_rows = _round_up(max(len(prompts), 1), row_multiple)  # one tree per row: constant per run
     R = min(row_multiple * (1 << (-(-max(len(rows), 1) // row_multiple) - 1).bit_length()), max_rows)
     Wr = W * (1 << (max((len(r) for r in rows), default=1) - 1).bit_length())
+    if floor is not None:
+        R, Wr = max(R, f_rows), max(Wr, f_slots)
     out_tok = np.full((R, L), pad_id, np.int32)
     out_pos = np.zeros((R, L), np.int32)
     out_lo = np.full((R, L), PAD_NODE, np.int32)
@@ -414,6 +437,21 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     return PackingPlan(out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf,
                        num_sequences=len(prompts) * W, sequence_length=Lp + T, unique_tokens=unique,
                        expanded_tokens=expanded)
+
+
+class LayoutFloor:
+    """The largest packed layout ``(R, L, Wr)`` a run has met (host state of a sticky run, module docstring).
+
+    ``shape`` is ``None`` until the first plan; :meth:`grow` takes a plan's shape and keeps the elementwise
+    maximum (row count, row length and leaf slots each only grow)."""
+
+    def __init__(self):
+        self.shape: tuple[int, int, int] | None = None
+        self.layouts: set[tuple[int, int, int]] = set()  # every layout planned so far (one compile each)
+
+    def grow(self, shape: tuple[int, int, int]) -> None:
+        self.layouts.add(tuple(shape))
+        self.shape = tuple(shape) if self.shape is None else tuple(max(a, b) for a, b in zip(self.shape, shape))
 
 
 # ----------------------------------------------------------------------------------------------- per-pair arrays
@@ -512,6 +550,6 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
             "token_saving": plan.expanded_tokens / max(plan.unique_tokens, 1)}
 
 
-__all__ = ["PackingConfig", "PackedBatch", "PackingPlan", "plan_packing", "pack_pairs", "unpack_pairs",
+__all__ = ["PackingConfig", "PackedBatch", "PackingPlan", "LayoutFloor", "plan_packing", "pack_pairs", "unpack_pairs",
            "packed_batch", "assemble", "plan_arrays", "forest_pairs", "forest_to_packed", "tree_mask",
            "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

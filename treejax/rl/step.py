@@ -169,6 +169,7 @@ class StepFns:
     update: Callable  # (state, mini_batch) -> (state, metrics): jitted with shardings + donation by the caller
     pairs: Callable | None = None  # packed: (forest, adv_tokens, adv_mask) -> per-pair arrays [P * W, T]
     packed_logprobs: Callable | None = None  # packed: (params, PackedBatch) -> logp [R, Wr, T]
+    layout: packing_lib.LayoutFloor | None = None  # packed + sticky: the largest layout met (host state)
 
 
 def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision,
@@ -217,8 +218,9 @@ def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: Resolve
         pairs = jax.jit(packing_lib.forest_pairs)
         packed_fn = jax.jit(make_packed_logprob_fn(model_config, cfg.micro_batches, cfg.logprob_chunk_size,
                                                    cfg.packing.attention_impl))
+    layout = packing_lib.LayoutFloor() if cfg.packing is not None and cfg.packing.sticky else None
     return StepFns(cfg, precision, sampler_params, spec.inputs, estimator, to_batch, logprobs, prepare,
-                   take_rows, lambda state, batch: update(state, place(batch)), pairs, packed_fn)
+                   take_rows, lambda state, batch: update(state, place(batch)), pairs, packed_fn, layout)
 
 
 def _sync(x):
@@ -235,7 +237,7 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
     the device. ``host_info``: decoded-token counters, rollout accuracy and the phase times (seconds); with the
     packed update also ``packing/unique_tokens`` (real tokens in the packed rows), ``packing/expanded_tokens``
     (tokens the expanded rows would hold) and ``packing/row_tokens`` (packed row slots, padding included), summed
-    over the first epoch's mini-batches.
+    over the first epoch's mini-batches, and with sticky layouts ``packing/layouts`` (distinct layouts so far).
     """
     cfg = fns.config
     t0 = time.perf_counter()
@@ -317,9 +319,13 @@ def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, 
     per_mini = P // cfg.mini_batches
 
     def plan(prompts):
-        return packing_lib.plan_packing(ro.prompts_PxLp, ro.lengths_P, host["path"], host["length"], host["tokens"],
-                                        forest.segment_length, cfg.packing, prompts=prompts, trained_PxW=trained,
-                                        row_multiple=cfg.row_multiple, pad_id=cfg.pad_id)
+        pl = packing_lib.plan_packing(ro.prompts_PxLp, ro.lengths_P, host["path"], host["length"], host["tokens"],
+                                      forest.segment_length, cfg.packing, prompts=prompts, trained_PxW=trained,
+                                      row_multiple=cfg.row_multiple, pad_id=cfg.pad_id,
+                                      floor=None if fns.layout is None else fns.layout.shape)
+        if fns.layout is not None:
+            fns.layout.grow(pl.shape)
+        return pl
 
     perms = [np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), P))
              for e in range(cfg.epochs)]
@@ -351,6 +357,8 @@ def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, 
     info = {"packing/unique_tokens": sum(pl.unique_tokens for pl in first),
             "packing/expanded_tokens": sum(pl.expanded_tokens for pl in first),
             "packing/row_tokens": sum(pl.shape[0] * pl.shape[1] for pl in first)}
+    if fns.layout is not None:
+        info["packing/layouts"] = len(fns.layout.layouts)  # distinct layouts so far (one compile each)
     return state, all_metrics, mismatch, t_logp, info
 
 

@@ -21,6 +21,7 @@ gathered once per step, ``treejax.parallel.axis_rules.SAMPLER_RULES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -56,6 +57,13 @@ def get_config(preset: str):
 VARIANTS = ("treepo", "treepo+packed", "grpo")
 
 
+def _mesh_config(kind: str, n: int) -> MeshConfig:
+    return MeshConfig(data=n, fsdp=1) if kind == "data" else MeshConfig(data=1, fsdp=n)
+
+
+_nothing = contextlib.nullcontext
+
+
 def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
     """Times ``args.steps`` RL steps (after one compiling step) of ``preset`` on the first ``n`` devices.
 
@@ -65,7 +73,7 @@ def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
     devices = jax.devices()[:n]
     if len(devices) < n:
         raise SystemExit(f"--devices {n}: only {len(jax.devices())} devices here")
-    mesh = make_mesh(MeshConfig(data=n, fsdp=1) if args.mesh == "data" else MeshConfig(data=1, fsdp=n), devices)
+    mesh = make_mesh(_mesh_config(args.mesh, n), devices)
     cfg = get_config(preset)
     precision = Precision(compute_dtype=cfg.compute_dtype).resolve()
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
@@ -75,11 +83,13 @@ def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
     state, state_sh = place_train_state(params, axes, create, optimizer, mesh)
     del params
     loss = LossConfig(eps_high=0.28, dual_clip_c=10.0)
-    update_fn = make_update_fn(cfg, loss, optimizer, num_micro_batches=args.micro, remat=args.remat)
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; known: {VARIANTS}")
-    update = sharded_update(update_fn, state_sh, mesh)
     packing = PackingConfig() if variant == "treepo+packed" else None
+    update_fn = make_update_fn(cfg, loss, optimizer, num_micro_batches=args.micro, remat=args.remat,
+                               attention_impl="auto", tree_attention_impl=PackingConfig().attention_impl)
+    # the loop's defaults: cudnn flash attention (expanded) / the Pallas tree kernel (packed) on a GPU
+    update = sharded_update(update_fn, state_sh, mesh)
     fns = make_step_fns(cfg, StepConfig(estimator="grpo" if variant == "grpo" else "treepo", loss=loss,
                                         micro_batches=args.micro, row_multiple=args.micro * n, packing=packing),
                         precision, update,
@@ -165,7 +175,8 @@ def main(argv=None):
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             print(f"skipped {preset} {variant} on {n} devices: past --budget-s {args.budget_s}", flush=True)
             continue
-        r = run_one(preset, n, args, variant)
+        with jax.set_mesh(make_mesh(_mesh_config(args.mesh, n), jax.devices()[:n])) if n > 1 else _nothing():
+            r = run_one(preset, n, args, variant)  # under the mesh, as the loop runs (cuDNN attention reads it)
         results.append(r)
         print(f"{preset} {variant} x{n}: first step {r['first_step_s']:.1f} s, rollout {r['rollout_s']:.3f} s, "
               f"old-logp {r['logp_s']:.3f} s, update {r['update_s']:.3f} s, step {r['step_s']:.3f} s, "

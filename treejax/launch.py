@@ -34,11 +34,22 @@ import time
 __all__ = ["free_port", "launch", "main", "process_env"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bound and released; the coordinator binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A TCP port that was free on every address a moment ago (bound and released; the coordinator binds it next).
+
+    The coordinator (``jax.distributed``) listens on the wildcard addresses ``[::]`` and ``0.0.0.0``, so the port
+    is probed there: a port bound only on ``127.0.0.1`` can still be the local port of another socket on another
+    address (an outgoing connection from the ephemeral range), and the coordinator's bind then fails with
+    "Address already in use" (seen on a 2-GPU machine)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual stack: IPv4 and IPv6 wildcards
+            s.bind(("::", 0))
+            return s.getsockname()[1]
+    except OSError:  # no IPv6 on this host
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("0.0.0.0", 0))
+            return s.getsockname()[1]
 
 
 def process_env(base: dict[str, str], index: int, num_processes: int, coordinator: str,

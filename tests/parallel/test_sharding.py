@@ -113,3 +113,27 @@ def test_distributed_start_is_a_no_op_without_cluster_env(monkeypatch):
     monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
         maybe_initialize_distributed()
+
+
+@pytest.mark.devices(8)
+def test_cudnn_attention_operands_share_one_sharding_under_the_mesh():
+    """cuDNN's attention partitioner needs q, k and v sharded alike (on 2 GPUs with fsdp weights GSPMD gave them
+    different shardings): under the loop's context mesh they are constrained to rows by ``batch`` and heads by
+    ``heads`` where the mesh axis divides both head counts; without one they pass through unchanged."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax.sharding import NamedSharding
+
+    from treejax.models.transformer import same_attention_sharding
+    from treejax.parallel.mesh import MeshConfig, make_mesh
+
+    q = jnp.ones((8, 4, 4, 2))
+    kv = jnp.ones((8, 4, 2, 2))
+    assert same_attention_sharding(q, kv, kv)[0] is q
+    for shape, heads in (((2, 2, 2), "tensor"), ((1, 2, 4), None)):  # 4 query / 2 KV heads: tensor=4 replicates
+        mesh = make_mesh(MeshConfig(*shape))
+        with jax.set_mesh(mesh):
+            out = jax.jit(same_attention_sharding)(q, kv, kv)
+        want = NamedSharding(mesh, P(("data", "fsdp") if shape[0] > 1 else "fsdp", None, heads, None))
+        for x in out:
+            assert x.sharding.is_equivalent_to(want, 4), x.sharding

@@ -193,6 +193,28 @@ def _check_tokens(tokens: jax.Array, positions: jax.Array):
 TRAIN_ATTENTION_IMPLS = ("xla", "cudnn", "auto")
 
 
+def same_attention_sharding(q: jax.Array, k: jax.Array, v: jax.Array):
+    """``q [B, L, Q, H]``, ``k, v [B, L, K, H]`` constrained to one sharding under a context mesh
+    (``jax.set_mesh``; the training loop sets it on multi-device meshes): rows by the logical ``batch`` axis,
+    heads by ``heads`` where that mesh axis divides both ``Q`` and ``K``, the rest replicated.
+
+    cuDNN's fused attention is split over a mesh by a custom partitioner that refuses operands with different
+    shardings ("Query, key and value should have same sharding"); with ZeRO-3 (``fsdp``) weights GSPMD may give
+    the q and k/v projections different output shardings, as it did on 2 GPUs. Without a context mesh (one device,
+    or a caller that manages shardings itself) the arrays are returned unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return q, k, v
+    from jax.sharding import PartitionSpec as P
+
+    from treejax.parallel.mesh import logical_to_spec
+
+    rows = logical_to_spec(("batch",), mesh, shape=(q.shape[0],))[0]
+    heads = logical_to_spec(("heads",), mesh, shape=(math.gcd(q.shape[2], k.shape[2]),))[0]
+    spec = P(rows, None, heads, None)
+    return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             segment_ids: jax.Array | None = None, remat: bool | str = False,
             attention_impl: str = "xla") -> jax.Array:
@@ -228,6 +250,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         kv_lengths = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
 
         def attend(q, k, v):
+            q, k, v = same_attention_sharding(q, k, v)
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=kv_lengths,
                                                key_value_seq_lengths=kv_lengths, implementation="cudnn")
             return out.astype(q.dtype), None

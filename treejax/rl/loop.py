@@ -411,6 +411,14 @@ class _Run:
     start_step: int
     data_state: dict
     t_start: float
+    mesh: Any = None
+
+    def mesh_context(self):
+        """``jax.set_mesh(mesh)`` on a multi-device mesh (what model code that needs the mesh reads, e.g. the
+        cuDNN attention's operand sharding), a no-op context on one device."""
+        import contextlib
+
+        return jax.set_mesh(self.mesh) if self.mesh is not None and self.mesh.size > 1 else contextlib.nullcontext()
 
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
@@ -426,11 +434,11 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     with claim_log_dir(cfg.log_dir, cfg.log_dir_mode):
         r = _setup(cfg, operative_config)
         try:
-            with r.precision.matmul_context():
+            with r.precision.matmul_context(), r.mesh_context():
                 preempted_at = _train(r)
             if preempted_at is not None:
                 return _finish_preempted(r, preempted_at)
-            with r.precision.matmul_context():
+            with r.precision.matmul_context(), r.mesh_context():
                 return _finish(r)
         except BaseException as e:  # record where the run stopped, then let the error surface unchanged
             record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
@@ -506,7 +514,8 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         pipeline.set_state(data_state["pipeline"])
         log.info("resumed from step %d", int(data_state["rl_step"]))
     return _Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, step_fns, state, ref_params,
-                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start)
+                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
+                mesh)
 
 
 _CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "rollout/decoded_tokens", "update/loss", "update/grad_norm",

@@ -158,3 +158,34 @@ def test_pallas_kernel_on_gpu_matches_dense(head_dim):
     for name, a, b in zip("qkv", vjp_f(cot), vjp_d(cot.astype(jnp.float32))):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), f"d{name}"
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (2, 1, 2), (1, 1, 8)])
+def test_packed_gradients_through_the_pallas_kernel_on_a_mesh(mesh_shape):
+    """Under the loop's context mesh the Pallas tree kernel runs per shard (``jax.shard_map``: rows over
+    ``data x fsdp``, heads over ``tensor``; 8-way ``tensor`` does not divide 2 KV heads and leaves them whole):
+    packed loss and gradients still equal the expanded batch's on one device."""
+    from treejax.parallel.mesh import MeshConfig, make_mesh
+    from treejax.rl.batch import forest_to_batch
+    from treejax.rl.losses import LossConfig
+    from treejax.rl.update import make_grad_fn
+
+    cfg = presets.tiny_config("qwen2.5-0.5b")
+    params = T.init_params(cfg, jax.random.key(3))
+    _, forest, prompts, lens = _two_trees()
+    adv = jax.random.normal(jax.random.key(4), forest.tokens.shape) * forest.loss_mask
+    expanded = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv)
+    packed = packing.forest_to_packed(prompts, lens, forest, adv, row_multiple=2,
+                                      config=packing.PackingConfig(row_length=32, max_trees_per_row=1))
+    assert packed.num_rows == 2
+    loss_cfg = LossConfig(eps_high=0.28, entropy_coef=0.01)
+    want = jax.jit(make_grad_fn(cfg, loss_cfg))(params, expanded)
+    n = int(np.prod(mesh_shape))
+    with jax.set_mesh(make_mesh(MeshConfig(*mesh_shape), jax.devices()[:n])):
+        lo = jnp.asarray(packed.node_lo)
+        assert "_per_shard" in tree_attention.make_tree_attention(lo, lo, "pallas").__qualname__
+        got = jax.jit(make_grad_fn(cfg, loss_cfg, remat="full", tree_attention_impl="pallas"))(params, packed)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b)) + 1e-12

@@ -17,8 +17,10 @@ Implementations (``attention_impl``):
 * ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere.
 
 Sharding: the XLA path is partitioned by GSPMD like the rest of the update (rows over ``data x fsdp``, heads
-over ``tensor``). The Pallas call is not partitioned by GSPMD: on a multi-device mesh XLA gathers its operands
-(correct, but not data-parallel); wrapping it in ``shard_map`` over rows and heads is still to do.
+over ``tensor``). GSPMD cannot split the Pallas call (it would gather every operand onto every device and run it
+replicated), so under a context mesh (``jax.set_mesh``, which the training loop sets on multi-device meshes) the
+kernel runs in ``jax.shard_map``: each device attends its own rows (whole trees: a row never attends another) and
+its own heads (rows by the logical ``batch`` axis, heads by ``heads`` where that divides both head counts).
 """
 
 from __future__ import annotations
@@ -61,4 +63,31 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
         return lambda q, k, v: attention(q, k, v, mask)
     from treejax.models import tree_flash
 
-    return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, interpret=jax.default_backend() != "gpu")
+    interpret = jax.default_backend() != "gpu"
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, interpret=interpret)
+    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret)
+
+
+def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool):
+    """The Pallas tree attention inside ``jax.shard_map`` over rows and heads of the context ``mesh``."""
+    import math
+
+    from jax.sharding import PartitionSpec as P
+
+    from treejax.models import tree_flash
+    from treejax.parallel.mesh import logical_to_spec
+
+    lo = node_lo_BxL.astype(jnp.int32)
+    hi = node_hi_BxL.astype(jnp.int32)
+    rows = logical_to_spec(("batch",), mesh, shape=(lo.shape[0],))[0]
+
+    def attend(q, k, v):
+        heads = logical_to_spec(("heads",), mesh, shape=(math.gcd(q.shape[2], k.shape[2]),))[0]
+        qkv, pos = P(rows, None, heads, None), P(rows, None)
+        fn = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
+            q, k, v, lo, hi, tree_flash.DEFAULT_BLOCKS, interpret)
+        return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, pos, pos), out_specs=qkv, check_vma=False)(q, k, v, lo, hi)
+
+    return attend

@@ -32,7 +32,8 @@ import numpy as np
 
 from treejax.models import presets, transformer
 from treejax.parallel.axis_rules import SAMPLER_RULES
-from treejax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh, place_train_state, sharded_update
+from treejax.parallel.mesh import (MeshConfig, batch_sharding, logical_to_sharding, make_mesh, place_train_state,
+                                   sharded_update)
 from treejax.precision import Precision
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
@@ -92,7 +93,7 @@ def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
     update = sharded_update(update_fn, state_sh, mesh)
     fns = make_step_fns(cfg, StepConfig(estimator="grpo" if variant == "grpo" else "treepo", loss=loss,
                                         micro_batches=args.micro, row_multiple=args.micro * n, packing=packing),
-                        precision, update,
+                        precision, update, batch_sharding=lambda b: jax.device_put(b, batch_sharding(mesh, b)),
                         sampler_shardings=logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params))
     model_fns = make_model_fns(cfg, cache_dtype=precision.cache_dtype, mesh=mesh)
     shape = (dict(branch_factor=1, init_divergence=args.leaves, fallback=False) if variant == "grpo"

@@ -56,7 +56,8 @@ from treejax.errors import record_failure
 from treejax.forest import Forest
 from treejax.parallel import multihost
 from treejax.parallel.axis_rules import SAMPLER_RULES
-from treejax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh, place_train_state, sharded_update
+from treejax.parallel.mesh import (MeshConfig, batch_sharding, logical_to_sharding, make_mesh, place_train_state,
+                                   sharded_update)
 from treejax.precision import Precision, warn_if_updates_round_away
 from treejax.rl import rewards as rewards_lib
 from treejax.rl.evaluation import EvalConfig
@@ -499,7 +500,8 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         sampler_sh = logical_to_sharding(transformer.param_logical_axes(model_config), mesh, SAMPLER_RULES,
                                          state.params)
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"]), prec,
-                             update, sampler_shardings=sampler_sh)
+                             update, batch_sharding=lambda b: jax.device_put(b, batch_sharding(mesh, b)),
+                             sampler_shardings=sampler_sh)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)
 

@@ -170,13 +170,16 @@ class StepFns:
     pairs: Callable | None = None  # packed: (forest, adv_tokens, adv_mask) -> per-pair arrays [P * W, T]
     packed_logprobs: Callable | None = None  # packed: (params, PackedBatch) -> logp [R, Wr, T]
     layout: packing_lib.LayoutFloor | None = None  # packed + sticky: the largest layout met (host state)
+    place: Callable = lambda batch: batch  # noqa: E731  mini-batch placement before the update and old/ref passes
 
 
 def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision,
                   update: Callable, batch_sharding: Callable | None = None,
                   sampler_shardings: Any = None) -> StepFns:
     """Builds :class:`StepFns`. ``update`` is the jitted ``update(state, batch)``; ``batch_sharding(batch)`` (optional)
-    places each mini-batch before it (e.g. ``jax.device_put`` with the mesh's batch sharding).
+    places each mini-batch before it and before the trainer's old / reference log-prob passes (e.g.
+    ``jax.device_put`` with the mesh's batch sharding: without it those passes take the layout the mini-batch
+    gather gives, which on a mesh can be replicated, so every device computes every row).
     ``sampler_shardings`` (optional, a pytree of shardings like the params): where the sampler's weight copy lives
     (e.g. ``treejax.parallel.axis_rules.SAMPLER_RULES``: gathered over ``fsdp`` once per step, not per decode
     step); the cast is then jitted with these output shardings even when the dtype does not change."""
@@ -220,7 +223,7 @@ def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: Resolve
                                                    cfg.packing.attention_impl))
     layout = packing_lib.LayoutFloor() if cfg.packing is not None and cfg.packing.sticky else None
     return StepFns(cfg, precision, sampler_params, spec.inputs, estimator, to_batch, logprobs, prepare,
-                   take_rows, lambda state, batch: update(state, place(batch)), pairs, packed_fn, layout)
+                   take_rows, lambda state, batch: update(state, place(batch)), pairs, packed_fn, layout, place)
 
 
 def _sync(x):
@@ -335,7 +338,7 @@ def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, 
         out = jnp.zeros((P * W, T), jnp.float32)
         for pl in first:
             b = packing_lib.packed_batch(pl, pairs, eps_B)
-            out = packing_lib.unpack_pairs(b, fns.packed_logprobs(params, b), P * W, out=out)
+            out = packing_lib.unpack_pairs(b, fns.packed_logprobs(params, fns.place(b)), P * W, out=out)
         return out
 
     sampler = pairs["sampler_logp"]
@@ -365,7 +368,7 @@ def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, 
 def _per_mini_logprobs(fns: StepFns, params, batch: dict, minis: list) -> jax.Array:
     """``[B, L]`` log-probs computed on the first epoch's mini-batches (the update's exact shapes and micro-batch
     split, so both forwards run the same kernels on the same rows), scattered back to batch row order."""
-    parts = [fns.logprobs(params, fns.take_rows(batch, idx)) for idx in minis]
+    parts = [fns.logprobs(params, fns.place(fns.take_rows(batch, idx))) for idx in minis]
     order = jnp.concatenate(minis)
     return jnp.zeros_like(batch["sampler_logp"]).at[order].set(jnp.concatenate(parts))
 

@@ -21,7 +21,6 @@ gathered once per step, ``treejax.parallel.axis_rules.SAMPLER_RULES``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -32,8 +31,8 @@ import numpy as np
 
 from treejax.models import presets, transformer
 from treejax.parallel.axis_rules import SAMPLER_RULES
-from treejax.parallel.mesh import (MeshConfig, batch_sharding, logical_to_sharding, make_mesh, place_train_state,
-                                   sharded_update)
+from treejax.parallel.mesh import (MeshConfig, batch_placer, logical_to_sharding, make_mesh, mesh_context,
+                                   place_train_state, sharded_update)
 from treejax.precision import Precision
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
@@ -58,23 +57,14 @@ def get_config(preset: str):
 VARIANTS = ("treepo", "treepo+packed", "grpo")
 
 
-def _mesh_config(kind: str, n: int) -> MeshConfig:
-    return MeshConfig(data=n, fsdp=1) if kind == "data" else MeshConfig(data=1, fsdp=n)
-
-
-_nothing = contextlib.nullcontext
-
-
-def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
-    """Times ``args.steps`` RL steps (after one compiling step) of ``preset`` on the first ``n`` devices.
+def run_one(preset: str, mesh, args, variant: str = "treepo") -> dict:
+    """Times ``args.steps`` RL steps (after one compiling step) of ``preset`` on ``mesh`` (call it under
+    ``mesh_context(mesh)``, as the loop runs).
 
     ``variant``: ``treepo`` (tree rollout, b = 2, expanded update), ``treepo+packed`` (the same with the
     tree-packed update, sticky layouts) or ``grpo`` (the same code with independent samples: b = 1, all
     ``leaves`` paths opened at the root, no fallback; GRPO advantages)."""
-    devices = jax.devices()[:n]
-    if len(devices) < n:
-        raise SystemExit(f"--devices {n}: only {len(jax.devices())} devices here")
-    mesh = make_mesh(_mesh_config(args.mesh, n), devices)
+    devices, n = list(mesh.devices.flat), mesh.size
     cfg = get_config(preset)
     precision = Precision(compute_dtype=cfg.compute_dtype).resolve()
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
@@ -93,7 +83,7 @@ def run_one(preset: str, n: int, args, variant: str = "treepo") -> dict:
     update = sharded_update(update_fn, state_sh, mesh)
     fns = make_step_fns(cfg, StepConfig(estimator="grpo" if variant == "grpo" else "treepo", loss=loss,
                                         micro_batches=args.micro, row_multiple=args.micro * n, packing=packing),
-                        precision, update, batch_sharding=lambda b: jax.device_put(b, batch_sharding(mesh, b)),
+                        precision, update, batch_sharding=batch_placer(mesh),
                         sampler_shardings=logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params))
     model_fns = make_model_fns(cfg, cache_dtype=precision.cache_dtype, mesh=mesh)
     shape = (dict(branch_factor=1, init_divergence=args.leaves, fallback=False) if variant == "grpo"
@@ -176,8 +166,12 @@ def main(argv=None):
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             print(f"skipped {preset} {variant} on {n} devices: past --budget-s {args.budget_s}", flush=True)
             continue
-        with jax.set_mesh(make_mesh(_mesh_config(args.mesh, n), jax.devices()[:n])) if n > 1 else _nothing():
-            r = run_one(preset, n, args, variant)  # under the mesh, as the loop runs (cuDNN attention reads it)
+        if n > jax.device_count():
+            raise SystemExit(f"--devices {n}: only {jax.device_count()} devices here")
+        mesh = make_mesh(MeshConfig(data=n, fsdp=1) if args.mesh == "data" else MeshConfig(data=1, fsdp=n),
+                         jax.devices()[:n])
+        with mesh_context(mesh):  # as the loop runs (cuDNN / Pallas tree attention read the mesh)
+            r = run_one(preset, mesh, args, variant)
         results.append(r)
         print(f"{preset} {variant} x{n}: first step {r['first_step_s']:.1f} s, rollout {r['rollout_s']:.3f} s, "
               f"old-logp {r['logp_s']:.3f} s, update {r['update_s']:.3f} s, step {r['step_s']:.3f} s, "

@@ -207,10 +207,9 @@ def same_attention_sharding(q: jax.Array, k: jax.Array, v: jax.Array):
         return q, k, v
     from jax.sharding import PartitionSpec as P
 
-    from treejax.parallel.mesh import logical_to_spec
+    from treejax.parallel.mesh import rows_and_heads
 
-    rows = logical_to_spec(("batch",), mesh, shape=(q.shape[0],))[0]
-    heads = logical_to_spec(("heads",), mesh, shape=(math.gcd(q.shape[2], k.shape[2]),))[0]
+    rows, heads = rows_and_heads(mesh, q.shape[0], q.shape[2], k.shape[2])
     spec = P(rows, None, heads, None)
     return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
 

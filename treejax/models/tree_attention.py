@@ -72,19 +72,16 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
 
 def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool):
     """The Pallas tree attention inside ``jax.shard_map`` over rows and heads of the context ``mesh``."""
-    import math
-
     from jax.sharding import PartitionSpec as P
 
     from treejax.models import tree_flash
-    from treejax.parallel.mesh import logical_to_spec
+    from treejax.parallel.mesh import rows_and_heads
 
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
-    rows = logical_to_spec(("batch",), mesh, shape=(lo.shape[0],))[0]
 
     def attend(q, k, v):
-        heads = logical_to_spec(("heads",), mesh, shape=(math.gcd(q.shape[2], k.shape[2]),))[0]
+        rows, heads = rows_and_heads(mesh, lo.shape[0], q.shape[2], k.shape[2])
         qkv, pos = P(rows, None, heads, None), P(rows, None)
         fn = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
             q, k, v, lo, hi, tree_flash.DEFAULT_BLOCKS, interpret)

@@ -58,6 +58,31 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices: list | None = None) ->
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def mesh_context(mesh: Mesh | None):
+    """``jax.set_mesh(mesh)`` on a multi-device mesh, a no-op context otherwise. The training loop traces its
+    programs inside it, so model code that must name mesh axes (operands of kernels GSPMD cannot partition, or
+    whose partitioner needs one layout) reads them from ``jax.sharding.get_abstract_mesh()``."""
+    import contextlib
+
+    return jax.set_mesh(mesh) if mesh is not None and mesh.size > 1 else contextlib.nullcontext()
+
+
+def rows_and_heads(mesh, batch: int, num_heads: int, num_kv_heads: int, rules: Rules = DEFAULT_RULES,
+                   row_axis: str = "batch", head_axis: str = "heads") -> tuple:
+    """Mesh axes ``(rows, heads)`` of an attention's operands (each ``None``, a name or a tuple of names): rows by
+    the logical ``row_axis``, heads by ``head_axis`` where those mesh axes divide both the query and the KV head
+    counts (GQA groups stay whole: contiguous blocks of ``Q = K G`` query heads line up with blocks of ``K``).
+    ``mesh`` may be abstract (``jax.sharding.get_abstract_mesh()``)."""
+    rows = logical_to_spec((row_axis,), mesh, rules, (batch,))[0]
+    heads = logical_to_spec((head_axis,), mesh, rules, (math.gcd(num_heads, num_kv_heads),))[0]
+    return rows, heads
+
+
+def batch_placer(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Callable[[Any], Any]:
+    """``place(batch)``: ``jax.device_put`` of a batch pytree with :func:`batch_sharding` (rows over the batch axes)."""
+    return lambda batch: jax.device_put(batch, batch_sharding(mesh, batch, rules))
+
+
 def logical_to_spec(logical_axes: tuple, mesh: Mesh, rules: Rules = DEFAULT_RULES,
                     shape: tuple[int, ...] | None = None) -> PartitionSpec:
     """Maps one array's logical axis names to a ``PartitionSpec`` (unknown names raise ``KeyError``).

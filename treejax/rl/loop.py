@@ -56,8 +56,8 @@ from treejax.errors import record_failure
 from treejax.forest import Forest
 from treejax.parallel import multihost
 from treejax.parallel.axis_rules import SAMPLER_RULES
-from treejax.parallel.mesh import (MeshConfig, batch_sharding, logical_to_sharding, make_mesh, place_train_state,
-                                   sharded_update)
+from treejax.parallel.mesh import (MeshConfig, batch_placer, logical_to_sharding, make_mesh, mesh_context,
+                                   place_train_state, sharded_update)
 from treejax.precision import Precision, warn_if_updates_round_away
 from treejax.rl import rewards as rewards_lib
 from treejax.rl.evaluation import EvalConfig
@@ -412,14 +412,7 @@ class _Run:
     start_step: int
     data_state: dict
     t_start: float
-    mesh: Any = None
-
-    def mesh_context(self):
-        """``jax.set_mesh(mesh)`` on a multi-device mesh (what model code that needs the mesh reads, e.g. the
-        cuDNN attention's operand sharding), a no-op context on one device."""
-        import contextlib
-
-        return jax.set_mesh(self.mesh) if self.mesh is not None and self.mesh.size > 1 else contextlib.nullcontext()
+    mesh: Any = None  # the run's mesh; its programs are traced under mesh_context(mesh)
 
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
@@ -435,11 +428,11 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     with claim_log_dir(cfg.log_dir, cfg.log_dir_mode):
         r = _setup(cfg, operative_config)
         try:
-            with r.precision.matmul_context(), r.mesh_context():
+            with r.precision.matmul_context(), mesh_context(r.mesh):
                 preempted_at = _train(r)
             if preempted_at is not None:
                 return _finish_preempted(r, preempted_at)
-            with r.precision.matmul_context(), r.mesh_context():
+            with r.precision.matmul_context(), mesh_context(r.mesh):
                 return _finish(r)
         except BaseException as e:  # record where the run stopped, then let the error surface unchanged
             record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
@@ -500,7 +493,7 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         sampler_sh = logical_to_sharding(transformer.param_logical_axes(model_config), mesh, SAMPLER_RULES,
                                          state.params)
     step_fns = make_step_fns(model_config, cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"]), prec,
-                             update, batch_sharding=lambda b: jax.device_put(b, batch_sharding(mesh, b)),
+                             update, batch_sharding=batch_placer(mesh),
                              sampler_shardings=sampler_sh)
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     source = TaskRollouts(cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width, pad_id)

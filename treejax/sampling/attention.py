@@ -245,18 +245,13 @@ def shard_decode_attention(attention_fn, mesh, rules=None):
     from jax.sharding import PartitionSpec as P
 
     from treejax.parallel.axis_rules import DEFAULT_RULES
-    from treejax.parallel.mesh import logical_to_spec
+    from treejax.parallel.mesh import rows_and_heads
 
     rules = DEFAULT_RULES if rules is None else rules
 
     def sharded(q, k_cache, v_cache, positions):
-        B, K = k_cache.shape[:2]
-        Q = q.shape[2]
-        rows = logical_to_spec(("cache_batch",), mesh, rules, (B,))[0]
-        heads = logical_to_spec(("cache_kv_heads",), mesh, rules, (K,))[0]
-        if heads is not None and Q % math.prod(mesh.shape[a] for a in (heads if isinstance(heads, tuple)
-                                                                        else (heads,))):
-            heads = None
+        rows, heads = rows_and_heads(mesh, k_cache.shape[0], q.shape[2], k_cache.shape[1], rules,
+                                     row_axis="cache_batch", head_axis="cache_kv_heads")
         cache_spec = P(rows, heads, None, None)
         q_spec = P(rows, None, heads, None)
         return jax.shard_map(attention_fn, mesh=mesh, in_specs=(q_spec, cache_spec, cache_spec, P(rows)),

@@ -205,8 +205,9 @@ def main(argv=None):
     ap.add_argument("--logprob-chunk", type=int, default=16384)
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="expanded attention")
     ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas"], help="packed attention")
-    ap.add_argument("--tree-blocks", default="64,64,32",
-                    help="Pallas tree kernel tiles: forward query block, forward key block, backward block")
+    ap.add_argument("--tree-blocks", default=None,
+                    help="Pallas tree kernel tiles block_q,block_k,block_bwd[,num_warps[,num_stages]] "
+                         "(default: tree_flash.DEFAULT_BLOCKS)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
     args = ap.parse_args(argv)
@@ -214,8 +215,12 @@ def main(argv=None):
         args.micro_packed = args.micro
     from treejax.models import tree_flash
 
-    bq, bk, bb = (int(x) for x in args.tree_blocks.split(","))
-    tree_flash.DEFAULT_BLOCKS = tree_flash.TreeFlashBlocks(block_q=bq, block_k=bk, block_bwd=bb)
+    if args.tree_blocks:
+        try:
+            tree_flash.DEFAULT_BLOCKS = tree_flash.TreeFlashBlocks.parse(args.tree_blocks)
+        except ValueError as e:
+            raise SystemExit(f"--tree-blocks: {e}") from None
+    args.tree_blocks = str(tree_flash.DEFAULT_BLOCKS)
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; remat {args.remat}; "
           f"expanded attention {args.attention}; tree attention {args.tree_attention} (tiles {args.tree_blocks}); "

@@ -55,6 +55,24 @@ class TreeFlashBlocks:
     num_warps: int | None = None
     num_stages: int = 2
 
+    @classmethod
+    def parse(cls, text: str) -> "TreeFlashBlocks":
+        """``"block_q,block_k,block_bwd[,num_warps[,num_stages]]"`` (the benchmarks' ``--tiles`` syntax; warps
+        0 = the default)."""
+        parts = text.split(",")
+        if not 3 <= len(parts) <= 5 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"tree flash tiles {text!r}: expected block_q,block_k,block_bwd[,num_warps[,num_stages]]"
+                             " (integers)")
+        v = [int(p) for p in parts]
+        if any(b < 16 or b & (b - 1) for b in v[:3]):
+            raise ValueError(f"tree flash tiles {text!r}: block sizes must be powers of two >= 16")
+        return cls(v[0], v[1], v[2], (v[3] or None) if len(v) > 3 else None, v[4] if len(v) > 4 else 2)
+
+    def __str__(self) -> str:
+        extra = (f",{self.num_warps or 0}" if self.num_warps or self.num_stages != 2 else "") + (
+            f",{self.num_stages}" if self.num_stages != 2 else "")
+        return f"{self.block_q},{self.block_k},{self.block_bwd}{extra}"
+
 
 #: Tile sizes used when none are given (benchmarks may set this before tracing to try others).
 DEFAULT_BLOCKS = TreeFlashBlocks()

@@ -45,6 +45,7 @@ def helpers(out_dir: str) -> None:
     host = multihost.host_tree({"x": x, "sum": jax.jit(lambda a: a.sum(), out_shardings=replicated(mesh))(x),
                                 "np": value[:1]})
     out["gathered_equal"] = bool(np.array_equal(host["x"], value)) and float(host["sum"]) == float(value.sum())
+    out["packed_equal"] = _packing_of_a_sharded_forest(mesh)
     out["any_true"] = multihost.any_process(pid == 1)
     out["any_false"] = multihost.any_process(False)
     out["broadcast"] = multihost.broadcast_text(f"from process {pid}")
@@ -86,6 +87,34 @@ def helpers(out_dir: str) -> None:
         multihost.sync("done")
     with open(os.path.join(out_dir, f"result{pid}.json"), "w") as f:
         json.dump(out, f)
+
+
+def _packing_of_a_sharded_forest(mesh) -> bool:
+    """The packed batch of a forest whose arrays are sharded over both processes' devices (as the sampler's are
+    on GPUs) equals the one of the same forest held in NumPy."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from treejax.forest import forest_from_paths
+    from treejax.parallel import multihost
+    from treejax.rl import packing
+
+    paths = np.array([[0, 1, 2], [0, 1, 3], [0, 4, 5], [0, 4, 6]])[None].repeat(8, 0)  # 8 prompts, W=4, depth 2
+    tokens = np.random.default_rng(0).integers(3, 50, (8, 4, 4))
+    tokens[:, 1, :2], tokens[:, 3, :2] = tokens[:, 0, :2], tokens[:, 2, :2]  # shared first segments
+    forest = forest_from_paths(paths, np.full((8, 4), 4), 2, tokens=tokens)
+    adv = np.random.default_rng(1).normal(size=(8, 4, 4)).astype(np.float32)
+    prompts, lens = np.full((8, 3), 7, np.int32), np.full((8,), 3, np.int32)
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    shard = lambda a: jax.make_array_from_callback(a.shape, rows, lambda idx: np.asarray(a)[idx])  # noqa: E731
+    sharded = jax.tree.map(shard, forest)
+    assert not sharded.tokens.is_fully_addressable
+    cfg = packing.PackingConfig(granule=4)
+    got = packing.forest_to_packed(shard(prompts), shard(lens), sharded, shard(adv), config=cfg)
+    want = packing.forest_to_packed(prompts, lens, forest, adv, config=cfg)
+    got, want = multihost.host_tree(got), multihost.host_tree(want)
+    return all(bool(np.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def die() -> None:

@@ -102,6 +102,7 @@ def test_host_rules_in_two_processes(tmp_path):
         # the array spans both processes: np.asarray refuses it (tunix#698), the explicit gather reads it
         assert r["x_fully_addressable"] is False and r["np_asarray"].startswith("Fetching value")
         assert r["gathered_equal"] is True
+        assert r["packed_equal"] is True  # the packed update's host plan reads a forest sharded over processes
         assert (r["any_true"], r["any_false"]) == (True, False)
         assert (r["broadcast"], r["broadcast_none"]) == ("from process 0", None)
         # a refused folder stops every process with process 0's message
@@ -163,8 +164,11 @@ def _train_args(model, log_dir, *extra):
 
 
 @pytest.mark.devices(8)
-def test_two_processes_train_like_one(tiny_checkpoint, tmp_path):
-    """2 RL steps on 2 processes x 4 devices == on 1 process x 8 devices (same mesh shape, same global batch).
+@pytest.mark.parametrize("packed", [False, True], ids=["expanded", "packed"])
+def test_two_processes_train_like_one(tiny_checkpoint, tmp_path, packed):
+    """2 RL steps on 2 processes x 4 devices == on 1 process x 8 devices (same mesh shape, same global batch),
+    with the expanded and with the tree-packed update (whose host-side plan reads the whole forest: on 2 GPUs it
+    first failed with "Fetching value for `jax.Array` that spans non-addressable devices").
 
     Tolerance: the two programs differ only in how the collectives sum across devices (gloo between processes
     vs. in-process), i.e. in fp32 round-off of the reductions (~1e-7 relative, 1.6e-7 absolute measured); one
@@ -175,14 +179,15 @@ def test_two_processes_train_like_one(tiny_checkpoint, tmp_path):
     from treejax.models.registry import load_model
 
     multi = tmp_path / "multi"
+    mode = f"RunConfig.packed_update = {packed}"
     log = open(tmp_path / "launch.log", "w+")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "treejax.launch", "-n", "2", "--devices_per_process", "4", "--timeout_s", "900",
          "--heartbeat_timeout_s", "60", "--",
-         *_train_args(tiny_checkpoint, multi, "RunConfig.tree_picture_every = 1", "RunConfig.export_hf = True")],
+         *_train_args(tiny_checkpoint, multi, mode, "RunConfig.tree_picture_every = 1", "RunConfig.export_hf = True")],
         env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:  # the 1 x 8 reference in this process (8 fake devices, tests/conftest.py) while the 2 processes run
-        one = train.main(_train_args(tiny_checkpoint, tmp_path / "one", "RunConfig.tree_picture_every = 0",
+        one = train.main(_train_args(tiny_checkpoint, tmp_path / "one", mode, "RunConfig.tree_picture_every = 0",
                                      "RunConfig.export_hf = False") + ["--quiet"])
         rc = launcher.wait(timeout=900)
     finally:
@@ -209,6 +214,7 @@ def test_two_processes_train_like_one(tiny_checkpoint, tmp_path):
     assert len(glob.glob(str(multi / "events.out.tfevents.*"))) == 1
     assert (multi / "tree_step2.png").exists() and (multi / "hf_export" / "model.safetensors").exists()
     assert not glob.glob(str(multi / "failure*.json"))
+    assert ("packing/unique_tokens" in summary["history"][-1]) == packed
     pid0 = re.search(r"process 0 of 2 started \(pid (\d+)", text).group(1)
     assert (multi / ".treejax.lock").read_text().startswith(f"{pid0} on ")
 

@@ -525,6 +525,22 @@ def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: j
             "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)), "old_logp": sampler, "sampler_logp": sampler}
 
 
+def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_BxT) -> dict[str, np.ndarray]:
+    """What :func:`plan_packing` reads, as NumPy on this process: ``prompts``, ``lengths``, the leaves' ``path``,
+    ``length`` and ``tokens``, and ``trained [P, W]`` (a leaf with any token in the loss).
+
+    The plan is host code over the whole forest, so in a multi-process run every process gathers the global
+    arrays (one all-gather, :func:`treejax.parallel.multihost.host_tree`): ``np.asarray`` / ``jax.device_get``
+    refuse arrays that span other processes' devices (on 2 GPUs the sampler's forest is sharded over the rows)."""
+    from treejax.parallel.multihost import host_tree
+
+    P, W = forest.leaf_length.shape
+    host = host_tree({"mask": loss_mask_BxT, "path": forest.leaf_path, "length": forest.leaf_length,
+                      "tokens": forest.tokens, "prompts": prompt_tokens_PxLp, "lengths": prompt_lengths_P})
+    host["trained"] = host.pop("mask").reshape(P, W, -1).max(-1) > 0
+    return host
+
+
 def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advantages_PxWxT,
                      loss_mask_PxWxT=None, pad_id: int = 0, eps_scale_PxW=None,
                      config: PackingConfig = PackingConfig(), *, prompts=None, row_multiple: int = 1
@@ -534,10 +550,10 @@ def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advan
     plan's shapes depend on the forest); ``prompts`` selects a subset of the trees (a mini-batch)."""
     pairs = forest_pairs(forest, advantages_PxWxT, loss_mask_PxWxT)
     P, W = forest.leaf_length.shape
-    trained = np.asarray(pairs["loss_mask"]).reshape(P, W, -1).max(-1) > 0
-    plan = plan_packing(prompt_tokens_PxLp, prompt_lengths_P, jax.device_get(forest.leaf_path),
-                        jax.device_get(forest.leaf_length), jax.device_get(forest.tokens), forest.segment_length,
-                        config, prompts=prompts, trained_PxW=trained, row_multiple=row_multiple, pad_id=pad_id)
+    host = host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest, pairs["loss_mask"])
+    plan = plan_packing(host["prompts"], host["lengths"], host["path"], host["length"], host["tokens"],
+                        forest.segment_length, config, prompts=prompts, trained_PxW=host["trained"],
+                        row_multiple=row_multiple, pad_id=pad_id)
     eps = None if eps_scale_PxW is None else jnp.asarray(eps_scale_PxW, jnp.float32).reshape(P * W)
     return packed_batch(plan, pairs, eps)
 
@@ -551,5 +567,5 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
 
 
 __all__ = ["PackingConfig", "PackedBatch", "PackingPlan", "LayoutFloor", "plan_packing", "pack_pairs", "unpack_pairs",
-           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "forest_to_packed", "tree_mask",
+           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest", "forest_to_packed", "tree_mask",
            "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

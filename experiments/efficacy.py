@@ -142,6 +142,7 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
         tok = np.array([c["tokens"] for c in curves], np.float64)
         methods[name] = {
             "seeds": sorted(by_seed), "step": steps,
+            "device": ", ".join(sorted({str(s.get("device") or "not recorded") for s in by_seed.values()})),
             "accuracy_mean": acc.mean(0).tolist(), "accuracy_min": acc.min(0).tolist(),
             "accuracy_max": acc.max(0).tolist(), "seconds_mean": sec.mean(0).tolist(),
             "tokens_mean": tok.mean(0).tolist(),
@@ -171,18 +172,21 @@ def table(summary: dict, device: str) -> str:
     def fmt(x, spec):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
+    # runs on different cards in one report: each row names its card (times compare only within a card)
+    cards = len({m.get("device") for m in summary["methods"].values()}) > 1
+    card = (lambda m: f" {m.get('device')} |") if cards else (lambda m: "")  # noqa: E731
     lines = [
         f"Held-out greedy accuracy ({device}); target = GRPO's final mean accuracy "
-        f"{100 * summary['target']:.1f}%.",
+        f"{100 * summary['target']:.1f}%." + (" Seconds compare only between rows of the same card." if cards else ""),
         "",
-        "| method | seeds | start | final (mean, min-max) | train s (final) | tokens (final) | step to target | "
-        "s to target | ratio | tokens to target | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method |" + (" card |" if cards else "") + " seeds | start | final (mean, min-max) | train s (final) | "
+        "tokens (final) | step to target | s to target | ratio | tokens to target | ratio |",
+        "|---|" + ("---|" if cards else "") + "---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in summary["methods"].items():
         f = np.array(m["final_accuracy"]) * 100
         lines.append(
-            f"| {name} | {len(m['seeds'])} | {100 * m['initial_accuracy']:.1f}% | {f.mean():.1f}% "
+            f"| {name} |{card(m)} {len(m['seeds'])} | {100 * m['initial_accuracy']:.1f}% | {f.mean():.1f}% "
             f"({f.min():.1f}-{f.max():.1f}) | {m['seconds_mean'][-1]:.0f} | {m['tokens_mean'][-1] / 1e6:.2f} M | "
             f"{fmt(m['step_to_target'], 'd')} | {fmt(m['seconds_to_target'], '.0f')} | "
             f"{fmt(m['seconds_ratio'], '.2f')} | "
@@ -190,12 +194,12 @@ def table(summary: dict, device: str) -> str:
             f"{fmt(m['tokens_ratio'], '.2f')} |")
     lines += ["", "Median seconds per training step, first-step compilation (excluded above), decoded tokens per "
               "step and mean leaf length (means over seeds):", "",
-              "| method | rollout | scoring | old log-probs | update | compile | tokens / step | mean leaf tokens |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| method |" + (" card |" if cards else "") + " rollout | scoring | old log-probs | update | compile | "
+              "tokens / step | mean leaf tokens |", "|---|" + ("---|" if cards else "") + "---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
         t = m["median_step_times"]
         per_step = m["tokens_mean"][-1] / max(m["step"][-1], 1)
-        lines.append(f"| {name} | " + " | ".join(fmt(t.get(k), ".3f") for k in ("rollout_s", "scoring_s", "logp_s",
+        lines.append(f"| {name} |{card(m)} " + " | ".join(fmt(t.get(k), ".3f") for k in ("rollout_s", "scoring_s", "logp_s",
                                                                                    "update_s"))
                      + f" | {m['compile_s']:.0f} s | {per_step:,.0f} | {m['mean_leaf_length']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -189,3 +189,35 @@ def test_packed_gradients_through_the_pallas_kernel_on_a_mesh(mesh_shape):
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b)) + 1e-12
+
+
+def test_tiles_that_do_not_divide_the_row_are_halved():
+    """A row of 48 tokens with the default 128/64/64 tiles runs on 16-token tiles (the largest power of two that
+    divides it) and equals the dense path, forward and backward; a row that is no multiple of 16 is refused with
+    the fix named."""
+    assert tree_flash._fit(128, 48, "block_q") == 16 and tree_flash._fit(64, 192, "block_k") == 64
+    assert tree_flash._fit(128, 64, "block_q") == 64
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tree_flash._fit(64, 40, "block_k")
+    plan, *_ = _two_trees(packing.PackingConfig(row_length=48))
+    lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+    B, L = lo.shape
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (B, L, 4, 16))
+    k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
+    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
+    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, tree_flash.TreeFlashBlocks(), True)  # noqa: E731
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    out_f, vjp_f = jax.vjp(flash, q, k, v)
+    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)
+    for name, a, b in zip("qkv", vjp_f(q), vjp_d(q)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+
+
+def test_tile_settings_parse():
+    assert str(tree_flash.TreeFlashBlocks.parse("128,64,64")) == "128,64,64"
+    assert tree_flash.TreeFlashBlocks.parse("64,64,32,0,3") == tree_flash.TreeFlashBlocks(64, 64, 32, None, 3)
+    assert str(tree_flash.TreeFlashBlocks(64, 64, 32, None, 3)) == "64,64,32,0,3"
+    for bad, msg in (("48,64,64", "powers of two"), ("64,64", "expected block_q"), ("a,b,c", "expected block_q")):
+        with pytest.raises(ValueError, match=msg):
+            tree_flash.TreeFlashBlocks.parse(bad)

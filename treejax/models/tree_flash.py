@@ -16,7 +16,7 @@ visits ``~ (n_p + d S) / block_k`` tiles, not ``i / block_k``: the forward and `
 blocks per query block; the ``dk, dv`` loop runs over the query blocks ``[j, end_j)`` that may see key block ``j``
 (contiguous in preorder: a key's viewers are the rest of its node and its node's subtree). Inside a tile the
 exact mask is applied, and a tile with no visible pair is skipped (``lax.cond``). With ``PackingConfig.align``
-a multiple of the block sizes, tiles are node-aligned and the tables exact.
+a multiple of the tiles, tiles are node-aligned and the tables exact.
 
 Backward (same paper, Algorithm 2): ``delta_i = sum_h o_ih do_ih`` (XLA), then one fused kernel per key block:
 ``dv_j = sum_i p_ij do_i``, ``dk_j = scale sum_i p_ij (do_i . v_j - delta_i) q_i`` over the query blocks at or
@@ -46,12 +46,13 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class TreeFlashBlocks:
-    """Tile sizes (powers of two dividing the row length). ``block_q``/``block_k``: forward; ``block_bwd``: the
-    fused backward's query and key blocks; ``num_warps`` (``None``: 4 for head_dim <= 64, else 8)."""
+    """Tile sizes (powers of two; halved where they do not divide the row length). ``block_q``/``block_k``:
+    forward; ``block_bwd``: the fused backward's query and key blocks; ``num_warps`` (``None``: 4 for
+    head_dim <= 64, else 8). Defaults: see :data:`DEFAULT_BLOCKS`."""
 
-    block_q: int = 64
+    block_q: int = 128
     block_k: int = 64
-    block_bwd: int = 32
+    block_bwd: int = 64
     num_warps: int | None = None
     num_stages: int = 2
 
@@ -74,7 +75,11 @@ class TreeFlashBlocks:
         return f"{self.block_q},{self.block_k},{self.block_bwd}{extra}"
 
 
-#: Tile sizes used when none are given (benchmarks may set this before tracing to try others).
+#: Tile sizes used when none are given (benchmarks may set this before tracing to try others). Chosen by
+#: ``experiments/bench_tree_attention.py`` on an H200 (16,384-token rows of a W=16, depth-4, 512-token-segment
+#: tree, fwd+bwd; results in experiments/results/packed/): 128,64,64 took 5.26 / 5.72 ms for head_dim 64 / 128
+#: (qwen2.5-0.5b / 1.5b heads) against 6.33 / 9.85 ms for the former 64,64,32; the best for head_dim 64,
+#: 64,64,64, was 1.5% faster (5.18 ms).
 DEFAULT_BLOCKS = TreeFlashBlocks()
 
 
@@ -221,16 +226,24 @@ def _bwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, kv_ref, qend_ref, do_ref, l
     plgpu.store(dq_ref.at[:, : dq.shape[-1]], dq.astype(dq_ref.dtype), mask=head_mask)
 
 
-def _check(q, k, L, blocks: TreeFlashBlocks):
+def _fit(block: int, L: int, name: str) -> int:
+    """The tile actually used: the largest power of two ``<= min(block, L)`` that divides the row length ``L``
+    (down to 16; Triton tiles are powers of two), so any row length that is a multiple of 16 runs with the
+    largest configured tile that fits it."""
+    b = 1 << (min(block, L).bit_length() - 1)
+    while b > 16 and L % b:
+        b //= 2
+    if L % b:
+        raise ValueError(f"tree flash attention: row length {L} is not a multiple of {name}={b}; pad rows to a "
+                         "multiple of 16 (PackingConfig.granule)")
+    return b
+
+
+def _check(q, k):
     B, Lq, Q, H = q.shape
     K = k.shape[2]
     if k.shape[:2] != (B, Lq) or Q % K:
         raise ValueError(f"tree flash attention: q {q.shape} and k {k.shape} must share [B, L] with Q % K == 0")
-    for name in ("block_q", "block_k", "block_bwd"):
-        b = getattr(blocks, name)
-        if L % min(b, L):
-            raise ValueError(f"tree flash attention: row length {L} is not a multiple of {name}={b}; pad rows to a "
-                             "multiple of the block sizes (PackingConfig.granule)")
 
 
 def _forward(q, k, v, lo, hi, blocks: TreeFlashBlocks, interpret: bool):
@@ -239,8 +252,8 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashBlocks, interpret: bool):
     B, L, Q, H = q.shape
     K = k.shape[2]
     G = Q // K
-    _check(q, k, L, blocks)
-    bq, bk = min(blocks.block_q, L), min(blocks.block_k, L)
+    _check(q, k)
+    bq, bk = _fit(blocks.block_q, L, "block_q"), _fit(blocks.block_k, L, "block_k")
     hp = pl.next_power_of_2(H)
     warps = blocks.num_warps or (4 if H <= 64 else 8)
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(H), block_q=bq, block_k=bk, head_dim=H)
@@ -267,7 +280,7 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashBlocks, interpret: bool):
 def tree_flash_attention(q, k, v, node_lo, node_hi, blocks: TreeFlashBlocks = TreeFlashBlocks(),
                          interpret: bool = False):
     """Tree-masked attention (module docstring). ``q: [B, L, Q, H]``, ``k, v: [B, L, K, H]``, ``node_lo, node_hi:
-    [B, L]`` int32; returns ``[B, L, Q, H]`` in ``q``'s dtype. ``L`` must be a multiple of the block sizes."""
+    [B, L]`` int32; returns ``[B, L, Q, H]`` in ``q``'s dtype. ``L`` must be a multiple of 16 (tiles that do not divide ``L`` are halved)."""
     return _forward(q, k, v, node_lo, node_hi, blocks, interpret)[0]
 
 
@@ -283,7 +296,7 @@ def _vjp_bwd(blocks, interpret, res, do):
     B, L, Q, H = q.shape
     K = k.shape[2]
     G = Q // K
-    blk = min(blocks.block_bwd, L)
+    blk = _fit(blocks.block_bwd, L, "block_bwd")
     hp = pl.next_power_of_2(H)
     delta = jnp.einsum("blqh,blqh->bql", out.astype(jnp.float32), do.astype(jnp.float32))
     kv_list, q_end = block_tables(lo, hi, blk, blk)

@@ -17,7 +17,7 @@ the summation order only.
 GPU (the tile sweep behind ``tree_flash.DEFAULT_BLOCKS``)::
 
     python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024 \\
-        --tiles 64,64,32 128,64,32 64,64,64 128,128,64 128,64,64,8
+        --tiles 64,64,32 128,64,32 64,64,64 128,128,64 128,64,64 64,32,32 128,64,32,8 64,64,32,0,3
 
 CPU smoke (Pallas interpreter, tiny shapes)::
 
@@ -144,12 +144,12 @@ def main(argv=None):
     ap.add_argument("--segment", type=int, default=512)
     ap.add_argument("--eos-frac", type=float, default=0.0)
     ap.add_argument("--granule", type=int, default=128)
-    ap.add_argument("--tiles", nargs="+", default=["64,64,32"])
+    ap.add_argument("--tiles", nargs="+", default=None, help="tile settings (default: tree_flash.DEFAULT_BLOCKS)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-cudnn", action="store_true", help="skip the expanded cuDNN baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    tiles = [parse_tiles(t) for t in args.tiles]
+    tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [tree_flash.DEFAULT_BLOCKS]
     print(f"device: {peak_flops()[0]}; jax {jax.__version__}", flush=True)
     rows = []
     for preset in args.preset:

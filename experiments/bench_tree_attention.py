@@ -119,7 +119,8 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
     for blocks in tiles:
         name = f"packed {blocks}"
         try:
-            attend = lambda q, k, v, b=blocks: tree_flash.tree_flash_attention(q, k, v, lo, hi, b, interpret)  # noqa: E731
+            def attend(q, k, v, b=blocks):
+                return tree_flash.tree_flash_attention(q, k, v, lo, hi, b, interpret)
             t_f, out = timed(jax.jit(attend), (q, k, v), args.repeats)
             t_fb, _ = timed(fwd_bwd(attend), (q, k, v, g), args.repeats)
         except Exception as e:  # noqa: BLE001  (a tile setting the compiler refuses is a row, not the end)

@@ -206,7 +206,8 @@ def test_tiles_that_do_not_divide_the_row_are_halved():
     q = jax.random.normal(ks[0], (B, L, 4, 16))
     k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
     dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
-    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, tree_flash.TreeFlashBlocks(), True)  # noqa: E731
+    blocks = tree_flash.TreeFlashBlocks()  # 128 / 64 / 64: all halved to 16 for this row
+    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
     out_d, vjp_d = jax.vjp(dense, q, k, v)
     out_f, vjp_f = jax.vjp(flash, q, k, v)
     np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)

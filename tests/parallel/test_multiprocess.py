@@ -168,8 +168,9 @@ def _train_args(model, log_dir, *extra):
 @pytest.mark.parametrize("packed", [False, True], ids=["expanded", "packed"])
 def test_two_processes_train_like_one(tiny_checkpoint, tmp_path, packed):
     """2 RL steps on 2 processes x 4 devices == on 1 process x 8 devices (same mesh shape, same global batch),
-    with the expanded and with the tree-packed update (whose host-side plan reads the whole forest: on 2 GPUs it
-    first failed with "Fetching value for `jax.Array` that spans non-addressable devices").
+    with the expanded and with the tree-packed update. (On CPU the loop's forest comes out replicated, so this
+    does not reach the 2-GPU failure of the packed plan, "spans non-addressable devices"; the ``helpers`` test
+    packs a forest sharded over both processes for that.)
 
     Tolerance: the two programs differ only in how the collectives sum across devices (gloo between processes
     vs. in-process), i.e. in fp32 round-off of the reductions (~1e-7 relative, 1.6e-7 absolute measured); one

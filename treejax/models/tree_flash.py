@@ -280,7 +280,8 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashBlocks, interpret: bool):
 def tree_flash_attention(q, k, v, node_lo, node_hi, blocks: TreeFlashBlocks = TreeFlashBlocks(),
                          interpret: bool = False):
     """Tree-masked attention (module docstring). ``q: [B, L, Q, H]``, ``k, v: [B, L, K, H]``, ``node_lo, node_hi:
-    [B, L]`` int32; returns ``[B, L, Q, H]`` in ``q``'s dtype. ``L`` must be a multiple of 16 (tiles that do not divide ``L`` are halved)."""
+    [B, L]`` int32; returns ``[B, L, Q, H]`` in ``q``'s dtype. ``L`` must be a multiple of 16 (tiles that do
+    not divide ``L`` are halved)."""
     return _forward(q, k, v, node_lo, node_hi, blocks, interpret)[0]
 
 

@@ -313,7 +313,6 @@ def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, 
     P, W, T = forest.tokens.shape
     pairs = dict(fns.pairs(forest, adv.tokens, adv.loss_mask))
     host = packing_lib.host_forest(ro.prompts_PxLp, ro.lengths_P, forest, pairs["loss_mask"])  # all processes'
-    trained = host["trained"]
     if P % cfg.mini_batches:
         raise ValueError(f"the packed update splits prompts into mini-batches: {P} prompts do not split into "
                          f"mini_batches={cfg.mini_batches}")
@@ -322,7 +321,7 @@ def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, 
 
     def plan(prompts):
         pl = packing_lib.plan_packing(host["prompts"], host["lengths"], host["path"], host["length"], host["tokens"],
-                                      forest.segment_length, cfg.packing, prompts=prompts, trained_PxW=trained,
+                                      forest.segment_length, cfg.packing, prompts=prompts, trained_PxW=host["trained"],
                                       row_multiple=cfg.row_multiple, pad_id=cfg.pad_id,
                                       floor=None if fns.layout is None else fns.layout.shape)
         if fns.layout is not None:

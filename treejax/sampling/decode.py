@@ -108,7 +108,8 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     ``fuse``: decode with fused q|k|v and gate|up projections (:func:`treejax.models.transformer.
     fuse_projections`); ``None`` = fuse on a single device, or on a mesh whose ``tensor`` axis is 1 (rows split
     over ``data``/``fsdp``); not with tensor parallelism (the concatenation would cross a tensor-sharded heads
-    axis) nor for unsharded fns on a multi-device host (their programs stay as they were). ``mesh`` (a ``jax.sharding.Mesh``) / ``rules``: run sharded (see
+    axis) nor for unsharded fns on a multi-device host (their programs stay as they were). ``mesh`` (a
+    ``jax.sharding.Mesh``) / ``rules``: run sharded (see
     :class:`ModelFns`; :mod:`treejax.sampling.cache` says how the cache is laid out).
     """
     if fuse is None:

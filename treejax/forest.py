@@ -14,6 +14,17 @@ Leaf arrays, per prompt ``p`` and leaf ``w`` (exactly ``W`` leaves per prompt, a
     *subgroup* of that node.
   * ``leaf_status[p, w]``   a :class:`NodeStatus` code: why the leaf ended.
   * ``leaf_length[p, w]``   number of response tokens of the leaf.
+  * ``leaf_weight[p, w]``   the leaf's share of the prompt's sample, times ``W`` (so ``1`` for every leaf of a
+    sample that counts leaves equally): what an unbiased estimate of an expectation under the policy weights
+    the leaf by. Slot trees (``TreeConfig.allocation = "slots"``) and independent samples: ``1`` for every
+    leaf (a path that holds ``n`` slots is stored ``n`` times, so plain means over the ``W`` leaves are
+    already the policy's expectation). TreePO's ``"transfer"`` allocation: ``W m(l)`` with the path mass
+    ``m(l) = prod over the ancestors v of l of 1 / c(v)`` (``c(v)``: v's number of children; see
+    :func:`path_mass`), ``0`` for unused leaf slots. ``None`` means all ones.
+
+A tree whose node child counts are fixed before the children are drawn (they may depend on anything decoded so
+far) and that never gives a node children after its subtree has ended (no fallback re-entry) is an unbiased
+sample when its leaves are weighted by ``leaf_weight``; leaves counted equally (TreePO's estimators) are not.
 
 Per-token arrays, per prompt, leaf and response position ``t = 0..T-1`` with ``T = D * S``:
   * ``tokens[p, w, t]``      sampled token ids (pad id past ``leaf_length``);
@@ -66,6 +77,7 @@ class Forest:
     logprobs: jax.Array  # [P, W, T] float32
     segment_index: jax.Array  # [P, W, T] int32
     loss_mask: jax.Array  # [P, W, T] float32
+    leaf_weight: jax.Array | None = None  # [P, W] float32, None = all ones
     segment_length: int = struct.field(pytree_node=False, default=1)
 
     @property
@@ -84,6 +96,16 @@ class Forest:
     def max_response_length(self) -> int:
         return self.tokens.shape[2]
 
+    def leaf_weights(self) -> jax.Array:
+        """float32[P, W]: :attr:`leaf_weight`, or ones when it is ``None``."""
+        if self.leaf_weight is None:
+            return jnp.ones(self.leaf_path.shape[:2], jnp.float32)
+        return self.leaf_weight
+
+    def distinct_leaves(self) -> jax.Array:
+        """bool[P, W]: the first leaf slot of each distinct leaf (a slot tree stores a path once per slot)."""
+        return first_of_duplicates(self.leaf_path)
+
     def leaf_depth(self) -> jax.Array:
         """[P, W] number of segments on each leaf's path (the depth of its last node)."""
         return jnp.sum(self.leaf_path[:, :, 1:] >= 0, axis=-1).astype(jnp.int32)
@@ -98,6 +120,52 @@ def subgroup_masks(leaf_path: jax.Array) -> jax.Array:
     return same & valid
 
 
+def end_nodes(leaf_path: jax.Array) -> jax.Array:
+    """int32[..., W]: the node each leaf ends at (its deepest path entry; ``-1`` for an unused leaf slot)."""
+    depth = jnp.sum(leaf_path[..., 1:] >= 0, axis=-1)
+    end = jnp.take_along_axis(leaf_path, depth[..., None], axis=-1)[..., 0]
+    return jnp.where(leaf_path[..., 0] >= 0, end, -1)
+
+
+def first_of_duplicates(leaf_path: jax.Array) -> jax.Array:
+    """bool[..., W]: leaf slot ``w`` is used and no earlier slot ends at the same node (the first copy)."""
+    end = end_nodes(leaf_path)
+    W = end.shape[-1]
+    earlier = jnp.tril(jnp.ones((W, W), bool), k=-1).reshape((1,) * (end.ndim - 1) + (W, W))  # [w, v]: v < w
+    dup = jnp.any((end[..., :, None] == end[..., None, :]) & earlier, axis=-1)
+    return (end >= 0) & ~dup
+
+
+def path_mass(node_parent: jax.Array, leaf_path: jax.Array) -> jax.Array:
+    """float32[P, W]: each leaf slot's share of the prompt's sample under the tree's allocation.
+
+    ``m(l) = prod over the ancestors v of l's end node of 1 / c(v)`` (``c(v)``: v's number of children, from
+    ``node_parent``), divided by the number of leaf slots that end at the same node (the copies of a slot
+    tree's path share its mass); ``0`` for unused slots (``leaf_path[:, w, 0] < 0``). For a tree whose child
+    counts are fixed before the children are drawn, ``sum_l m(l) f(l)`` is an unbiased estimate of ``E f``
+    under the policy; the masses of a prompt sum to 1 when every path ended in a stored leaf.
+
+    >>> import numpy as np
+    >>> paths = np.array([[[0, 1, -1], [0, 2, 3], [0, 2, 4]]])  # node 1 stops early, node 2 splits in two
+    >>> f = forest_from_paths(paths, np.array([[1, 2, 2]]), 1)
+    >>> print(np.asarray(path_mass(f.node_parent, f.leaf_path)))
+    [[0.5  0.25 0.25]]
+    """
+    node_parent = jnp.asarray(node_parent)
+    leaf_path = jnp.asarray(leaf_path)
+    P, N = node_parent.shape
+    children = jnp.zeros((P, N + 1), jnp.float32).at[
+        jnp.arange(P)[:, None], jnp.where(node_parent >= 0, node_parent, N)].add(1.0)[:, :N]
+    depth = jnp.sum(leaf_path[:, :, 1:] >= 0, axis=-1)  # [P, W]
+    anc = leaf_path[:, :, :-1]  # the node at depth d is an ancestor iff d < depth
+    c = jnp.take_along_axis(children[:, None, :], jnp.maximum(anc, 0), axis=-1)  # [P, W, D]
+    is_anc = jnp.arange(anc.shape[-1])[None, None, :] < depth[:, :, None]
+    mass = jnp.prod(jnp.where(is_anc, 1.0 / jnp.maximum(c, 1.0), 1.0), axis=-1)
+    end = end_nodes(leaf_path)
+    copies = jnp.sum((end[:, :, None] == end[:, None, :]) & (end[:, None, :] >= 0), axis=-1)
+    return jnp.where(end >= 0, mass / jnp.maximum(copies, 1), 0.0).astype(jnp.float32)
+
+
 def forest_from_paths(
     leaf_path: np.ndarray,
     leaf_length: np.ndarray,
@@ -109,7 +177,8 @@ def forest_from_paths(
     """Builds a consistent :class:`Forest` from node paths alone (host-side; for tests, notebooks, synthetic data).
 
     ``leaf_path``: [P, W, D+1] int, column 0 must be 0 (the root). Node parents/depths are derived from the
-    paths; tokens default to zeros and log-probs to zeros. ``leaf_length`` [P, W] must fit the path's depth:
+    paths; tokens default to zeros and log-probs to zeros. Leaves that end at the same node are copies of one
+    path (a slot tree's duplicates). ``leaf_weight`` is ``W`` x :func:`path_mass`. ``leaf_length`` [P, W] must fit the path's depth:
     ``(depth - 1) * S < length <= depth * S``.
     """
     leaf_path = np.asarray(leaf_path, np.int32)
@@ -162,5 +231,6 @@ def forest_from_paths(
         logprobs=jnp.asarray(np.where(valid, logprobs, 0.0), jnp.float32),
         segment_index=jnp.asarray(np.where(valid, t[None, None, :] // S, -1), jnp.int32),
         loss_mask=jnp.asarray(valid, jnp.float32),
+        leaf_weight=num_leaves * path_mass(parent, leaf_path),
         segment_length=S,
     )

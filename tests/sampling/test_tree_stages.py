@@ -24,7 +24,7 @@ def _random_rows(rng, alive):
         length_R=jnp.asarray(rng.randint(1, T + 1, P * W), jnp.int32))
     z = jnp.zeros((P * W,), jnp.int32)
     return Rows(pending_R=z, position_R=z, epoch_R=z, alive_R=jnp.asarray(alive), depth_R=jnp.asarray(depth, jnp.int32),
-                paths=paths)
+                slots_R=jnp.ones((P * W,), jnp.int32), paths=paths)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -106,3 +106,72 @@ def test_store_leaves_and_budget(seed):
     for p in range(P):
         A, f, F = live[p].sum(), int(now[p]), int(nodes2.leaves_P[p])
         assert total[p] == max(min(W - F, 2 * A + 2 * f), A)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_store_leaves_with_slots(seed):
+    """A slot tree's path that ends holding n slots fills n consecutive leaf slots (in row order), each a copy."""
+    rng = np.random.RandomState(seed)
+    alive = rng.rand(P * W) < 0.8
+    rows = _random_rows(rng, alive)
+    ended = alive & (rng.rand(P * W) < 0.5)
+    had = rng.randint(0, 3, P)
+    slots = np.zeros(P * W, np.int64)
+    for p in range(P):  # slots of the ended paths fit in W - had
+        left = W - had[p]
+        for w in range(W):
+            if ended[p * W + w]:
+                slots[p * W + w] = n = min(left, rng.randint(1, 4))
+                left -= n
+    ended &= slots > 0
+    rows = rows.replace(slots_R=jnp.asarray(np.maximum(slots, 1), jnp.int32))
+    status = np.where(ended, rng.choice([2, 3, 4, 5], P * W), int(NodeStatus.ALIVE))
+    nodes = Nodes.root(P, 1 + W * D).replace(leaves_P=jnp.asarray(had, jnp.int32))
+    leaves = Leaves(paths=Paths.empty(P * W, T, D, 0, root=False), status_R=jnp.zeros((P * W,), jnp.int32),
+                    row_R=jnp.full((P * W,), -1, jnp.int32))
+    out, nodes2, counters, now = st.store_leaves(leaves, nodes, Counters.zeros(), rows, jnp.asarray(ended),
+                                                 jnp.asarray(status, jnp.int32))
+    for p in range(P):
+        slot = had[p]
+        for w in range(W):
+            r = p * W + w
+            for _ in range(slots[r] if ended[r] else 0):
+                dst = p * W + slot
+                slot += 1
+                np.testing.assert_array_equal(np.asarray(out.paths.tokens_RxT[dst]),
+                                              np.asarray(rows.paths.tokens_RxT[r]))
+                np.testing.assert_array_equal(np.asarray(out.paths.path_RxD1[dst]), np.asarray(rows.paths.path_RxD1[r]))
+                assert int(out.status_R[dst]) == status[r] and int(out.row_R[dst]) == r
+        for w in range(slot, W):  # untouched slots stay empty
+            assert int(out.paths.path_RxD1[p * W + w, 0]) == -1
+        assert int(nodes2.leaves_P[p]) == slot and int(now[p]) == ended[p * W:(p + 1) * W].sum()
+    assert int(counters.stops_K.sum()) == slots[ended].sum()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_split_slots(seed):
+    """Children of a path share its own slots: n // c each, the first n mod c children one more."""
+    rng = np.random.RandomState(seed)
+    live = rng.rand(P, W) < 0.5
+    slots = np.zeros((P, W), np.int64)
+    counts = np.zeros((P, W), np.int64)
+    for p in range(P):
+        left = W
+        for w in np.flatnonzero(live[p]):
+            slots[p, w] = n = max(1, min(left - (live[p, w + 1:].sum()), rng.randint(1, 6)))
+            left -= n
+            counts[p, w] = rng.randint(1, min(2, n) + 1) if n > 1 else 1
+    # extra children fit in the free rows because sum(counts) <= sum(slots) <= W
+    src, forked, child = st._children_rows(jnp.asarray(counts), jnp.asarray(live))
+    holds = live.reshape(-1) | np.asarray(forked)
+    new = np.asarray(st.split_slots(jnp.asarray(slots.reshape(-1), jnp.int32), jnp.asarray(counts.reshape(-1)),
+                                    src, child, jnp.asarray(holds)))
+    src, child = np.asarray(src), np.asarray(child)
+    for p in range(P):
+        for w in np.flatnonzero(live[p]):
+            r = p * W + w
+            kids = [q for q in range(p * W, (p + 1) * W) if holds[q] and src[q] == r]
+            assert sorted(child[kids].tolist()) == list(range(counts[p, w]))
+            n, c = slots[p, w], counts[p, w]
+            assert sorted(new[kids].tolist(), reverse=True) == [n // c + (i < n % c) for i in range(c)]
+        assert new[p * W:(p + 1) * W].sum() == slots[p].sum()

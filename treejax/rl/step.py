@@ -291,7 +291,7 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         "time/rollout_s": t_rollout - t0 - t_scoring, "time/scoring_s": t_scoring + (t_inputs - t_rollout),
         "time/logp_s": t_logp - t_inputs, "time/update_s": t_update - t_logp,
         "rollout/decoded_tokens": int(info.get("decoded_tokens", 0)),
-        "rollout/mean_leaf_length": float(jnp.mean(ro.forest.leaf_length)),  # a replicated scalar
+        **leaf_length_metrics(ro.forest),
         "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
         **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
     }
@@ -299,6 +299,19 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
     return state, ro, device_metrics, host
+
+
+def leaf_length_metrics(forest) -> dict:
+    """``rollout/mean_leaf_length``: the leaves' mean length weighted by ``forest.leaf_weight`` (the policy's
+    expected response length for an unbiased tree: slot trees count a path once per slot, ``"transfer"`` trees
+    by ``W`` x path mass); ``rollout/distinct_leaves``: distinct leaves (paths) per prompt, mean over prompts;
+    ``rollout/mean_distinct_leaf_length``: their unweighted mean length (what the tree decoded)."""
+    length = forest.leaf_length.astype(jnp.float32)
+    weight, first = forest.leaf_weights(), forest.distinct_leaves().astype(jnp.float32)
+    # reductions of the whole (possibly sharded) forest: replicated scalars
+    return {"rollout/mean_leaf_length": float(jnp.sum(weight * length) / jnp.maximum(jnp.sum(weight), 1e-12)),
+            "rollout/distinct_leaves": float(jnp.sum(first) / first.shape[0]),
+            "rollout/mean_distinct_leaf_length": float(jnp.sum(first * length) / jnp.maximum(jnp.sum(first), 1.0))}
 
 
 def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, ref_params):

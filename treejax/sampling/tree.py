@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from treejax.forest import Forest, NodeStatus
+from treejax.forest import Forest, NodeStatus, path_mass
 from treejax.models.config import ModelConfig
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
@@ -104,6 +104,17 @@ def initial_divergence(key: jax.Array, P: int, tc: TreeConfig) -> jax.Array:
     return jnp.full((P,), tc.branch_factor if tc.init_divergence is None else tc.init_divergence, jnp.int32)
 
 
+def initial_slots(n_init_P: jax.Array, W: int, slots: bool) -> jax.Array:
+    """int32[P, W]: leaf slots of each row's path at the root. Slot trees: prompt ``p``'s ``k = n_init_P[p]``
+    root paths share its ``W`` slots, ``W // k`` each and one more for the first ``W mod k``; 0 on the other
+    rows. ``"transfer"``: 1 on every row (each path ends in one leaf)."""
+    w = jnp.arange(W)[None, :]
+    if not slots:
+        return jnp.ones((n_init_P.shape[0], W), jnp.int32)
+    k = n_init_P[:, None]
+    return jnp.where(w < k, W // k + (w < W % k).astype(jnp.int32), 0).astype(jnp.int32)
+
+
 def initial_state(cache, prompt_token_P: jax.Array, prompt_position_P: jax.Array, n_init_P: jax.Array, *,
                   tc: TreeConfig) -> TreeState:
     """The carry before the first segment: prompt ``p``'s first ``n_init_P[p]`` rows live at the root, every row
@@ -111,10 +122,10 @@ def initial_state(cache, prompt_token_P: jax.Array, prompt_position_P: jax.Array
     P, W, D, T = n_init_P.shape[0], tc.num_leaves, tc.max_depth, tc.response_capacity
     R, K = P * W, tc.rule.top_k
     row_prompt = jnp.arange(R, dtype=jnp.int32) // W
+    alive_PxW = jnp.arange(W)[None, :] < n_init_P[:, None]
     rows = Rows(pending_R=prompt_token_P[row_prompt], position_R=prompt_position_P[row_prompt],
-                epoch_R=jnp.zeros((R,), jnp.int32),
-                alive_R=(jnp.arange(W)[None, :] < n_init_P[:, None]).reshape(R), depth_R=jnp.zeros((R,), jnp.int32),
-                paths=Paths.empty(R, T, D, K, root=True))
+                epoch_R=jnp.zeros((R,), jnp.int32), alive_R=alive_PxW.reshape(R), depth_R=jnp.zeros((R,), jnp.int32),
+                slots_R=initial_slots(n_init_P, W, tc.slots).reshape(R), paths=Paths.empty(R, T, D, K, root=True))
     leaves = Leaves(paths=Paths.empty(R, T, D, K, root=False), status_R=jnp.zeros((R,), jnp.int32),
                     row_R=jnp.full((R,), -1, jnp.int32))
     return TreeState(cache=cache, rows=rows, leaves=leaves, nodes=Nodes.root(P, tc.num_nodes),
@@ -134,7 +145,9 @@ def forest_and_info(s: TreeState, lengths: jax.Array, n_init_P: jax.Array, *, tc
         tokens=jnp.where(valid, lp.tokens_RxT.reshape(P, W, T), 0),
         logprobs=jnp.where(valid, lp.logp_RxT.reshape(P, W, T), 0.0),
         segment_index=jnp.where(valid, (t // S)[None, None, :], -1).astype(jnp.int32),
-        loss_mask=valid.astype(jnp.float32), segment_length=S)
+        loss_mask=valid.astype(jnp.float32), segment_length=S,
+        leaf_weight=(jnp.where(lp.path_RxD1[:, 0].reshape(P, W) >= 0, 1.0, 0.0) if tc.slots
+                     else W * path_mass(s.nodes.parent_PxN, lp.path_RxD1.reshape(P, W, D + 1))))
     c = s.counters
     info = dict(
         decoded_tokens=c.decoded, prefilled_tokens=jnp.sum(lengths - 1).astype(jnp.int32), forks=c.forks,

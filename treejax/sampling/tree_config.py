@@ -9,6 +9,8 @@ from typing import Callable
 from treejax.sampling.branching import BranchingRule, FixedAverage, LogProbWeighted
 from treejax.sampling.strategies import Strategy, Temperature
 
+#: ``TreeConfig.allocation`` values (see :class:`TreeConfig`).
+ALLOCATIONS = ("transfer", "slots")
 #: Deprecated string names of TreePO's branching rules (``TreeConfig.divergence``), mapped to rules.
 DIVERGENCE_POLICIES = ("fixed_average", "fixed_average_official", "logprob_segment", "logprob_path")
 _DIVERGENCE_DEFAULTS = dict(divergence="fixed_average", divergence_sign=1.0, divergence_temperature=2.0,
@@ -26,7 +28,25 @@ class TreeConfig:
     ``repetition_ngram``/``repetition_count`` (0 disables) and ``repetition_scope`` ("segment" | "response");
     ``branching``: the branching/pruning rule (:mod:`treejax.sampling.branching`; default
     :class:`~treejax.sampling.branching.FixedAverage`), e.g. ``TreeConfig.branching = @LogProbWeighted()`` in
-    gin. Deprecated: ``divergence`` (one of :data:`DIVERGENCE_POLICIES`) with ``divergence_sign``,
+    gin.
+
+    ``allocation``: how the prompt's ``W`` leaves are shared out over the tree.
+
+    * ``"transfer"`` (TreePO's official allocation, the default): every leaf is one of ``W`` equal shares,
+      ``budget_transfer`` hands the budget of paths that stop to the paths that go on, ``fallback`` re-enters
+      finished leaves until ``W`` leaves exist. The leaves are a *biased* sample of the policy: leaf ``l``
+      stands for its path mass ``m(l) = prod_{v ancestor of l} 1 / c(v)`` (``c(v)``: v's children), not
+      ``1/W``, so early stops (short answers) are under-represented; :attr:`treejax.forest.Forest.leaf_weight`
+      holds ``W m(l)`` (meaningful only without ``fallback``, which adds children to ended subtrees).
+    * ``"slots"`` (unbiased by construction): the ``W`` slots are split evenly over ``k = init_divergence``
+      root paths; at a boundary a live path with ``n > 1`` slots splits its OWN slots over
+      ``c = rule.slot_children(...) <= min(b, n)`` children (as evenly as possible, the first children take
+      the remainder); a path that ends is stored once per slot it holds (a leaf repeated ``n`` times: same
+      path, tokens and status). No transfer, no fallback (``budget_transfer`` and ``fallback`` are not read),
+      at most ``D`` rounds. Every slot is then an exact draw of the policy's response distribution and every
+      existing estimator, whitening, loss aggregation and metric is slot-weighted with no extra plumbing;
+      ``k = W`` is GRPO's independent sampling. Only rules that can split a path's own slots
+      (:attr:`BranchingRule.splits_slots`, e.g. ``FixedAverage``) and that do not prune are allowed. Deprecated: ``divergence`` (one of :data:`DIVERGENCE_POLICIES`) with ``divergence_sign``,
     ``divergence_temperature`` and ``divergence_schedule`` still work, mapped to the rule they name
     (:attr:`rule`), and warn; setting them together with ``branching`` is an error.
     ``with_entropy``: record per-token entropy in ``info["entropy"]`` (also computed whenever the rule needs it);
@@ -57,6 +77,7 @@ class TreeConfig:
     divergence_schedule: tuple[float, float, int] | None = None
     budget_transfer: bool = True
     fallback: bool = True
+    allocation: str = "transfer"
     max_prompt_length: int | None = None
     with_entropy: bool = False
     row_buckets: int = 4
@@ -95,6 +116,18 @@ class TreeConfig:
         if self.branching is not None and not isinstance(self.branching, BranchingRule):
             raise ValueError(f"TreeConfig.branching must be a BranchingRule (treejax.sampling.branching), got "
                              f"{self.branching!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"TreeConfig.allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.allocation == "slots":
+            rule = self.rule
+            if rule.prunes:
+                raise ValueError(f"TreeConfig.allocation='slots' cannot use the pruning rule {rule!r}: a pruned path "
+                                 "would keep its slots as an unfinished answer, so the slots would no longer be "
+                                 "draws of the policy; use allocation='transfer' for pruning rules")
+            if not rule.splits_slots:
+                raise ValueError(f"TreeConfig.allocation='slots' needs a rule that splits a path's own slots "
+                                 f"(BranchingRule.splits_slots), {type(rule).__name__} moves budget between "
+                                 "paths; use TreeConfig.branching=@FixedAverage() or allocation='transfer'")
         if self.repetition_scope not in ("segment", "response"):
             raise ValueError(f"repetition_scope must be 'segment' or 'response', got {self.repetition_scope!r}")
         if (self.repetition_ngram > 0) != (self.repetition_count > 0):
@@ -117,6 +150,11 @@ class TreeConfig:
                                temperature=self.divergence_temperature, schedule=self.divergence_schedule)
 
     @property
+    def slots(self) -> bool:
+        """Whether the rollout uses the slot-tree allocation (unbiased by construction)."""
+        return self.allocation == "slots"
+
+    @property
     def needs_entropy(self) -> bool:
         """Whether the decode step computes per-token entropy (asked for, or needed by the rule)."""
         return self.with_entropy or self.rule.needs_entropy
@@ -137,8 +175,9 @@ class TreeConfig:
 
     @property
     def max_segments(self) -> int:
-        """Loop bound: each round of a prompt ends >= 1 leaf within D segments, so W * D iterations suffice."""
-        return self.num_leaves * self.max_depth
+        """Loop bound: each round of a prompt ends >= 1 leaf within D segments, so W * D iterations suffice
+        (slot trees: one round, D segments)."""
+        return self.max_depth if self.slots else self.num_leaves * self.max_depth
 
 
 def independent_config(num_samples: int, max_new_tokens: int, segment_length: int | None = None, **kw) -> TreeConfig:

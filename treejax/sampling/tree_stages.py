@@ -8,7 +8,9 @@
 4. :func:`path_stats`        the per-path statistics a branching rule sees, and :func:`prune_paths` (the rule's
                              pruning, if it prunes);
 5. :func:`store_leaves`      ended (and pruned) paths go to the leaf store;
-6. :func:`branch_budget`     TreePO's budget transfer; the rule's :meth:`allocate` gives child counts;
+6. :func:`branch_budget`     TreePO's budget transfer; the rule's :meth:`allocate` gives child counts (slot
+                             trees: the rule's :meth:`slot_children`, and :func:`split_slots` splits each
+                             path's own slots over its children);
 7. :func:`assign_free_rows`  each extra child takes a free row of its prompt;
 8. :func:`fall_back`         prompts with no live path and fewer than ``W`` leaves re-enter from a leaf;
 9. :func:`fork`              rows (and KV rows) are copied from their sources, fallback rows reset to the cut.
@@ -250,24 +252,32 @@ def prune_paths(stats: PathStats, rule: BranchingRule) -> PathStats:
 # ----------------------------------------------------------------------------------------------- 5. leaves
 def store_leaves(leaves: Leaves, nodes: Nodes, counters: Counters, rows: Rows, ended_R: jax.Array,
                  status_R: jax.Array) -> tuple[Leaves, Nodes, Counters, jax.Array]:
-    """Ended paths go to the leaf store, slot ``leaves_P + rank among this segment's ended rows``; their end node
-    takes their status; ``stops`` counts them. Returns ``(leaves, nodes, counters, finished_now_P)``."""
+    """Ended paths go to the leaf store, each once per slot it holds (``rows.slots_R``; 1 under
+    ``"transfer"``): the ended paths of a prompt, in row order, fill slots ``leaves_P, leaves_P + 1, ...`` (a
+    path with ``n`` slots takes ``n`` consecutive ones). Their end node takes their status; ``stops`` counts the
+    stored leaves. Returns ``(leaves, nodes, counters, finished_now_P)`` (``finished_now``: paths ended now)."""
     P, N = nodes.parent_PxN.shape
     R = ended_R.shape[0]
     W = R // P
     row_prompt = _row_prompt(R, W)
     ended_PxW = ended_R.reshape(P, W)
-    slot = (nodes.leaves_P[:, None] + rank_within(ended_PxW)).reshape(R)
-    dst = jnp.where(ended_R, row_prompt * W + slot, R)
-    leaves = Leaves(paths=leaves.paths.put(dst, rows.paths),
-                    status_R=leaves.status_R.at[dst].set(status_R, mode="drop"),
-                    row_R=leaves.row_R.at[dst].set(jnp.arange(R, dtype=jnp.int32), mode="drop"))
+    mult_R = jnp.where(ended_R, rows.slots_R, 0)
+    cum_PxW = jnp.cumsum(mult_R.reshape(P, W), axis=-1)  # inclusive: ended row i covers [cum - mult, cum)
+    offset_PxW = jnp.arange(W, dtype=jnp.int32)[None, :] - nodes.leaves_P[:, None]  # slot j -> j - leaves_P
+    takes = ((offset_PxW >= 0) & (offset_PxW < cum_PxW[:, -1:])).reshape(R)
+    src_local = jax.vmap(lambda c, o: jnp.searchsorted(c, o, side="right"))(cum_PxW, jnp.maximum(offset_PxW, 0))
+    src = row_prompt * W + jnp.minimum(src_local, W - 1).reshape(R).astype(jnp.int32)
+    new = rows.paths.take(src)
+    leaves = Leaves(paths=jax.tree.map(lambda old, x: jnp.where(takes.reshape((R,) + (1,) * (x.ndim - 1)), x, old),
+                                       leaves.paths, new),
+                    status_R=jnp.where(takes, status_R[src], leaves.status_R),
+                    row_R=jnp.where(takes, src, leaves.row_R))
     finished_now = jnp.sum(ended_PxW, axis=-1).astype(jnp.int32)
     leaf_node = jnp.take_along_axis(rows.paths.path_RxD1, rows.depth_R[:, None], axis=1)[:, 0]
     flat = jnp.where(ended_R, row_prompt * N + leaf_node, P * N)
     nodes = nodes.replace(status_PxN=nodes.status_PxN.reshape(-1).at[flat].set(status_R, mode="drop").reshape(P, N),
-                          leaves_P=nodes.leaves_P + finished_now)
-    stops = counters.stops_K.at[jnp.where(ended_R, status_R, len(NodeStatus))].add(1, mode="drop")
+                          leaves_P=nodes.leaves_P + cum_PxW[:, -1].astype(jnp.int32))
+    stops = counters.stops_K.at[jnp.where(ended_R, status_R, len(NodeStatus))].add(mult_R, mode="drop")
     return leaves, nodes, counters.replace(stops_K=stops), finished_now
 
 
@@ -285,15 +295,33 @@ def assign_free_rows(counts_PxW: jax.Array, live_PxW: jax.Array) -> tuple[jax.Ar
     """Each live path keeps its row; its ``count - 1`` extra children take the prompt's free rows in order (the
     j-th free row goes to the path whose cumulative extra count first exceeds j). Returns ``(src_R, forked_R)``:
     the row each row copies from (itself if none) and whether it is a new fork."""
+    src, forked, _ = _children_rows(counts_PxW, live_PxW)
+    return src, forked
+
+
+def _children_rows(counts_PxW: jax.Array, live_PxW: jax.Array):
+    """:func:`assign_free_rows` plus ``child_R``: which child of its parent each row holds (0 = the parent's own
+    row, 1.. = its forks in free-row order; 0 for rows that hold no path)."""
     P, W = live_PxW.shape
     rows_PxW = jnp.arange(P * W, dtype=jnp.int32).reshape(P, W)
-    cum = jnp.cumsum(jnp.maximum(counts_PxW - 1, 0), axis=-1)  # inclusive
+    extra = jnp.maximum(counts_PxW - 1, 0)
+    cum = jnp.cumsum(extra, axis=-1)  # inclusive
     free = ~live_PxW
     free_rank = rank_within(free)
     parent_local = jax.vmap(lambda cm, j: jnp.searchsorted(cm, j, side="right"))(cum, free_rank)
     takes = free & (free_rank < cum[:, -1:])
+    first_extra = jnp.take_along_axis(cum - extra, jnp.minimum(parent_local, W - 1), axis=-1)
+    child = jnp.where(takes, free_rank - first_extra + 1, 0)
     src = jnp.where(takes, (rows_PxW // W) * W + parent_local, rows_PxW).reshape(P * W)
-    return src, takes.reshape(P * W)
+    return src, takes.reshape(P * W), child.reshape(P * W).astype(jnp.int32)
+
+
+def split_slots(slots_R: jax.Array, counts_R: jax.Array, src_R: jax.Array, child_R: jax.Array,
+                holds_R: jax.Array) -> jax.Array:
+    """int32[R]: a slot tree's slots per row after a boundary: a path with ``n`` slots and ``c`` children gives
+    child ``i`` (0 = its own row) ``n // c + (i < n mod c)``; rows that hold no path get 0."""
+    n, c = slots_R[src_R], jnp.maximum(counts_R[src_R], 1)
+    return jnp.where(holds_R, n // c + (child_R < n % c).astype(jnp.int32), 0).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------- 8. fallback
@@ -318,7 +346,7 @@ def fall_back(leaves: Leaves, nodes: Nodes, n_live_P: jax.Array, key: jax.Array,
     ``n_b - k``) and re-enters with ``min(b, W - F)`` rows: the leaf's row and the first other rows."""
     P, W = n_live_P.shape[0], tc.num_leaves
     leaves_P = nodes.leaves_P
-    need = (n_live_P == 0) & (leaves_P < W) if tc.fallback else jnp.zeros((P,), bool)
+    need = (n_live_P == 0) & (leaves_P < W) if tc.fallback and not tc.slots else jnp.zeros((P,), bool)
     k_pick, k_cut = jax.random.split(jax.random.fold_in(jax.random.fold_in(key, FALLBACK_STREAM), segment))
     status = leaves.status_R
     resumable = (status == int(NodeStatus.FINISHED)) | (status == int(NodeStatus.EOS))
@@ -417,12 +445,20 @@ def segment_step(state: TreeState, inputs: RolloutInputs, *, model: decode.Model
     ended = stats.ended_PxW.reshape(-1)
     leaves, nodes, counters, finished_now = store_leaves(state.leaves, nodes, counters, rows, ended, status)
     live = stats.live_PxW
-    total = branch_budget(live, finished_now, nodes.leaves_P, tc=tc)
-    counts = jnp.where(live, jnp.clip(rule.allocate(stats, total), 1, W), 0)
-    src, forked = assign_free_rows(counts, live)
+    if tc.slots:  # a path splits its own slots; no transfer, no fallback
+        slots_PxW = rows.slots_R.reshape(live.shape)
+        counts = jnp.where(live, jnp.clip(rule.slot_children(stats, slots_PxW), 1, jnp.maximum(slots_PxW, 1)), 0)
+    else:
+        total = branch_budget(live, finished_now, nodes.leaves_P, tc=tc)
+        counts = jnp.where(live, jnp.clip(rule.allocate(stats, total), 1, W), 0)
+    src, forked, child = _children_rows(counts, live)
     fb = fall_back(leaves, nodes, jnp.sum(live, axis=-1).astype(jnp.int32), inputs.key, counters.segment, tc=tc)
-    cache, rows = fork(cache, cache_order, rows.replace(alive_R=live.reshape(-1)), leaves, src, forked, fb, inputs,
-                       model=model, tc=tc)
+    cache, new_rows = fork(cache, cache_order, rows.replace(alive_R=live.reshape(-1)), leaves, src, forked, fb,
+                           inputs, model=model, tc=tc)
+    if tc.slots:
+        new_rows = new_rows.replace(slots_R=split_slots(rows.slots_R, counts.reshape(-1), src, child,
+                                                        new_rows.alive_R))
+    rows = new_rows
     counters = counters.replace(
         segment=counters.segment + 1, decoded=decoded, forks=counters.forks + jnp.sum(forked).astype(jnp.int32),
         fallbacks=counters.fallbacks + jnp.sum(fb.need_P).astype(jnp.int32),

@@ -71,7 +71,9 @@ class Rows:
 
     ``pending_R`` the last token (its KV not yet cached) and ``position_R`` its position (decode protocol);
     ``epoch_R`` how many times the row was handed to a new path (its sampling-key epoch); ``alive_R`` the row
-    decodes in the next segment; ``depth_R`` the path's depth (segments decoded); ``paths`` its buffers.
+    decodes in the next segment; ``depth_R`` the path's depth (segments decoded); ``slots_R`` the leaf slots the
+    path holds (slot trees: it is stored that many times when it ends; 1 under ``"transfer"``); ``paths`` its
+    buffers.
     """
 
     pending_R: jax.Array
@@ -79,6 +81,7 @@ class Rows:
     epoch_R: jax.Array
     alive_R: jax.Array
     depth_R: jax.Array
+    slots_R: jax.Array
     paths: Paths
 
     def take(self, src_R: jax.Array) -> Rows:
@@ -95,7 +98,8 @@ class Leaves:
     """The leaf store (slot ``p*W + w`` = prompt ``p``'s ``w``-th leaf, in the order leaves ended).
 
     ``status_R`` a :class:`NodeStatus`; ``row_R`` the cache row that still holds the leaf's KV (``-1`` once a
-    live path decodes in that row): fallbacks re-enter only from resident leaves.
+    live path decodes in that row): fallbacks re-enter only from resident leaves. A slot tree stores a path
+    that ends holding ``n`` slots in ``n`` consecutive leaf slots (the same path repeated).
     """
 
     paths: Paths

@@ -83,6 +83,30 @@ def centered_by_groups(rewards_W: jax.Array, group_DxWxW: jax.Array) -> tuple[ja
     return a, size
 
 
+BASELINES = ("group", "other_subtrees")
+
+
+def check_baseline(name: str, baseline: str) -> None:
+    if baseline not in BASELINES:
+        raise ValueError(f"{name}.baseline must be one of {BASELINES}, got {baseline!r}")
+
+
+def other_subtrees_deviation(leaf_path_WxD1: jax.Array, rewards_W: jax.Array) -> jax.Array:
+    """Leave-one-subtree-out centring for one prompt, [W]: ``R_i - mean_{j: n_1(j) != n_1(i)} R_j`` with
+    ``n_1(i)`` leaf i's depth-1 node; 0 where every leaf shares i's depth-1 node (no independent baseline).
+
+    Leaves under one depth-1 node share a prefix, so their rewards are correlated with R_i and an in-group mean
+    that includes them biases the policy gradient; leaves under the other depth-1 nodes were drawn independently
+    of i's subtree. On independent samples (every leaf its own depth-1 node) this is RLOO's baseline exactly;
+    on a slot tree it is also unbiased (the other subtrees' slots are exact draws of the policy).
+    """
+    first = leaf_path_WxD1[:, 1]
+    other = (first[:, None] != first[None, :]) & (first[:, None] >= 0) & (first[None, :] >= 0)
+    n = jnp.sum(other, axis=-1, dtype=jnp.int32).astype(jnp.float32)
+    diff = rewards_W[:, None] - rewards_W[None, :]
+    return jnp.where(n > 0, pairwise_sum(jnp.where(other, diff, 0.0), axis=-1) / jnp.maximum(n, 1.0), 0.0)
+
+
 def leaf_groups(leaf_path_WxD1: jax.Array) -> jax.Array:
     """[W, D+1] -> [D+1, W, W] subgroup membership of one prompt (see :func:`treejax.forest.subgroup_masks`)."""
     return subgroup_masks(leaf_path_WxD1)

@@ -12,7 +12,15 @@ import jax
 import jax.numpy as jnp
 
 from treejax.forest import Forest
-from treejax.rl.advantages.common import broadcast_leaves, check_rewards, materialize, scaled_sum, whiten_stats
+from treejax.rl.advantages.common import (
+    broadcast_leaves,
+    check_baseline,
+    check_rewards,
+    materialize,
+    other_subtrees_deviation,
+    scaled_sum,
+    whiten_stats,
+)
 from treejax.rl.advantages.registry import Advantages, register_estimator
 
 
@@ -29,16 +37,21 @@ class GRPOOptions:
     scale_by_std: bool = True
     unbiased_std: bool = True  # torch.std default, as verl's compute_grpo_outcome_advantage
     eps: float = 1e-6
+    baseline: str = "group"
+
+    def __post_init__(self):
+        check_baseline("GRPOOptions", self.baseline)
 
 
-def grpo_core(r_W: jax.Array, options: GRPOOptions) -> jax.Array:
+def grpo_core(r_W: jax.Array, options: GRPOOptions, leaf_path_WxD1: jax.Array | None = None) -> jax.Array:
     dev = _mean_deviation(r_W)
+    centred = dev if options.baseline == "group" else other_subtrees_deviation(leaf_path_WxD1, r_W)
     if not options.scale_by_std:
-        return dev
+        return centred
     w = r_W.shape[0]
     sq = materialize(dev * dev)
     var = scaled_sum(sq, w - 1 if options.unbiased_std else w)
-    return dev * materialize(1.0 / (jnp.sqrt(var) + options.eps))  # see common.materialize
+    return centred * materialize(1.0 / (jnp.sqrt(var) + options.eps))  # see common.materialize
 
 
 @register_estimator("grpo", GRPOOptions)
@@ -50,16 +63,25 @@ def grpo(forest: Forest, rewards_PxW: jax.Array, options: GRPOOptions = GRPOOpti
     verl uses mean 0 and std 1 (so ``A = R``); here W = 1 gives ``A = 0`` (a single sample carries no
     group-relative signal), and the mean is taken as ``mean_j (R_i - R_j)`` so equal rewards give exactly 0.
     No batch whitening.
+
+    ``baseline="other_subtrees"``: the centring is leave-one-subtree-out, ``R_i - mean_{j under another depth-1
+    node} R_j`` (:func:`~treejax.rl.advantages.common.other_subtrees_deviation`; the std stays the group's),
+    for trees whose siblings are correlated; on independent samples it is the leave-one-out (RLOO) mean.
     """
     r = check_rewards(forest, rewards_PxW)
-    leaves = jax.vmap(lambda x: grpo_core(x, options))(r)
+    leaves = jax.vmap(lambda x, p: grpo_core(x, options, p))(r, forest.leaf_path)
     return Advantages(tokens=broadcast_leaves(leaves, forest.loss_mask), loss_mask=forest.loss_mask, leaves=leaves)
 
 
 # --------------------------------------------------------------------------------------------------- rloo
 @dataclasses.dataclass(frozen=True)
 class RLOOOptions:
-    pass
+    """``baseline="other_subtrees"``: leave one depth-1 subtree out instead of one leaf (see :func:`rloo`)."""
+
+    baseline: str = "group"
+
+    def __post_init__(self):
+        check_baseline("RLOOOptions", self.baseline)
 
 
 def rloo_core(r_W: jax.Array) -> jax.Array:
@@ -70,9 +92,14 @@ def rloo_core(r_W: jax.Array) -> jax.Array:
 @register_estimator("rloo", RLOOOptions)
 def rloo(forest: Forest, rewards_PxW: jax.Array, options: RLOOOptions = RLOOOptions()) -> Advantages:
     """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): ``A_i = R_i - (1/(W-1)) sum_{j != i} R_j``
-    ``= W/(W-1) (R_i - mean R)``. W = 1 gives 0 (verl gives ``A = R`` there). No whitening."""
+    ``= W/(W-1) (R_i - mean R)``. W = 1 gives 0 (verl gives ``A = R`` there). No whitening.
+    ``baseline="other_subtrees"``: ``A_i = R_i - mean_{j under another depth-1 node} R_j`` (a tree's siblings
+    are correlated with R_i; identical to the default on independent samples)."""
     r = check_rewards(forest, rewards_PxW)
-    leaves = jax.vmap(rloo_core)(r)
+    if options.baseline == "other_subtrees":
+        leaves = jax.vmap(other_subtrees_deviation)(forest.leaf_path, r)
+    else:
+        leaves = jax.vmap(rloo_core)(r)
     return Advantages(tokens=broadcast_leaves(leaves, forest.loss_mask), loss_mask=forest.loss_mask, leaves=leaves)
 
 
@@ -81,6 +108,10 @@ def rloo(forest: Forest, rewards_PxW: jax.Array, options: RLOOOptions = RLOOOpti
 class ReinforcePPBaselineOptions:
     whiten: bool = True
     whiten_eps: float = 1e-8  # verl masked_whiten's rsqrt(var + 1e-8)
+    baseline: str = "group"
+
+    def __post_init__(self):
+        check_baseline("ReinforcePPBaselineOptions", self.baseline)
 
 
 @register_estimator("reinforce_pp_baseline", ReinforcePPBaselineOptions)
@@ -91,10 +122,14 @@ def reinforce_pp_baseline(
     advantage``): ``a_i = R_i - mean_G R`` per prompt, broadcast over the leaf's tokens, then batch-global
     token-weighted whitening over all valid tokens of all prompts (:func:`masked_whiten`, unbiased variance).
     ``leaves`` holds the whitened per-leaf value ``(a_i - mu) / sqrt(var + eps)``. verl uses mean 0 for W = 1
-    (``a = R``); here W = 1 gives ``a = 0``.
+    (``a = R``); here W = 1 gives ``a = 0``. ``baseline="other_subtrees"``: ``a_i = R_i - mean_{j under another
+    depth-1 node} R_j`` (leave one subtree out, for trees).
     """
     r = check_rewards(forest, rewards_PxW)
-    a = jax.vmap(_mean_deviation)(r)
+    if options.baseline == "other_subtrees":
+        a = jax.vmap(other_subtrees_deviation)(forest.leaf_path, r)
+    else:
+        a = jax.vmap(_mean_deviation)(r)
     return _whitened_leaf_advantages(a, forest, options.whiten, options.whiten_eps)
 
 

@@ -51,8 +51,10 @@ def treepo_core(leaf_path_WxD1: jax.Array, rewards_W: jax.Array, options: TreePO
     """One prompt: the per-leaf subgroup advantage before whitening, [W]."""
     group = subgroup_masks(leaf_path_WxD1)  # [D+1, W, W]
     a, size = centered_by_groups(rewards_W, group)  # [D+1, W]
-    is_root = (jnp.arange(group.shape[0]) == 0)[:, None]
-    include = is_root | (size > 1)
+    depth = jnp.arange(group.shape[0])[:, None]
+    is_root = depth == 0
+    above_end = depth < jnp.sum(leaf_path_WxD1[:, 1:] >= 0, axis=-1)[None, :]  # not the leaf's own end node
+    include = is_root | ((size > 1) & above_end)
     if options.reject_zero_std:
         differs = rewards_W[:, None] != rewards_W[None, :]
         nonconstant = jnp.any(group & differs[None], axis=-1)
@@ -68,7 +70,9 @@ def treepo(forest: Forest, rewards_PxW: jax.Array, options: TreePOOptions = Tree
 
     For leaf i with reward R_i, let G_d(i) be the leaves sharing leaf i's node at depth d (d = 0 is the root:
     all W leaves of the prompt). The included groups J(i) are: the root group always; a deeper group only if
-    it holds more than one leaf (|G_d(i)| > 1); with ``reject_zero_std`` a deeper group only if its rewards
+    it holds more than one leaf (|G_d(i)| > 1) and is not the group of leaf i's own end node (that group
+    holds only copies of leaf i itself -- a slot tree's duplicates, ``TreeConfig.allocation = "slots"`` -- whose
+    a_d = 0 would otherwise dilute an early stop's advantage); with ``reject_zero_std`` a deeper group only if its rewards
     are not all equal (Eq. 7; the root is never rejected — if its rewards are all equal every term is 0).
 
         a_d(i) = R_i - mean_{j in G_d(i)} R_j

@@ -113,11 +113,14 @@ class BranchingRule:
 
     ``needs_entropy`` / ``top_k``: per-token statistics the rule reads (the decode step computes them only when
     asked). ``prunes``: whether :meth:`prune` can return True (static; ``False`` skips the pruning stage).
+    ``splits_slots``: whether the rule implements :meth:`slot_children` (slot trees, ``TreeConfig.allocation =
+    "slots"``, accept only such rules).
     """
 
     needs_entropy: ClassVar[bool] = False
     top_k: ClassVar[int] = 0
     prunes: ClassVar[bool] = False
+    splits_slots: ClassVar[bool] = False
 
     def prune(self, stats: PathStats) -> jax.Array:
         """bool[P, W]: live paths to end here as ``PRUNED`` leaves (default: none)."""
@@ -126,6 +129,16 @@ class BranchingRule:
     def allocate(self, stats: PathStats, total_P: jax.Array) -> jax.Array:
         """int32[P, W]: children per live path (``>= 1``; 0 elsewhere), summing to at most ``max(total, A)``."""
         raise NotImplementedError
+
+    def slot_children(self, stats: PathStats, slots_PxW: jax.Array) -> jax.Array:
+        """int32[P, W]: children of each live path of a slot tree, in ``[1, min(b, slots)]`` (0 elsewhere).
+
+        The count may depend on anything decoded so far (never on the children themselves), and a rule may only
+        split a path's OWN ``slots`` (the sampler splits them as evenly as possible over the children), never
+        move slots between paths: that keeps every slot an exact draw of the policy. Default (used by
+        :class:`FixedAverage`): as many children as allowed, ``min(b, slots)``."""
+        b = stats.branch_factor
+        return jnp.where(stats.live_PxW, jnp.clip(slots_PxW, 1, b), 0).astype(jnp.int32)
 
 
 _REGISTRY: dict[str, type] = {}

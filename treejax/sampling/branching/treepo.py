@@ -25,9 +25,13 @@ class FixedAverage(BranchingRule):
     * ``remainder="first"``: one each to the first live paths (largest remainder with equal weights,
       :func:`kernels.allocate_budget`; treejax's default);
     * ``remainder="last"``: all of it to the last live path (the official code's split).
+
+    In a slot tree (``TreeConfig.allocation = "slots"``) every live path with ``n`` slots takes ``min(b, n)``
+    children (:meth:`BranchingRule.slot_children`); ``remainder`` is not read there.
     """
 
     remainder: str = "first"
+    splits_slots = True  # slot trees: min(b, n) children per path, n = its own slots (BranchingRule.slot_children)
 
     def __post_init__(self):
         if self.remainder not in ("first", "last"):

@@ -1,12 +1,24 @@
-"""Tree vs independent sampling under the same policy, on a run's own config (moved out of the training loop,
-where it doubled every step's rollout cost).
+"""Does a tree pay on this task? Tree vs independent sampling under the same policy, on a run's own config.
 
-For ``--batches`` batches of the config's prompts: the config's tree rollout (``RunConfig.rollout``) and ``W``
-independent samples of the same maximum length (segment length kept, ``b = 1``), both from the same weights
-(the config's model, or ``--checkpoint`` of a run). Reports decoded tokens, rollout time (after a warm-up call),
-verifier accuracy, and the distributions of leaf length and of the length of correct answers, per method::
+For ``--batches`` batches of the config's prompts (one warm-up batch first, not counted), every *arm* samples
+``W`` leaves per prompt from the same weights (the config's model, or ``--checkpoint`` of a run):
 
-    python experiments/compare_rollouts.py --gin_file=configs/treepo_smollm2.gin --batches 4 --json out.json
+* ``config``       the config's own rollout (``RunConfig.rollout``; e.g. TreePO's official ``"transfer"`` tree);
+* ``slots k=K``    for each ``--slots K``: the config's tree as a slot tree (``allocation="slots"``,
+                   ``init_divergence=K``; unbiased by construction, :mod:`treejax.sampling.tree_config`);
+* ``independent``  ``W`` independent samples of the same maximum length (segment length kept, ``b = 1``).
+
+Per arm it reports, over all leaf slots with their weights (``Forest.leaf_weight``: what the leaves stand for
+under the policy) and over the distinct leaves (what the tree decoded): length, truncation and verifier
+accuracy; decoded tokens, rounds (segment iterations) and rollout seconds per call (after the warm-up); distinct
+leaves per prompt; the sibling correlation of reward and of length (leaves under one depth-1 node vs across, see
+:mod:`treejax.rl.tree_stats`) and the effective sample size of the reward mean per prompt, per 1,000 decoded tokens
+and relative to independent sampling. How to read it (README, "Does a tree pay?"): an unbiased arm has weighted
+length / truncation / accuracy within noise of ``independent``; the tree pays when its ESS per decoded token is
+above independent's (ratio > 1), i.e. when the tokens it saves outweigh the correlation of its siblings::
+
+    python experiments/compare_rollouts.py --gin_file=configs/efficacy_treepo.gin --batches 16 --slots 2 4 8 \
+        --json out.json
 """
 
 from __future__ import annotations
@@ -29,13 +41,61 @@ def _percentiles(x) -> dict:
             "max": float(x.max())}
 
 
-def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None) -> dict:
-    from treejax.data import get_task, make_prompt_pipeline
+def rollout_arms(tc, slots: list[int], include_config: bool = True) -> dict:
+    """``{arm name: TreeConfig}`` (module docstring)."""
+    from treejax.sampling.tree import independent_config
+
+    arms = {"config": tc} if include_config else {}
+    for k in slots:
+        arms[f"slots k={k}"] = dataclasses.replace(tc, allocation="slots", init_divergence=k,
+                                                   init_divergence_range=None)
+    arms["independent"] = independent_config(tc.num_leaves, tc.max_length, tc.segment_length, strategy=tc.strategy,
+                                             stop_ids=tc.stop_ids, fallback=False)
+    return arms
+
+
+def arm_report(batches: list[dict], seconds: float) -> dict:
+    """One arm's numbers from its batches (each: forest arrays on the host, scores, info counters)."""
     from treejax.forest import NodeStatus
+    from treejax.rl import tree_stats
+
+    cat = {k: np.concatenate([b[k] for b in batches]) for k in ("path", "weight", "length", "status", "correct",
+                                                                  "first")}
+    calls = len(batches)
+    w, first = cat["weight"], cat["first"].astype(np.float64)
+    trunc = (cat["status"] == int(NodeStatus.TRUNCATED)).astype(np.float64)
+    length, correct = cat["length"].astype(np.float64), cat["correct"].astype(np.float64)
+    reward_sums = length_sums = None
+    for b in batches:
+        reward_sums = tree_stats.add_sums(reward_sums, tree_stats.sibling_sums(b["path"], b["weight"], b["correct"]))
+        length_sums = tree_stats.add_sums(length_sums, tree_stats.sibling_sums(b["path"], b["weight"], b["length"]))
+    rho = tree_stats.sibling_correlation(reward_sums)
+    ess = tree_stats.effective_samples(cat["path"], w, rho)
+    decoded = sum(b["decoded"] for b in batches)
+    prompts = cat["path"].shape[0]
+    return {
+        "calls": calls, "prompts": prompts, "decoded_tokens": decoded, "decoded_per_call": decoded / calls,
+        "rollout_s_per_call": seconds / calls, "rounds_per_call": float(np.mean([b["rounds"] for b in batches])),
+        "distinct_leaves_per_prompt": float(first.sum() / prompts),
+        "weighted": {"length_mean": tree_stats.weighted_mean(length, w), "truncated": tree_stats.weighted_mean(trunc, w),
+                     "accuracy": tree_stats.weighted_mean(correct, w),
+                     "correct_length_mean": tree_stats.weighted_mean(length, w * correct)},
+        "distinct": {"length_mean": tree_stats.weighted_mean(length, first),
+                     "truncated": tree_stats.weighted_mean(trunc, first),
+                     "accuracy": tree_stats.weighted_mean(correct, first),
+                     "length": _percentiles(length[first > 0])},
+        "sibling_corr_reward": rho, "sibling_corr_length": tree_stats.sibling_correlation(length_sums),
+        "ess_per_prompt": float(ess.mean()), "ess_per_1k_tokens": float(1000 * ess.sum() / max(decoded, 1)),
+    }
+
+
+def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slots: list[int] = (),
+            include_config: bool = True) -> dict:
+    from treejax.data import get_task, make_prompt_pipeline
     from treejax.models.registry import load_model
     from treejax.rl import loop
     from treejax.sampling.decode import make_model_fns
-    from treejax.sampling.tree import make_independent_rollout, make_tree_rollout
+    from treejax.sampling.tree import make_tree_rollout
 
     prec = cfg.precision.resolve()
     task = get_task(cfg.task, **dict(cfg.task_options))
@@ -48,14 +108,12 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None) -> 
     params = prec.sampler_params(params)
     fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
     tc = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
-    rollouts = {"tree": make_tree_rollout(fns, tc),
-                "independent": make_independent_rollout(fns, tc.num_leaves, tc.max_length, tc.segment_length,
-                                                        strategy=tc.strategy, stop_ids=tc.stop_ids)}
+    rollouts = {name: make_tree_rollout(fns, arm) for name, arm in rollout_arms(tc, list(slots), include_config).items()}
     records, _, width = loop.filter_prompts(tokenizer, task, task.records("train"), [], cfg)
     pipeline = make_prompt_pipeline(records, batch_size=cfg.prompts_per_step, seed=seed)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    stats = {name: {"decoded": 0, "time_s": 0.0, "correct": [], "lengths": [], "correct_lengths": [],
-                    "truncated": 0} for name in rollouts}
+    got = {name: [] for name in rollouts}
+    seconds = {name: 0.0 for name in rollouts}
     with prec.matmul_context():
         for b in range(batches + 1):  # batch 0 warms up (compiles) and is not counted
             recs = next(pipeline)
@@ -69,22 +127,33 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None) -> 
                 dt = time.perf_counter() - t0
                 if b == 0:
                     continue
-                scores = loop.score_forest(tokenizer, task, examples, forest)
-                length = np.asarray(forest.leaf_length)
-                s = stats[name]
-                s["decoded"] += int(info["decoded_tokens"])
-                s["time_s"] += dt
-                s["correct"] += (scores >= 1).ravel().tolist()
-                s["lengths"] += length.ravel().tolist()
-                s["correct_lengths"] += length[scores >= 1].tolist()
-                s["truncated"] += int(np.sum(np.asarray(forest.leaf_status) == int(NodeStatus.TRUNCATED)))
-    out = {}
-    for name, s in stats.items():
-        out[name] = {"decoded_tokens": s["decoded"], "rollout_s": s["time_s"],
-                     "accuracy": float(np.mean(s["correct"])), "truncated_leaves": s["truncated"],
-                     "leaves": len(s["lengths"]), "leaf_length": _percentiles(s["lengths"]),
-                     "correct_answer_length": _percentiles(s["correct_lengths"])}
+                seconds[name] += dt
+                got[name].append({
+                    "path": np.asarray(forest.leaf_path), "weight": np.asarray(forest.leaf_weights(), np.float64),
+                    "length": np.asarray(forest.leaf_length), "status": np.asarray(forest.leaf_status),
+                    "correct": (loop.score_forest(tokenizer, task, examples, forest) >= 1).astype(np.float64),
+                    "first": np.asarray(forest.distinct_leaves()), "decoded": int(info["decoded_tokens"]),
+                    "rounds": int(info["segments"])})
+    out = {name: arm_report(got[name], seconds[name]) for name in rollouts}
+    base = out["independent"]["ess_per_1k_tokens"]
+    for r in out.values():
+        r["ess_per_token_vs_independent"] = r["ess_per_1k_tokens"] / base if base > 0 else float("nan")
     return out
+
+
+def print_table(out: dict, header: str) -> None:
+    print(header)
+    cols = ("arm", "tok/call", "s/call", "rounds", "distinct", "w.len", "w.trunc", "w.acc", "d.len", "d.trunc",
+            "d.acc", "rho(R)", "rho(len)", "ESS/prompt", "ESS/1k tok", "vs indep")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for name, r in out.items():
+        wt, d = r["weighted"], r["distinct"]
+        print(f"| {name} | {r['decoded_per_call']:,.0f} | {r['rollout_s_per_call']:.3f} | {r['rounds_per_call']:.1f} | "
+              f"{r['distinct_leaves_per_prompt']:.1f} | {wt['length_mean']:.1f} | {wt['truncated']:.1%} | "
+              f"{wt['accuracy']:.1%} | {d['length_mean']:.1f} | {d['truncated']:.1%} | {d['accuracy']:.1%} | "
+              f"{r['sibling_corr_reward']:.2f} | {r['sibling_corr_length']:.2f} | {r['ess_per_prompt']:.2f} | "
+              f"{r['ess_per_1k_tokens']:.2f} | {r['ess_per_token_vs_independent']:.2f} |")
 
 
 def main(argv=None):
@@ -95,19 +164,20 @@ def main(argv=None):
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slots", type=int, nargs="*", default=[], help="slot-tree arms: init divergence k of each")
+    ap.add_argument("--no-config-arm", action="store_true", help="leave out the config's own rollout")
     ap.add_argument("--checkpoint", default=None, help="an orbax checkpoint folder of a run (default: the model)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cfg = train.parse(args.gin_file, args.gin_param)
-    out = compare(cfg, args.batches, args.seed, args.checkpoint)
-    print(f"device: {jax.devices()[0].device_kind}; {args.batches} batches x {cfg.prompts_per_step} prompts x "
-          f"{cfg.rollout.num_leaves} leaves")
-    print(f"{'method':<13}{'decoded':>10}{'time s':>9}{'accuracy':>10}{'truncated':>11}{'leaf p50':>10}"
-          f"{'leaf mean':>11}{'correct-len p50':>17}")
-    for name, r in out.items():
-        print(f"{name:<13}{r['decoded_tokens']:>10}{r['rollout_s']:>9.2f}{r['accuracy']:>10.1%}"
-              f"{r['truncated_leaves']:>11}{r['leaf_length'].get('p50', 0):>10.0f}"
-              f"{r['leaf_length'].get('mean', 0):>11.1f}{r['correct_answer_length'].get('p50', 0):>17.0f}")
+    W = cfg.rollout.num_leaves
+    bad = [k for k in args.slots if not 1 <= k <= W]
+    if bad:
+        raise SystemExit(f"--slots: each k must be in [1, W={W}], got {bad}")
+    out = compare(cfg, args.batches, args.seed, args.checkpoint, args.slots, not args.no_config_arm)
+    print_table(out, f"device: {jax.devices()[0].device_kind}; {args.batches} batches x {cfg.prompts_per_step} "
+                     f"prompts x {W} leaf slots; w. = weighted by leaf_weight (the policy's view), d. = distinct "
+                     "leaves (what was decoded)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.gin_file, "gin_params": args.gin_param, "batches": args.batches,

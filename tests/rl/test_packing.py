@@ -337,3 +337,24 @@ def test_sticky_layout_only_grows_and_keeps_the_loss(sampled, policy_params):
     ploss, _, pgrads = grad_fn(policy_params, packed)
     np.testing.assert_allclose(float(ploss), float(loss), rtol=1e-5)
     _assert_grads_close(pgrads, grads)
+
+
+# ----------------------------------------------------------------------------------------------- slot trees
+def test_packed_equals_expanded_with_duplicate_leaves(policy_params):
+    """A slot tree stores a path that stops holding n slots n times: the packed batch holds its tokens once and
+    gathers them to every copy's (leaf, token) pairs, so loss, metrics and gradients equal the expanded batch's,
+    where each copy is its own row (fp32, 1e-5)."""
+    params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, T.init_params(CFG, jax.random.key(0)))
+    tc = dataclasses.replace(TC, allocation="slots", init_divergence=2, num_leaves=8)
+    forest, _ = tree.make_tree_rollout(CFG, tc)(params, PROMPTS, LENGTHS, TREE_KEY)
+    first = np.asarray(forest.distinct_leaves())
+    assert not first.all()  # copies present
+    grad_fn = jax.jit(make_grad_fn(CFG, CASES["seq-mean-token-mean"][0], num_micro_batches=1))
+    for name in ("treepo", "grpo", "treepo_segment"):
+        batch, packed = _both_batches(PROMPTS, LENGTHS, forest, name)
+        loss, metrics, grads = grad_fn(policy_params, batch)
+        ploss, pmetrics, pgrads = grad_fn(policy_params, packed)
+        np.testing.assert_allclose(float(ploss), float(loss), rtol=1e-5, err_msg=name)
+        for k in ("pg_loss", "num_tokens", "kl", "entropy"):
+            np.testing.assert_allclose(float(pmetrics[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+        _assert_grads_close(pgrads, grads)

@@ -38,7 +38,9 @@ from treejax.forest import Forest
 from treejax.models.config import ModelConfig
 from treejax.precision import ResolvedPrecision
 from treejax.rl.advantages import estimator_spec
+from treejax.parallel import multihost
 from treejax.rl import packing as packing_lib
+from treejax.rl import tree_stats
 from treejax.rl.batch import forest_to_batch
 from treejax.rl.losses import LossConfig
 from treejax.rl.update import gather_pairs, packed_logprobs, sequence_logprobs, split_micro, trainable_mask
@@ -296,6 +298,7 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
     }
     host.update(packing_info)
+    host.update(sibling_metrics(ro.forest, ro.rewards_PxW))
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
     return state, ro, device_metrics, host
@@ -312,6 +315,20 @@ def leaf_length_metrics(forest) -> dict:
     return {"rollout/mean_leaf_length": float(jnp.sum(weight * length) / jnp.maximum(jnp.sum(weight), 1e-12)),
             "rollout/distinct_leaves": float(jnp.sum(first) / first.shape[0]),
             "rollout/mean_distinct_leaf_length": float(jnp.sum(first * length) / jnp.maximum(jnp.sum(first), 1.0))}
+
+
+def sibling_metrics(forest, rewards_PxW) -> dict:
+    """``rollout/sibling_reward_corr``: correlation of the rewards of leaves under one depth-1 node
+    (:mod:`treejax.rl.tree_stats`; left out when undefined: independent samples have no siblings, all-equal
+    rewards no spread); ``rollout/effective_leaves``: the effective sample size of a prompt's reward mean, mean
+    over prompts (``W`` for independent samples)."""
+    path, weight = multihost.host_tree((forest.leaf_path, forest.leaf_weights()))
+    rewards = np.asarray(multihost.host_tree(rewards_PxW), np.float64)
+    rho = tree_stats.sibling_correlation(tree_stats.sibling_sums(path, weight, rewards))
+    out = {"rollout/effective_leaves": float(tree_stats.effective_samples(path, weight, rho).mean())}
+    if np.isfinite(rho):
+        out["rollout/sibling_reward_corr"] = float(rho)
+    return out
 
 
 def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, ref_params):

@@ -55,13 +55,18 @@ def method_name(config_path: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------- run
-def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], dry_run: bool = False) -> None:
+def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], dry_run: bool = False,
+        parallel: int = 1) -> None:
+    """Every config x seed, seeds as the outer loop; ``parallel > 1`` keeps up to that many runs going at once
+    (each its own process on the same accelerator; its output goes to ``<log_dir>.log``). Concurrent runs share
+    the card, so their seconds compare only with runs that shared it in the same way."""
     names = [method_name(c) for c in configs]
     if len(set(names)) != len(names):
         raise SystemExit(f"two configs have the same method name: {names}")
     for c in configs:
         if not os.path.exists(c):
             raise SystemExit(f"no such config: {c}")
+    jobs = []
     for seed in seeds:
         for config, name in zip(configs, names):
             log_dir = os.path.join(out, name, f"seed{seed}")
@@ -74,14 +79,44 @@ def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], d
             for p in gin_params:
                 cmd += ["--gin_param", p]
             print(f"[efficacy] {name} seed {seed}: {' '.join(cmd)}", flush=True)
-            if dry_run:
+            if not dry_run:
+                jobs.append((f"{name} seed {seed}", log_dir, cmd))
+    running, failed = [], []
+
+    def reap(block: bool):
+        for item in list(running):
+            label, proc, t0, fh = item
+            if proc.poll() is None and not block:
                 continue
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd)
-            print(f"[efficacy] {name} seed {seed}: exit {proc.returncode} after {time.perf_counter() - t0:.0f} s",
-                  flush=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"run {name} seed {seed} failed (exit {proc.returncode}); see {log_dir}")
+            code = proc.wait()
+            if fh is not None:
+                fh.close()
+            running.remove(item)
+            print(f"[efficacy] {label}: exit {code} after {time.perf_counter() - t0:.0f} s", flush=True)
+            if code != 0:
+                failed.append(label)
+            if block:
+                return
+
+    for label, log_dir, cmd in jobs:
+        while len(running) >= max(parallel, 1):
+            reap(block=False)
+            if len(running) >= max(parallel, 1):
+                time.sleep(1.0)
+        fh = None
+        if parallel > 1:
+            os.makedirs(os.path.dirname(log_dir), exist_ok=True)
+            fh = open(log_dir + ".log", "w")
+        running.append((label, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT if fh else None),
+                        time.perf_counter(), fh))
+        if parallel <= 1:
+            reap(block=True)
+            if failed:
+                raise SystemExit(f"run {failed[0]} failed; see {log_dir}")
+    while running:
+        reap(block=True)
+    if failed:
+        raise SystemExit(f"runs failed: {failed}")
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -296,6 +331,7 @@ def main(argv=None):
     r.add_argument("--out", default="runs/efficacy")
     r.add_argument("--gin_param", action="append", default=[])
     r.add_argument("--dry_run", action="store_true")
+    r.add_argument("--parallel", type=int, default=1, help="runs at once on the accelerator (default 1)")
     p = sub.add_parser("report", help="write efficacy.json / .png / .md from the runs")
     p.add_argument("--runs", default="runs/efficacy")
     p.add_argument("--out", default="experiments/results/efficacy")
@@ -303,7 +339,7 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="the accelerator's name (default: read from the runs)")
     args = ap.parse_args(argv)
     if args.cmd == "run":
-        run(args.configs, args.seeds, args.out, args.gin_param, args.dry_run)
+        run(args.configs, args.seeds, args.out, args.gin_param, args.dry_run, args.parallel)
     else:
         report(args.runs, args.out, args.rollouts, args.device)
 

@@ -358,3 +358,40 @@ def test_packed_equals_expanded_with_duplicate_leaves(policy_params):
         for k in ("pg_loss", "num_tokens", "kl", "entropy"):
             np.testing.assert_allclose(float(pmetrics[k]), float(metrics[k]), rtol=1e-5, atol=1e-7, err_msg=k)
         _assert_grads_close(pgrads, grads)
+
+
+def test_mass_leaf_weighting(policy_params):
+    """``leaf_weighting='mass'``: on a slot tree (every weight 1) the step is bit-identical to ``'count'``; on a
+    ``"transfer"`` tree without fallback (weights = W x path mass, not all 1) the parameters move differently;
+    bad values and the fallback are refused."""
+    from treejax.precision import Precision
+    from treejax.rl import loop
+    from treejax.rl.step import StepConfig, make_step_fns, rl_step
+    from treejax.testing.sources import FixedPromptRollouts
+
+    with pytest.raises(ValueError, match="leaf_weighting must be one of"):
+        StepConfig(leaf_weighting="path")
+    with pytest.raises(ValueError, match="fallback"):
+        loop.RunConfig(leaf_weighting="mass")
+    loop.RunConfig(leaf_weighting="mass", rollout=dataclasses.replace(loop.RunConfig().rollout, fallback=False))
+    loss_cfg = losses.LossConfig(eps_high=0.28)
+    opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
+    update = jax.jit(make_update_fn(CFG, loss_cfg, opt))
+
+    def run(tc, weighting):
+        source = FixedPromptRollouts(tree.make_tree_rollout(CFG, tc), PROMPTS, LENGTHS,
+                                     lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
+        fns = make_step_fns(CFG, StepConfig(estimator="grpo", loss=loss_cfg, leaf_weighting=weighting),
+                            Precision().resolve("cpu"), update)
+        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt, jax.random.key(1))
+        state, ro, _, _ = rl_step(fns, state, source, jax.random.key(8), 0)
+        return jax.device_get(state.params), np.asarray(ro.forest.leaf_weights())
+
+    slots = dataclasses.replace(TC, allocation="slots", init_divergence=2)
+    (a, _), (b, _) = run(slots, "count"), run(slots, "mass")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    transfer = dataclasses.replace(TC, fallback=False)
+    (a, w), (b, _) = run(transfer, "count"), run(transfer, "mass")
+    assert not np.allclose(w, 1.0)
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -90,6 +90,9 @@ class RunConfig:
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
+    ``leaf_weighting``: ``"count"`` (every leaf slot weighs 1: TreePO's official weighting) or ``"mass"`` (each
+    leaf's advantages times ``Forest.leaf_weight``, ``W`` x its path mass for ``"transfer"`` trees: see
+    :data:`treejax.rl.step.LEAF_WEIGHTINGS`; refused with the fallback).
     ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
     token computed once, same loss and gradient; mini-batches are then groups of prompts, so
     ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
@@ -109,6 +112,7 @@ class RunConfig:
                                      strategy=Temperature(1.0), repetition_ngram=4, repetition_count=4)
     estimator: str = "treepo"
     estimator_options: Any = None  # None: the estimator's defaults
+    leaf_weighting: str = "count"  # "mass": each leaf's advantages x Forest.leaf_weight (step.LEAF_WEIGHTINGS)
     reward_style: str = "pm1"
     overlong_buffer: int = 0  # DAPO soft overlong penalty buffer (0 = off)
     overlong_factor: float = 1.0
@@ -161,7 +165,11 @@ class RunConfig:
         if self.packed_update and self.prompts_per_step % self.mini_batches:
             raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
                              f"{self.prompts_per_step} does not split into mini_batches={self.mini_batches}")
-        self.step_config()  # validates old_logp, TIS and the estimator's inputs
+        if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
+            raise ValueError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
+                             "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
+                             "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
+        self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
 
     def step_config(self, pad_id: int = 0, batch_devices: int = 1) -> StepConfig:
         """The step's settings; ``batch_devices``: devices the batch is sharded over (packed row multiple)."""
@@ -169,7 +177,7 @@ class RunConfig:
                           old_logp=self.old_logp, epochs=self.epochs, mini_batches=self.mini_batches,
                           micro_batches=self.micro_batches, pad_id=pad_id, attention_impl=self.attention_impl,
                           clip_scale_fn=self.clip_scale_fn, packing=self.packing if self.packed_update else None,
-                          row_multiple=self.micro_batches * batch_devices)
+                          row_multiple=self.micro_batches * batch_devices, leaf_weighting=self.leaf_weighting)
 
 
 # ----------------------------------------------------------------------------------------------- prompts

@@ -75,6 +75,14 @@ class RolloutSource(Protocol):
         """``[P]`` reward of one greedy completion of each prompt of ``rollouts`` (ReMax's baseline)."""
 
 
+#: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
+#: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
+#: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum
+#: ``sum_l w_l A_l grad log pi(l)`` weighs every leaf by the share of the policy's sample it stands for (the PPO
+#: clip of a leaf with ``w > 0`` is unchanged by the scale); the estimators' baselines are left as they are.
+LEAF_WEIGHTINGS = ("count", "mass")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Static settings of :func:`rl_step` (a subset of ``RunConfig``)."""
@@ -92,8 +100,11 @@ class StepConfig:
     clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
     packing: packing_lib.PackingConfig | None = None  # None: expanded rows; else the tree-packed update
     row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
+    leaf_weighting: str = "count"  # "count" | "mass": scale each leaf's advantages by forest.leaf_weight
 
     def __post_init__(self):
+        if self.leaf_weighting not in LEAF_WEIGHTINGS:
+            raise ValueError(f"leaf_weighting must be one of {LEAF_WEIGHTINGS}, got {self.leaf_weighting!r}")
         if self.old_logp not in OLD_LOGP_SOURCES:
             raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
         if self.old_logp == "sampler" and self.loss.tis_cap is not None:
@@ -255,6 +266,8 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
             inputs["greedy_reward_P"] = jnp.asarray(source.greedy_rewards(sampler_params, ro), jnp.float32)
         t_inputs = time.perf_counter()
         adv = fns.estimator(ro.forest, ro.rewards_PxW, inputs)
+        if cfg.leaf_weighting == "mass":
+            adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
         P, W = ro.rewards_PxW.shape
         eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
                      else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))

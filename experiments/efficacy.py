@@ -241,19 +241,21 @@ def table(summary: dict, device: str) -> str:
 
 
 def rollout_table(paths: list[str]) -> str:
-    """Leaf / correct-answer length distributions of tree vs independent sampling (experiments/compare_rollouts)."""
-    lines = ["| config | sampling | decoded tokens | leaves | accuracy | leaf length mean (p10/p50/p90) | "
-             "truncated | correct-answer length mean (p50) |", "|---|---|---|---|---|---|---|---|"]
+    """The "does a tree pay?" diagnostic of each arm under the base policy (experiments/compare_rollouts.py JSON):
+    weighted (w.) leaf statistics = what the leaves stand for under the policy, distinct (d.) = what was decoded."""
+    lines = ["| config | arm | tokens / call | s / call | w. length | w. truncated | d. length | d. truncated | "
+             "ESS / prompt | ESS / 1k tokens | vs independent |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         with open(p) as f:
             data = json.load(f)
         config = ", ".join(os.path.basename(c) for c in data.get("config") or []) or os.path.basename(p)
-        for method, s in data["methods"].items():
-            ll, cl = s["leaf_length"], s["correct_answer_length"]
+        for arm, s in data["methods"].items():
+            w, d = s["weighted"], s["distinct"]
             lines.append(
-                f"| {config} | {method} | {s['decoded_tokens']} | {s['leaves']} | "
-                f"{100 * s['accuracy']:.1f}% | {ll['mean']:.1f} ({ll['p10']:.0f}/{ll['p50']:.0f}/{ll['p90']:.0f}) | "
-                f"{s['truncated_leaves']} | " + (f"{cl['mean']:.1f} ({cl['p50']:.0f})" if cl["n"] else "-") + " |")
+                f"| {config} | {arm} | {s['decoded_per_call']:,.0f} | {s['rollout_s_per_call']:.3f} | "
+                f"{w['length_mean']:.1f} | {100 * w['truncated']:.1f}% | {d['length_mean']:.1f} | "
+                f"{100 * d['truncated']:.1f}% | {s['ess_per_prompt']:.2f} | {s['ess_per_1k_tokens']:.2f} | "
+                f"{s['ess_per_token_vs_independent']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

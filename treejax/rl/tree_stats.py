@@ -66,8 +66,9 @@ def sibling_correlation(sums: dict) -> float:
 
 def effective_samples(leaf_path_PxWxD1, weight_PxW, rho: float) -> np.ndarray:
     """float[P]: ESS of each prompt's weighted leaf mean under sibling correlation ``rho`` (module docstring);
-    ``rho`` NaN (undefined) is taken as 0."""
-    rho = 0.0 if not np.isfinite(rho) else rho
+    ``rho`` is clipped to ``[0, 1]`` (NaN, undefined, is taken as 0): a negative estimate is noise around 0 for
+    leaves that share a prefix, and would make the variance formula meaningless near ``rho = -1 / (m - 1)``."""
+    rho = float(np.clip(rho, 0.0, 1.0)) if np.isfinite(rho) else 0.0
     pair_w, sib = _pairs(leaf_path_PxWxD1, weight_PxW)
     w = np.asarray(weight_PxW, np.float64) * (np.asarray(leaf_path_PxWxD1)[:, :, 0] >= 0)
     denom = np.sum(w * w, axis=1) + rho * np.sum(pair_w * sib, axis=(1, 2))

@@ -65,12 +65,13 @@ def segment_tokens(seg_PxWxD, mask, S):
     return out
 
 
-def grpo(R, scale_by_std=True, unbiased=True, eps=1e-6):
+def grpo(R, scale_by_std=True, unbiased=True, eps=1e-6, centred=None):
+    """``centred`` [P, W]: the centred rewards to scale (default ``R - mean R``; e.g. :func:`other_subtrees`)."""
     R = np.asarray(R, np.float64)
     out = np.zeros_like(R)
     for p in range(R.shape[0]):
         r = R[p]
-        dev = r - r.mean()
+        dev = r - r.mean() if centred is None else centred[p]
         if scale_by_std:
             std = r.std(ddof=1) if (unbiased and len(r) > 1) else (r.std() if not unbiased else 0.0)
             dev = dev / (std + eps)
@@ -89,6 +90,18 @@ def rloo(R):
     return out
 
 
+def other_subtrees(paths, R):
+    """``R_i - mean of R_j over leaves j under another depth-1 node`` (0 when there is none)."""
+    R = np.asarray(R, np.float64)
+    P, W = R.shape
+    out = np.zeros_like(R)
+    for p in range(P):
+        for i in range(W):
+            others = [R[p, j] for j in range(W) if paths[p, j, 1] != paths[p, i, 1]]
+            out[p, i] = R[p, i] - np.mean(others) if others else 0.0
+    return out
+
+
 def rfpp_raw(R):
     R = np.asarray(R, np.float64)
     return R - R.mean(axis=1, keepdims=True)
@@ -102,10 +115,11 @@ def treepo_raw(paths, R, weighting="average", reject_zero_std=False):
         groups = leaves_under(paths[p])
         for i in range(W):
             terms, sizes = [], []
-            for d, key in enumerate(prefixes(paths[p, i])):
+            keys = prefixes(paths[p, i])
+            for d, key in enumerate(keys):
                 members = groups[key]
                 rs = R[p, members]
-                if d > 0 and len(members) <= 1:
+                if d > 0 and (len(members) <= 1 or d == len(keys) - 1):  # single leaf, or the leaf's own end node
                     continue
                 if d > 0 and reject_zero_std and all_equal(rs):
                     continue

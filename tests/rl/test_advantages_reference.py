@@ -48,12 +48,15 @@ def _expected(name, options, forest, R):
     mask = ref.token_mask(forest.leaf_length, forest.tokens.shape[-1])
     S = forest.segment_length
     if name == "grpo":
-        leaves = ref.grpo(R, options.scale_by_std, options.unbiased_std, options.eps)
+        centred = ref.other_subtrees(paths, R) if options.baseline == "other_subtrees" else None
+        leaves = ref.grpo(R, options.scale_by_std, options.unbiased_std, options.eps, centred)
         return ref.leaf_tokens(leaves, mask), mask
     if name == "rloo":
-        return ref.leaf_tokens(ref.rloo(R), mask), mask
+        raw = ref.other_subtrees(paths, R) if options.baseline == "other_subtrees" else ref.rloo(R)
+        return ref.leaf_tokens(raw, mask), mask
     if name == "reinforce_pp_baseline":
-        return ref.whiten(ref.leaf_tokens(ref.rfpp_raw(R), mask), mask), mask
+        raw = ref.other_subtrees(paths, R) if options.baseline == "other_subtrees" else ref.rfpp_raw(R)
+        return ref.whiten(ref.leaf_tokens(raw, mask), mask), mask
     if name == "treepo":
         raw = ref.treepo_raw(paths, R, options.weighting, options.reject_zero_std)
         tokens = ref.leaf_tokens(raw, mask)
@@ -80,6 +83,9 @@ CASES = [
     ("grpo", adv.GRPOOptions(unbiased_std=False)),
     ("rloo", adv.RLOOOptions()),
     ("reinforce_pp_baseline", adv.ReinforcePPBaselineOptions()),
+    ("grpo", adv.GRPOOptions(baseline="other_subtrees")),
+    ("rloo", adv.RLOOOptions(baseline="other_subtrees")),
+    ("reinforce_pp_baseline", adv.ReinforcePPBaselineOptions(baseline="other_subtrees")),
     ("treepo", adv.TreePOOptions()),
     ("treepo", adv.TreePOOptions(weighting="group_size")),
     ("treepo", adv.TreePOOptions(reject_zero_std=True, whiten=False)),
@@ -115,6 +121,38 @@ def test_matches_reference(name, options, shape, request):
         assert np.all(np.isfinite(np.asarray(out.tokens)))
 
     check()
+
+
+@pytest.mark.parametrize("name,options", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_matches_reference_with_copies(name, options, request):
+    """Slot trees store a path once per slot it holds: forests with repeated leaves (a leaf and its copies share
+    their end node) against the same references, which loop over leaves and so count every copy."""
+    compiled = _compiled(name, options)
+
+    @_deterministic(request.node.name, 16)
+    @given(forests(3, 6, 3, 2, copies=True))
+    def check(example):
+        forest, R = example
+        out = compiled(forest, R)
+        tokens, mask = _expected(name, options, forest, R)
+        np.testing.assert_array_equal(np.asarray(out.loss_mask), mask)
+        np.testing.assert_allclose(np.asarray(out.tokens), tokens, **TOL)
+
+    check()
+
+
+def test_treepo_does_not_dilute_an_early_stop_by_its_own_copies():
+    """W = 4 slots: a path that stops in the first segment holding 2 slots (leaves 0, 1) and one that splits
+    (leaves 2, 3). Leaf 0's depth-1 group holds only its own copies, so its advantage is the root term alone
+    (R - mean R = 0.5), not the average with a zero term (0.25); leaves 2, 3 average the root and their subgroup."""
+    from treejax.forest import forest_from_paths
+
+    f = forest_from_paths(np.array([[[0, 1, -1], [0, 1, -1], [0, 2, 3], [0, 2, 4]]]), np.array([[1, 1, 2, 2]]), 1)
+    R = np.array([[1.0, 1.0, 0.0, 0.0]], np.float32)
+    out = adv.treepo(f, R, adv.TreePOOptions(whiten=False)).leaves
+    np.testing.assert_allclose(np.asarray(out), [[0.5, 0.5, -0.25, -0.25]], rtol=1e-6)
+    loo = adv.rloo(f, R, adv.RLOOOptions(baseline="other_subtrees")).leaves  # others: mean 0 resp. 1
+    np.testing.assert_allclose(np.asarray(loo), [[1.0, 1.0, -1.0, -1.0]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "P%dW%dD%dS%d" % s)

@@ -27,6 +27,10 @@ Loop (``lax.while_loop`` over segments, ``lax.while_loop`` over the <= S tokens 
    mean log-prob ``x`` of the last segment / whole response, ``T`` fixed or scheduled by the training step,
    largest remainder; and EntropyGuided, LATR, ECHO); a path with ``c`` children keeps decoding in its own row
    and forks ``c - 1`` copies into free rows;
+   Slot trees (``TreeConfig.allocation = "slots"``, unbiased by construction) replace 5 and 6: each row holds
+   ``slots`` of the prompt's ``W`` leaf slots (``W`` split over the ``k`` root paths), a live path with ``n``
+   slots gets ``rule.slot_children`` (default ``min(b, n)``) children that split its own slots as evenly as
+   possible, a path that ends is stored once per slot it holds, and nothing falls back (at most ``D`` rounds);
 6. depth-first fallback: a prompt with no live path and fewer than ``W`` leaves re-enters the tree from a
    random FINISHED/EOS leaf whose KV is still resident in one of the prompt's rows, cut at a random earlier
    segment boundary (``k ~ U{1..n_b}``, cut depth ``n_b - k``; official code), with ``min(b, W - F)`` copies;

@@ -100,9 +100,30 @@ def random_rewards(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
     raise ValueError(f"unknown reward kind {kind!r}; valid: pm1, 01, grid, equal, mixed, uniform")
 
 
-def forests(num_prompts: int, num_leaves: int, max_depth: int, segment_length: int, reward_kind: str = "mixed"):
+def with_copies(rng: np.random.Generator, forest: Forest, rewards_PxW: np.ndarray, copy_prob: float):
+    """A slot tree's duplicates: each leaf ``w >= 1`` becomes, with probability ``copy_prob``, a copy of leaf
+    ``w - 1`` (path, length, status, tokens, log-probs and reward). Nodes only the overwritten leaves used are
+    dropped (their ids stay unused); node arrays keep the capacity ``1 + W * D``."""
+    P, W = forest.leaf_path.shape[:2]
+    arrays = {k: np.asarray(getattr(forest, k)).copy() for k in ("leaf_path", "leaf_length", "leaf_status", "tokens",
+                                                                  "logprobs")}
+    rewards = np.asarray(rewards_PxW).copy()
+    for p in range(P):
+        for w in range(1, W):
+            if rng.random() < copy_prob:
+                for a in arrays.values():
+                    a[p, w] = a[p, w - 1]
+                rewards[p, w] = rewards[p, w - 1]
+    out = forest_from_paths(arrays["leaf_path"], arrays["leaf_length"], forest.segment_length, arrays["leaf_status"],
+                            arrays["tokens"], arrays["logprobs"])
+    return pad_nodes(out, forest.node_parent.shape[1]), rewards
+
+
+def forests(num_prompts: int, num_leaves: int, max_depth: int, segment_length: int, reward_kind: str = "mixed",
+            copies: bool = False):
     """Hypothesis strategy of ``(forest, rewards_PxW)`` with fixed shapes (so one compiled function serves
-    every example) and random structure: branchings, depths, early stops, lengths, rewards."""
+    every example) and random structure: branchings, depths, early stops, lengths, rewards; ``copies``: leaves
+    repeated as a slot tree stores them (:func:`with_copies`)."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -112,6 +133,9 @@ def forests(num_prompts: int, num_leaves: int, max_depth: int, segment_length: i
         stop_prob = draw(st.sampled_from([0.0, 0.3, 0.7]))
         rng = np.random.default_rng(seed)
         forest = random_forest(rng, num_prompts, num_leaves, max_depth, segment_length, max_branch, stop_prob)
-        return forest, random_rewards(rng, (num_prompts, num_leaves), reward_kind)
+        rewards = random_rewards(rng, (num_prompts, num_leaves), reward_kind)
+        if copies:
+            return with_copies(rng, forest, rewards, draw(st.sampled_from([0.3, 0.6])))
+        return forest, rewards
 
     return _strategy()

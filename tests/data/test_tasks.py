@@ -252,3 +252,20 @@ def test_example_is_frozen_dataclass():
     ex = Example([{"role": "user", "content": "q"}], "1", {})
     with pytest.raises(Exception):
         ex.ground_truth = "2"
+
+
+def test_task_seeds_give_disjoint_problem_streams():
+    """reasoning-gym builds item i from Random(rg_seed + i): the task seed is spread out before it is passed on, so
+    seed 7 is not seed 0's problems shifted by 7 items; seed 0 keeps its problems (rg_seed 0), and rg_seed= passes
+    reasoning-gym's own seed through (the old behaviour of seed=7)."""
+    from treejax.data.reasoning_gym_tasks import reasoning_gym_seed
+
+    assert reasoning_gym_seed(0) == 0
+    qs = lambda t, split: {r["question"] for r in t.records(split)}  # noqa: E731
+    opts = dict(size=200, eval_size=50, min_terms=3, max_terms=3, min_digits=2, max_digits=3)
+    a, b = get_task("chain_sum", seed=0, **opts), get_task("chain_sum", seed=7, **opts)
+    assert json.loads(a.records("train")[0]["metadata"])["rg_seed"] == 0
+    for split in ("train", "eval"):
+        assert len(qs(a, split) & qs(b, split)) <= 0.02 * len(qs(a, split))
+    old_seed7 = get_task("chain_sum", seed=0, rg_seed=7, **opts)
+    assert len(qs(a, "train") & qs(old_seed7, "train")) >= 0.9 * len(qs(a, "train"))  # the trap it avoids

@@ -51,15 +51,12 @@ class Precision:
     matmul_precision: str = "auto"
 
     def __post_init__(self):
-        if self.param_dtype not in DTYPES:
-            raise ValueError(f"Precision.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
+        from treejax.choices import check_choice
+
+        check_choice("Precision.param_dtype", self.param_dtype, DTYPES)
         for name in ("compute_dtype", "sampler_dtype", "cache_dtype"):
-            value = getattr(self, name)
-            if value != "auto" and value not in DTYPES:
-                raise ValueError(f"Precision.{name} must be 'auto' or one of {DTYPES}, got {value!r}")
-        if self.matmul_precision != "auto" and self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"Precision.matmul_precision must be 'auto' or one of {MATMUL_PRECISIONS}, "
-                             f"got {self.matmul_precision!r}")
+            check_choice(f"Precision.{name}", getattr(self, name), ("auto", *DTYPES))
+        check_choice("Precision.matmul_precision", self.matmul_precision, ("auto", *MATMUL_PRECISIONS))
 
     def resolve(self, backend: str | None = None) -> "ResolvedPrecision":
         """Concrete dtypes for ``backend`` (default: ``jax.default_backend()``)."""

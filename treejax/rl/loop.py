@@ -73,6 +73,10 @@ from treejax.sampling.tree import TreeConfig
 log = logging.getLogger(__name__)
 
 
+class ScheduleWarning(UserWarning):
+    """The learning-rate schedule and the run's length disagree (``RunConfig._check_schedule``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything one training run needs (the gin-facing surface; see ``configs/*.gin``).
@@ -150,10 +154,7 @@ class RunConfig:
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
             raise ValueError(f"RunConfig: {rows} rollout rows (prompts_per_step x num_leaves) must split into "
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
-        if self.reward_style not in ("pm1", "01"):
-            raise ValueError(f"RunConfig.reward_style must be 'pm1' or '01', got {self.reward_style!r}")
-        if self.overlong_prompts not in ("filter", "error"):
-            raise ValueError(f"RunConfig.overlong_prompts must be 'filter' or 'error', got {self.overlong_prompts!r}")
+        self._check_choices()
         if self.max_prompt_length < 1:
             raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
@@ -162,6 +163,39 @@ class RunConfig:
             raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
                              f"{self.prompts_per_step} does not split into mini_batches={self.mini_batches}")
         self.step_config()  # validates old_logp, TIS and the estimator's inputs
+        self._check_schedule()
+
+    def _check_choices(self) -> None:
+        """Every enumerated field, one line each naming the valid choices (:func:`treejax.choices.check_choice`)."""
+        from treejax.choices import check_choice
+        from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+        from treejax.rl.advantages.registry import list_estimators
+        from treejax.rl.step import OLD_LOGP_SOURCES
+        from treejax.rl.update import NONFINITE_POLICIES
+        from treejax.run_dir import LOG_DIR_MODES
+
+        check_choice("RunConfig.estimator", self.estimator, list_estimators())
+        check_choice("RunConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("RunConfig.remat", self.remat, (False, True, *REMAT_POLICIES))
+        check_choice("RunConfig.attention_impl", self.attention_impl, TRAIN_ATTENTION_IMPLS)
+        check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
+        check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
+        check_choice("RunConfig.overlong_prompts", self.overlong_prompts, ("filter", "error"))
+        check_choice("RunConfig.log_dir_mode", self.log_dir_mode, LOG_DIR_MODES)
+
+    def _check_schedule(self) -> None:
+        """A decaying learning-rate schedule that ends before the run does trains its last steps at the final
+        rate (0 with the default ``end_lr_factor``): warned, once per config, not changed (the schedule is
+        ``OptimizerConfig.total_steps``, never silently rescaled to ``num_steps``)."""
+        opt = self.optimizer
+        if opt.decay != "constant" and opt.total_steps < self.num_steps:
+            import warnings
+
+            warnings.warn(f"OptimizerConfig.total_steps={opt.total_steps} < RunConfig.num_steps={self.num_steps} "
+                          f"with decay={opt.decay!r}: steps {opt.total_steps + 1}..{self.num_steps} train at "
+                          f"learning rate {opt.learning_rate * opt.end_lr_factor:g} (end_lr_factor="
+                          f"{opt.end_lr_factor:g}); set OptimizerConfig.total_steps = {self.num_steps}",
+                          ScheduleWarning, stacklevel=2)
 
     def step_config(self, pad_id: int = 0, batch_devices: int = 1) -> StepConfig:
         """The step's settings; ``batch_devices``: devices the batch is sharded over (packed row multiple)."""

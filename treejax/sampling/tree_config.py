@@ -6,6 +6,8 @@ import dataclasses
 import warnings
 from typing import Callable
 
+from treejax.choices import check_choice
+from treejax.errors import ConfigError
 from treejax.sampling.branching import BranchingRule, FixedAverage, LogProbWeighted
 from treejax.sampling.strategies import Strategy, Temperature
 
@@ -82,9 +84,7 @@ class TreeConfig:
         if self.max_response_length is not None and not 0 < self.max_response_length <= self.max_depth * self.segment_length:
             raise ValueError(f"TreeConfig.max_response_length must be in (0, D*S={self.max_depth * self.segment_length}]"
                              f", got {self.max_response_length}")
-        if self.divergence not in DIVERGENCE_POLICIES:
-            raise ValueError(f"unknown divergence policy {self.divergence!r}; valid: {DIVERGENCE_POLICIES} "
-                             "(deprecated: set TreeConfig.branching to a rule instead)")
+        check_choice("TreeConfig.divergence", self.divergence, DIVERGENCE_POLICIES)  # deprecated: use branching
         legacy = [k for k, v in _DIVERGENCE_DEFAULTS.items() if getattr(self, k) != v]
         if legacy and self.branching is not None:
             raise ValueError(f"TreeConfig: set either branching={self.branching!r} or the deprecated {legacy}, "
@@ -93,10 +93,11 @@ class TreeConfig:
             warnings.warn(f"TreeConfig.{legacy[0]} is deprecated: use TreeConfig.branching={self.rule!r}",
                           DeprecationWarning, stacklevel=3)
         if self.branching is not None and not isinstance(self.branching, BranchingRule):
-            raise ValueError(f"TreeConfig.branching must be a BranchingRule (treejax.sampling.branching), got "
-                             f"{self.branching!r}")
-        if self.repetition_scope not in ("segment", "response"):
-            raise ValueError(f"repetition_scope must be 'segment' or 'response', got {self.repetition_scope!r}")
+            from treejax.sampling.branching import rule_classes
+
+            raise ConfigError(f"TreeConfig.branching must be a branching rule, got {self.branching!r}; valid: "
+                              f"{', '.join(f'@{c.__name__}()' for c in rule_classes().values())}")
+        check_choice("TreeConfig.repetition_scope", self.repetition_scope, ("segment", "response"))
         if (self.repetition_ngram > 0) != (self.repetition_count > 0):
             raise ValueError("set both repetition_ngram and repetition_count (> 0) or neither")
         if self.row_buckets < 1:

@@ -253,7 +253,8 @@ def _check_binding(st: config_parser.BindingStatement, where: str, classes: dict
         if isinstance(ref, _Reference) and name not in classes and not (defer_unknown or _gin_knows(name)):
             fitting = _fitting_classes(cls, st.arg_name, classes)
             if fitting:  # e.g. TreeConfig.branching: every registered rule, closest first
-                raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}; valid: "
+                close = difflib.get_close_matches(name, fitting, n=3, cutoff=0.5)
+                raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close) or ';'} valid: "
                                   f"{', '.join(f'@{c}()' for c in closest_first(name, fitting))} (closest first); "
                                   f"fix: {key} = @{closest_first(name, fitting)[0]}()")
             close = difflib.get_close_matches(name, list(classes), n=3, cutoff=0.5)
@@ -330,7 +331,6 @@ def parse(gin_files: list[str], gin_params: list[str]):
     :class:`~treejax.errors.UserError` here, before any model is loaded.
     """
     classes = register_configurables()
-    from treejax.data.tasks import check_task_name
     from treejax.rl.loop import RunConfig
 
     root = logging.getLogger()
@@ -352,6 +352,8 @@ def parse(gin_files: list[str], gin_params: list[str]):
         raise ConfigError(_gin_message(e)) from e
     check_types(cfg)
     _check_unused_bindings(classes)
+    from treejax.data.tasks import check_task_name  # imports reasoning-gym (~1 s): after the cheaper checks
+
     check_task_name(cfg.task)
     check_devices(cfg)
     return cfg

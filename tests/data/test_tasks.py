@@ -269,3 +269,22 @@ def test_task_seeds_give_disjoint_problem_streams():
         assert len(qs(a, split) & qs(b, split)) <= 0.02 * len(qs(a, split))
     old_seed7 = get_task("chain_sum", seed=0, rg_seed=7, **opts)
     assert len(qs(a, "train") & qs(old_seed7, "train")) >= 0.9 * len(qs(a, "train"))  # the trap it avoids
+
+
+def test_blank_prompts_in_a_task_file_are_filtered_with_a_count(tmp_path, caplog, monkeypatch):
+    import logging
+
+    rows = [{"question": "What is 2 + 3?", "answer": "#### 5"}, {"question": "", "answer": "#### 1"},
+            {"question": "  \n\t ", "answer": "#### 2"}, {"question": "What is 4 + 4?", "answer": "#### 8"}]
+    path = _write(tmp_path / "blank.jsonl", [json.dumps(r) for r in rows])
+    monkeypatch.setattr(logging.getLogger("treejax"), "propagate", True)  # a CLI test may have turned it off
+    with caplog.at_level(logging.WARNING, logger="treejax.data.file_tasks"):
+        task = get_task("gsm8k_file", path=path, eval_fraction=0.0)
+    assert [r["question"] for r in task.records("train")] == ["What is 2 + 3?", "What is 4 + 4?"]
+    warned = [r.getMessage() for r in caplog.records if "whitespace-only" in r.getMessage()]
+    assert warned == [f"{path}: 2 of 4 problems have an empty or whitespace-only 'question' field (first at "
+                      f"{path}:2): filtered out"]
+    only_blank = _write(tmp_path / "only_blank.jsonl", [json.dumps(r) for r in rows[1:3]])
+    with pytest.raises(DataError, match=r"only_blank\.jsonl holds no problems .* every 'question' field is empty"):
+        get_task("gsm8k_file", path=only_blank)
+    assert sorted(os.listdir(tmp_path)) == ["blank.jsonl", "only_blank.jsonl"]  # nothing else written

@@ -483,8 +483,9 @@ def main(argv: list[str] | None = None) -> dict:
     summary = run(cfg, operative_config=gin.config_str())
     if "preempted_at" in summary:
         if is_primary():
-            print(f"preempted: saved step {summary['preempted_at']} to {summary['checkpoint_dir']}; "
-                  "rerun the same command to resume")
+            print(f"stopped by {summary.get('stopped_by') or 'a preemption signal'}: saved step "
+                  f"{summary['preempted_at']} to {summary['checkpoint_dir']}; rerun the same command (or add "
+                  "--resume) to continue")
         return summary
     if is_primary():  # one process prints the summary of a multi-process run
         print(format_summary(summary))
@@ -507,6 +508,10 @@ def console_main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"treejax-train: error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the step loop (nothing trained yet), or a second Ctrl-C in it
+        print("treejax-train: interrupted: stopped at once; the newest checkpoint (if any) is kept, rerun the same "
+              "command to resume from it", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -447,6 +447,7 @@ class _Run:
     data_state: dict
     t_start: float
     mesh: Any = None  # the run's mesh; its programs are traced under mesh_context(mesh)
+    stopped_by: str | None = None  # the signal that stopped the step loop early (SIGTERM, SIGINT)
 
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
@@ -469,8 +470,11 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             with r.precision.matmul_context(), mesh_context(r.mesh):
                 return _finish(r)
         except BaseException as e:  # record where the run stopped, then let the error surface unchanged
-            record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
-                           process=multihost.process_index() if multihost.process_count() > 1 else None)
+            try:
+                record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
+                               process=multihost.process_index() if multihost.process_count() > 1 else None)
+            except OSError:  # the disk that made the run fail (full, read-only) cannot take the record either
+                pass
             raise
 
 
@@ -642,7 +646,11 @@ def _train(r: _Run) -> int | None:
                 write(deferred.flush())
                 if r.checkpointer.latest_step() != done:
                     r.checkpointer.save(done, r.state, r.data_state, force=True)
-                log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume", done)
+                import signal
+
+                r.stopped_by = signal.Signals(preemption.signal_received).name if preemption.signal_received else \
+                    "a preemption notice"
+                log.warning("%s: saved step %d and stopping; rerun the same command to resume", r.stopped_by, done)
                 break
         write(deferred.flush())
     except RuntimeError as e:
@@ -674,7 +682,7 @@ def _finish_preempted(r: _Run, preempted_at: int) -> dict:
     r.checkpointer.wait()
     r.checkpointer.close()
     r.writer.close()
-    return {"preempted_at": preempted_at, "log_dir": os.path.abspath(r.cfg.log_dir),
+    return {"preempted_at": preempted_at, "stopped_by": r.stopped_by, "log_dir": os.path.abspath(r.cfg.log_dir),
             "checkpoint_dir": os.path.abspath(r.checkpointer.directory), "history": r.data_state["history"]}
 
 

@@ -619,8 +619,10 @@ def _train(r: _Run) -> int | None:
             if step == r.start_step:
                 log.info("step %d: rollout, scoring and update (the first step compiles the tree sampler and the "
                          "update; later steps are faster)", step + 1)
+            t_step = time.perf_counter()
             r.state, ro, device_metrics, host = rl_step(r.step_fns, r.state, r.source, jax.random.fold_in(key, step),
                                                         step, r.ref_params)
+            log.info("%s", step_line(step + 1, cfg.num_steps, host, time.perf_counter() - t_step))
             pending_host[step + 1] = dict(host, **{"time/step_s": time.perf_counter() - r.t_start})
             write(deferred.push(step + 1, device_metrics))
             done = step + 1
@@ -661,6 +663,20 @@ def _train(r: _Run) -> int | None:
     finally:
         preemption.uninstall()
     return preempted_at
+
+
+def step_line(done: int, total: int, host: dict, step_s: float) -> str:
+    """The line printed as soon as step ``done`` ends: its host-side results, its time and an ETA (the remaining
+    steps at this step's time; the first step also compiles, so its ETA is an upper bound). The update's metrics
+    (loss, gradient norm, ...) are read one step later and follow in the step's full line."""
+    from tqdm import tqdm
+
+    parts = [f"reward {host['reward/mean']:+.3f}"]
+    if "reward/accuracy" in host:
+        parts.append(f"accuracy {100 * host['reward/accuracy']:.1f}%")
+    parts.append(f"{host.get('rollout/decoded_tokens', 0)} decoded tokens")
+    eta = f"ETA {tqdm.format_interval((total - done) * step_s)}" if done < total else "last step"
+    return f"step {done}/{total} done in {step_s:.1f} s: {', '.join(parts)} | {eta}"
 
 
 def nonfinite_update_error(e: BaseException):

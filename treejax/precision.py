@@ -96,6 +96,34 @@ class ResolvedPrecision:
         return cast_floating(params, self.sampler_dtype)
 
 
+def policy_matmul_precision(compute_dtype) -> str | None:
+    """The matmul precision the policy gives a program computing in ``compute_dtype``: ``"highest"`` for float32
+    (so fp32 is not silently TF32 on a GPU, whose XLA default it is), ``None`` (leave the default) for 16-bit
+    compute, and ``None`` whenever a precision was already asked for (``jax.default_matmul_precision(...)``, the
+    ``jax_default_matmul_precision`` flag, or the trainer's :meth:`ResolvedPrecision.matmul_context`, e.g.
+    ``Precision.matmul_precision = 'tensorfloat32'``): an explicit choice always wins."""
+    if jax.config.jax_default_matmul_precision is not None:
+        return None
+    return "highest" if jnp.dtype(compute_dtype) == jnp.float32 else None
+
+
+def apply_policy(fn):
+    """Decorates a public model entry point ``fn(params, config, ...)`` (forward, prefill, decode step, logits,
+    log-prob head) so its matmuls follow :func:`policy_matmul_precision` of ``config.compute_dtype``, also when
+    called directly from Python or a notebook (and so inside ``generate`` and the tree rollout, which call them)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(params, config, *args, **kwargs):
+        precision = policy_matmul_precision(config.compute_dtype)
+        if precision is None:
+            return fn(params, config, *args, **kwargs)
+        with jax.default_matmul_precision(precision):
+            return fn(params, config, *args, **kwargs)
+
+    return wrapped
+
+
 def cast_floating(tree: Any, dtype: str) -> Any:
     """Casts the floating-point leaves of ``tree`` to ``dtype`` (others, and leaves already in it, unchanged)."""
     dt = jnp.dtype(dtype)

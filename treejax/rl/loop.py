@@ -94,6 +94,8 @@ class RunConfig:
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
+    ``compilation_cache``: the persistent JAX compilation cache (:mod:`treejax.compile_cache`): ``"auto"``
+    (``~/.cache/treejax/jax``), ``"off"``, or a folder; ``TREEJAX_COMPILATION_CACHE`` overrides it.
     ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
     token computed once, same loss and gradient; mini-batches are then groups of prompts, so
     ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
@@ -143,6 +145,7 @@ class RunConfig:
     export_hf: bool = True
     seed: int = 0
     mesh: MeshConfig = MeshConfig()
+    compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
 
     def __post_init__(self):
         from treejax.config_types import check_types
@@ -458,8 +461,14 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
     from treejax.log import show_progress
     from treejax.run_dir import claim_log_dir
 
+    from treejax.compile_cache import enable_compilation_cache
+
     if multihost.is_primary():
         show_progress()
+    cache_dir = enable_compilation_cache(cfg.compilation_cache)
+    if cache_dir:
+        log.info("compilation cache: %s (RunConfig.compilation_cache = 'off' or TREEJAX_COMPILATION_CACHE=off "
+                 "turns it off)", cache_dir)
     with claim_log_dir(cfg.log_dir, cfg.log_dir_mode):
         r = _setup(cfg, operative_config)
         try:

@@ -94,7 +94,8 @@ class RunConfig:
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
-    ``compilation_cache``: the persistent JAX compilation cache (:mod:`treejax.compile_cache`): ``"auto"``
+    ``tree_picture_text``: the tree picture (every ``tree_picture_every`` steps) shows prompt 0's question and
+    each leaf's answer text. ``compilation_cache``: the persistent JAX compilation cache (:mod:`treejax.compile_cache`): ``"auto"``
     (``~/.cache/treejax/jax``), ``"off"``, or a folder; ``TREEJAX_COMPILATION_CACHE`` overrides it.
     ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
     token computed once, same loss and gradient; mini-batches are then groups of prompts, so
@@ -142,6 +143,7 @@ class RunConfig:
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     tree_picture_every: int = 1
+    tree_picture_text: bool = True  # the picture shows the prompt and each leaf's answer text
     export_hf: bool = True
     seed: int = 0
     mesh: MeshConfig = MeshConfig()
@@ -640,9 +642,13 @@ def _train(r: _Run) -> int | None:
                 picture = os.path.join(cfg.log_dir, f"tree_step{done}.png")
                 first = dataclasses.replace(ro, forest=first_prompt(ro.forest))  # gathered on every process
                 if multihost.is_primary():
+                    texts = {}
+                    if cfg.tree_picture_text:  # first.forest is on the host already: no collective here
+                        texts = dict(prompt_text=ro.examples[0].prompt_messages[-1]["content"],
+                                     leaf_texts=leaf_texts(r.tokenizer, first.forest)[0])
                     viz.draw_tree(first.forest, np.asarray(ro.rewards_PxW)[:1], picture, prompt=0,
                                   title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves",
-                                  reward_range=reward_range(cfg), correct=ro.scores_PxW[:1] >= 1.0)
+                                  reward_range=reward_range(cfg), correct=ro.scores_PxW[:1] >= 1.0, **texts)
                     r.writer.write_image(done, "rollout/tree", picture)
                     r.writer.write_text(done, "rollout/samples", sample_completions(r.tokenizer, first))
                 r.data_state["tree_picture"] = os.path.abspath(picture)

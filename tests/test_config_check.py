@@ -209,8 +209,9 @@ def test_cli_fails_within_5_seconds_before_any_model_loads(tmp_path, bindings):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)  # one device, as on a laptop
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "treejax.train", *_params(bindings + f"\nRunConfig.log_dir='{log_dir}'")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    argv = _params(bindings + f"\nRunConfig.log_dir='{log_dir}'")
+    out = subprocess.run([sys.executable, "-m", "treejax.train", *argv], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=60)
     elapsed = time.perf_counter() - t
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("treejax-train: error: "), out.stderr

@@ -254,9 +254,10 @@ def _check_binding(st: config_parser.BindingStatement, where: str, classes: dict
             fitting = _fitting_classes(cls, st.arg_name, classes)
             if fitting:  # e.g. TreeConfig.branching: every registered rule, closest first
                 close = difflib.get_close_matches(name, fitting, n=3, cutoff=0.5)
-                raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close) or ';'} valid: "
-                                  f"{', '.join(f'@{c}()' for c in closest_first(name, fitting))} (closest first); "
-                                  f"fix: {key} = @{closest_first(name, fitting)[0]}()")
+                ordered = closest_first(name, fitting)
+                raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close) or ';'} "
+                                  f"valid: {', '.join(f'@{c}()' for c in ordered)} (closest first); fix: {key} = "
+                                  f"@{ordered[0]}()")
             close = difflib.get_close_matches(name, list(classes), n=3, cutoff=0.5)
             raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close)}")
     if not refs:

@@ -6,11 +6,12 @@ options go to the dataset's reasoning-gym config class (unknown ones are an erro
 
 **Generation and splits.** One reasoning-gym dataset object is built with ``rg_seed = reasoning_gym_seed(seed)``
 (0 for seed 0; task seeds are spread ~5e8 apart, so different seeds give disjoint problem streams) and
-``scan_size`` items (item ``i`` is generated from ``Random(rg_seed + i)``). Items are scanned in index order and assigned to a split by
-the content hash of their question (``treejax.data.splits.split_of(question, eval_fraction)``): train takes the
-first ``size`` train-bucket items, eval the first ``eval_size`` eval-bucket items, each without repeated questions
-(``dedupe=True``). Train and eval therefore never share a question, for any seeds. If the dataset's
-config has too few distinct problems to fill a split, construction fails with the counts found.
+``scan_size`` items (item ``i`` is generated from ``Random(rg_seed + i)``). Items are scanned in index order and
+assigned to a split by the content hash of their question (``treejax.data.splits.split_of(question,
+eval_fraction)``): train takes the first ``size`` train-bucket items, eval the first ``eval_size`` eval-bucket
+items, each without repeated questions (``dedupe=True``). Train and eval therefore never share a question, for any
+seeds. If the dataset's config has too few distinct problems to fill a split, construction fails with the counts
+found.
 
 **Scoring.** The response's answer is extracted (``extraction="tags"``: the last ``<answer>..</answer>``, exactly
 reasoning-gym's ``extract_answer``; other modes from ``treejax.data.verifiers.EXTRACTION_MODES``), the original
@@ -145,7 +146,8 @@ class ReasoningGymTask(Task):
             raise DataError(
                 f"unknown config field(s) {unknown} for reasoning-gym dataset {dataset!r}; "
                 f"valid fields: {sorted(valid_fields)} (task options: size, eval_size, seed, eval_fraction, "
-                "rg_seed, scan_size, dedupe, system_prompt, instruction, extraction, correct_threshold, partial_credit, name)"
+                "rg_seed, scan_size, dedupe, system_prompt, instruction, extraction, correct_threshold, "
+                "partial_credit, name)"
             )
         if scan_size is None:
             need_train = size / max(1.0 - eval_fraction, 1e-9)

@@ -95,8 +95,9 @@ class RunConfig:
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
     ``tree_picture_text``: the tree picture (every ``tree_picture_every`` steps) shows prompt 0's question and
-    each leaf's answer text. ``compilation_cache``: the persistent JAX compilation cache (:mod:`treejax.compile_cache`): ``"auto"``
-    (``~/.cache/treejax/jax``), ``"off"``, or a folder; ``TREEJAX_COMPILATION_CACHE`` overrides it.
+    each leaf's answer text. ``compilation_cache``: the persistent JAX compilation cache
+    (:mod:`treejax.compile_cache`): ``"auto"`` (``~/.cache/treejax/jax``), ``"off"``, or a folder;
+    ``TREEJAX_COMPILATION_CACHE`` overrides it.
     ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
     token computed once, same loss and gradient; mini-batches are then groups of prompts, so
     ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
@@ -557,6 +558,8 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
         log.info("resumed from step %d", int(data_state["rl_step"]))
+    else:
+        log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))
     return _Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, step_fns, state, ref_params,
                 eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
                 mesh)

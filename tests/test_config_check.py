@@ -204,16 +204,27 @@ def test_help_explains_gin_and_quoting(capsys):
 ])
 def test_cli_fails_within_5_seconds_before_any_model_loads(tmp_path, bindings):
     """The command itself, as a user runs it (a fresh process, one CPU device): exit status 2 and one line
-    within 5 s of its start, nothing written."""
+    within 5 s of its start (about 2.5 s on an idle 2-core machine, mostly importing jax), nothing written.
+
+    The CPU seconds the command used must be under 5 s always; its wall-clock time too, unless the machine is
+    overloaded (load average above the core count: other jobs, or the other test worker, then stretch the wall
+    clock of a CPU-bound start; measured 9 s wall at a load of 6 on 2 cores)."""
+    import resource
+
     log_dir = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)  # one device, as on a laptop
-    t = time.perf_counter()
     argv = _params(bindings + f"\nRunConfig.log_dir='{log_dir}'")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "treejax.train", *argv], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=60)
     elapsed = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("treejax-train: error: "), out.stderr
-    assert elapsed < 5.0, f"{elapsed:.1f} s"
+    assert cpu < 5.0, f"{cpu:.1f} CPU s"
+    if os.getloadavg()[0] <= (os.cpu_count() or 1):
+        assert elapsed < 5.0, f"{elapsed:.1f} s"
     assert not log_dir.exists() and os.listdir(tmp_path) == []

@@ -24,7 +24,6 @@ with both numbers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -86,9 +85,8 @@ class ResolvedPrecision:
         """Context under which jitted programs are traced: float32 matmuls run at ``matmul_precision``.
 
         ``jax.default_matmul_precision`` is part of jit's cache key, so programs traced inside and outside
-        the context never share a compiled executable."""
-        if self.matmul_precision == "default":
-            return contextlib.nullcontext()
+        the context never share a compiled executable. ``"default"`` is set too (XLA's default: TF32 for float32
+        on a GPU), so the model's entry points (:func:`apply_policy`) see it was asked for."""
         return jax.default_matmul_precision(self.matmul_precision)
 
     def sampler_params(self, params: Any) -> Any:

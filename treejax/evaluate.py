@@ -146,7 +146,7 @@ def _run_config(args, checkpoint_root):
         if d:
             candidates.append(os.path.join(d, "quickstart.gin"))
         gin_files = [c for c in candidates if os.path.exists(c)][:1]
-    return train.parse(gin_files, args.gin_param), gin_files
+    return train.parse(gin_files, args.gin_param, check_mesh=False), gin_files  # eval does not use the run's mesh
 
 
 def main(argv: list[str] | None = None) -> dict:

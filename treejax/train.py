@@ -325,10 +325,11 @@ def _gin_message(e: Exception) -> str:
     return _one_line(str(e).split("\n  In call to configurable")[0])
 
 
-def parse(gin_files: list[str], gin_params: list[str]):
+def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True):
     """Checks and parses gin files and bindings; returns the built, type-checked ``RunConfig``.
 
-    Everything wrong in them (syntax, names, types, ``__post_init__`` checks, the task name) raises a
+    Everything wrong in them (syntax, names, types, ``__post_init__`` checks, bindings nothing uses, the task
+    name and, with ``check_mesh``, the mesh against this process's devices) raises a
     :class:`~treejax.errors.UserError` here, before any model is loaded.
     """
     classes = register_configurables()
@@ -356,7 +357,8 @@ def parse(gin_files: list[str], gin_params: list[str]):
     from treejax.data.tasks import check_task_name  # imports reasoning-gym (~1 s): after the cheaper checks
 
     check_task_name(cfg.task)
-    check_devices(cfg)
+    if check_mesh:  # not for a program that does not build the run's mesh (treejax-eval reading a run's config)
+        check_devices(cfg)
     return cfg
 
 

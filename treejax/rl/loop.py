@@ -461,10 +461,9 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
 
     In a multi-process run every process calls this with the same config; process 0 holds the log folder's lock
     and writes the files, every process returns the summary."""
+    from treejax.compile_cache import enable_compilation_cache
     from treejax.log import show_progress
     from treejax.run_dir import claim_log_dir
-
-    from treejax.compile_cache import enable_compilation_cache
 
     if multihost.is_primary():
         show_progress()

@@ -137,8 +137,10 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     norm = Normalize(vmin=lo, vmax=hi)
 
     n_rows = max(y for _, y in pos.values()) + 1
-    text_width = 0.055 * text_chars if leaf_texts is not None else 0.0  # inches for the leaves' answers
-    fig = Figure(figsize=(3.0 + 1.1 * max(forest.max_depth, 1) + text_width,
+    # inches for the leaves' answers (7-point text, ~0.05 inch a character, the reward and quotes included)
+    text_width = 0.05 * (text_chars + 14) if leaf_texts is not None else 0.0
+    tree_width = 3.0 + 1.1 * max(forest.max_depth, 1)
+    fig = Figure(figsize=(tree_width + text_width,
                           2.6 + 0.32 * n_rows + (0.5 if prompt_text else 0.0)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -181,7 +183,9 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     ax.set_xticks(range(forest.max_depth + 1))
     ax.set_yticks([])
     ax.invert_yaxis()
-    ax.set_xlim(-0.4, forest.max_depth + 1.0)
+    # the tree keeps its scale (data units per inch of the plot without text); the answers get the added width
+    units_per_inch = (forest.max_depth + 1.4) / max(tree_width - 1.6, 1.0)
+    ax.set_xlim(-0.4, forest.max_depth + 1.0 + text_width * units_per_inch)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     n_pruned = int(np.sum(leaf_status == NodeStatus.PRUNED))

@@ -354,11 +354,11 @@ def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True):
         raise ConfigError(_gin_message(e)) from e
     check_types(cfg)
     _check_unused_bindings(classes)
+    if check_mesh:  # not for a program that does not build the run's mesh (treejax-eval reading a run's config)
+        check_devices(cfg)
     from treejax.data.tasks import check_task_name  # imports reasoning-gym (~1 s): after the cheaper checks
 
     check_task_name(cfg.task)
-    if check_mesh:  # not for a program that does not build the run's mesh (treejax-eval reading a run's config)
-        check_devices(cfg)
     return cfg
 
 

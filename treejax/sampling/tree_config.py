@@ -84,7 +84,11 @@ class TreeConfig:
         if self.max_response_length is not None and not 0 < self.max_response_length <= self.max_depth * self.segment_length:
             raise ValueError(f"TreeConfig.max_response_length must be in (0, D*S={self.max_depth * self.segment_length}]"
                              f", got {self.max_response_length}")
-        check_choice("TreeConfig.divergence", self.divergence, DIVERGENCE_POLICIES)  # deprecated: use branching
+        try:
+            check_choice("TreeConfig.divergence", self.divergence, DIVERGENCE_POLICIES)
+        except ConfigError as e:
+            raise ConfigError(f"unknown divergence policy (deprecated: set TreeConfig.branching to a rule "
+                              f"instead): {e}") from None
         legacy = [k for k, v in _DIVERGENCE_DEFAULTS.items() if getattr(self, k) != v]
         if legacy and self.branching is not None:
             raise ValueError(f"TreeConfig: set either branching={self.branching!r} or the deprecated {legacy}, "

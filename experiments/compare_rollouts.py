@@ -77,7 +77,8 @@ def arm_report(batches: list[dict], seconds: float) -> dict:
         "calls": calls, "prompts": prompts, "decoded_tokens": decoded, "decoded_per_call": decoded / calls,
         "rollout_s_per_call": seconds / calls, "rounds_per_call": float(np.mean([b["rounds"] for b in batches])),
         "distinct_leaves_per_prompt": float(first.sum() / prompts),
-        "weighted": {"length_mean": tree_stats.weighted_mean(length, w), "truncated": tree_stats.weighted_mean(trunc, w),
+        "weighted": {"length_mean": tree_stats.weighted_mean(length, w),
+                     "truncated": tree_stats.weighted_mean(trunc, w),
                      "accuracy": tree_stats.weighted_mean(correct, w),
                      "correct_length_mean": tree_stats.weighted_mean(length, w * correct)},
         "distinct": {"length_mean": tree_stats.weighted_mean(length, first),
@@ -108,7 +109,8 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
     params = prec.sampler_params(params)
     fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
     tc = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
-    rollouts = {name: make_tree_rollout(fns, arm) for name, arm in rollout_arms(tc, list(slots), include_config).items()}
+    arms = rollout_arms(tc, list(slots), include_config)
+    rollouts = {name: make_tree_rollout(fns, arm) for name, arm in arms.items()}
     records, _, width = loop.filter_prompts(tokenizer, task, task.records("train"), [], cfg)
     pipeline = make_prompt_pipeline(records, batch_size=cfg.prompts_per_step, seed=seed)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0

@@ -21,6 +21,9 @@ if TEST_DEVICE == "cpu":
         os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# runs started by tests do not write into the user's compilation cache (~/.cache/treejax/jax); the cache itself is
+# tested with temporary folders (tests/test_compile_cache.py)
+os.environ.setdefault("TREEJAX_COMPILATION_CACHE", "off")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -90,3 +90,23 @@ def test_leaf_labels_come_from_the_verifier(forest, tmp_path):
     assert text.count("+1.00 \u2713") == 2 and text.count("-1.00 \u2717") == 3
     assert "verifier says correct / wrong" in text and "no answer" not in text
     assert "stop token" in text  # the finish reason stays a finish reason
+
+
+def test_picture_shows_the_prompt_and_each_leafs_answer(forest, tmp_path):
+    """``prompt_text`` under the title, each leaf's answer (its last characters, one line) next to it; the figure
+    widens for the text. SVG with text kept as text, so the strings can be found."""
+    import matplotlib
+
+    texts = ["The answer is 12", "so x = 7\n\nanswer: 7", "I think 3", "a" * 200 + " 42", ""]
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        plain = draw_tree(forest, REWARDS, str(tmp_path / "plain.svg"))
+        rich = draw_tree(forest, REWARDS, str(tmp_path / "rich.svg"), prompt_text="What is 5 + 7?\nAnswer briefly.",
+                         leaf_texts=texts, text_chars=20)
+    svg = open(rich, encoding="utf-8").read()
+    assert "prompt: What is 5 + 7? Answer briefly." in svg
+    assert "The answer is 12" in svg and "so x = 7 answer: 7" in svg  # whitespace collapsed to one line
+    assert "\u2026" + "a" * 17 + " 42" in svg  # long answers: their last 20 characters
+    width = lambda p: float(ET.parse(p).getroot().get("width").rstrip("pt"))  # noqa: E731
+    assert width(rich) > width(plain)
+    with pytest.raises(ValueError, match="leaf_texts must hold W=5 strings"):
+        draw_tree(forest, REWARDS, str(tmp_path / "bad.png"), leaf_texts=texts[:2])

@@ -6,27 +6,78 @@ models -> sampling (tree rollouts) -> rewards/advantages -> losses/update -> che
 
 __version__ = "0.1.0"
 
-from treejax.forest import Forest, NodeStatus, forest_from_paths, subgroup_masks  # noqa: F401
-from treejax.models.config import ModelConfig  # noqa: F401
-from treejax.models.presets import get_config, preset_names, tiny_config  # noqa: F401
-from treejax.models.registry import load_model  # noqa: F401
-from treejax.models.export import export_hf  # noqa: F401
-from treejax.models.tokenizer import TextTokenizer  # noqa: F401
-from treejax.sampling import (  # noqa: F401
-    BoxedAnswer, Greedy, MinP, Temperature, TopK, TopP, TreeConfig, generate, make_independent_rollout,
-    make_tree_rollout)
-from treejax.sampling.branching import (  # noqa: F401
-    ECHO, LATR, BranchingRule, EntropyGuided, FixedAverage, LogProbWeighted, PathStats)
-from treejax.sampling.kernels import allocate_budget, divergence_weights, ngram_repetition  # noqa: F401
-from treejax.rl.advantages import (  # noqa: F401
-    Advantages, estimator_spec, get_estimator, list_estimators, register_estimator)
-from treejax.rl.rewards import dynamic_sampling_keep, overlong_penalty, verifier_reward  # noqa: F401
-from treejax.rl.losses import LossConfig, policy_loss  # noqa: F401
-from treejax.rl.optimizer import OptimizerConfig, make_optimizer  # noqa: F401
-from treejax.rl.train_state import TrainState  # noqa: F401
-from treejax.rl.update import make_update_fn  # noqa: F401
-from treejax.rl.batch import forest_to_batch  # noqa: F401
-from treejax.rl.loop import RunConfig, run  # noqa: F401
-from treejax.parallel.mesh import MeshConfig, make_mesh  # noqa: F401
-from treejax.checkpoint import Checkpointer  # noqa: F401
-from treejax.viz import draw_tree  # noqa: F401
+# The names below are imported on first use (PEP 562), so `import treejax` and the CLI's config check start in
+# about a second instead of importing jax, flax, orbax and matplotlib up front; `from treejax import X` works as
+# before.
+import importlib as _importlib
+
+
+_EXPORTS = {
+    "Forest": "treejax.forest",
+    "NodeStatus": "treejax.forest",
+    "forest_from_paths": "treejax.forest",
+    "subgroup_masks": "treejax.forest",
+    "ModelConfig": "treejax.models.config",
+    "get_config": "treejax.models.presets",
+    "preset_names": "treejax.models.presets",
+    "tiny_config": "treejax.models.presets",
+    "load_model": "treejax.models.registry",
+    "export_hf": "treejax.models.export",
+    "TextTokenizer": "treejax.models.tokenizer",
+    "BoxedAnswer": "treejax.sampling",
+    "Greedy": "treejax.sampling",
+    "MinP": "treejax.sampling",
+    "Temperature": "treejax.sampling",
+    "TopK": "treejax.sampling",
+    "TopP": "treejax.sampling",
+    "TreeConfig": "treejax.sampling",
+    "generate": "treejax.sampling",
+    "make_independent_rollout": "treejax.sampling",
+    "make_tree_rollout": "treejax.sampling",
+    "ECHO": "treejax.sampling.branching",
+    "LATR": "treejax.sampling.branching",
+    "BranchingRule": "treejax.sampling.branching",
+    "EntropyGuided": "treejax.sampling.branching",
+    "FixedAverage": "treejax.sampling.branching",
+    "LogProbWeighted": "treejax.sampling.branching",
+    "PathStats": "treejax.sampling.branching",
+    "allocate_budget": "treejax.sampling.kernels",
+    "divergence_weights": "treejax.sampling.kernels",
+    "ngram_repetition": "treejax.sampling.kernels",
+    "Advantages": "treejax.rl.advantages",
+    "estimator_spec": "treejax.rl.advantages",
+    "get_estimator": "treejax.rl.advantages",
+    "list_estimators": "treejax.rl.advantages",
+    "register_estimator": "treejax.rl.advantages",
+    "dynamic_sampling_keep": "treejax.rl.rewards",
+    "overlong_penalty": "treejax.rl.rewards",
+    "verifier_reward": "treejax.rl.rewards",
+    "LossConfig": "treejax.rl.losses",
+    "policy_loss": "treejax.rl.losses",
+    "OptimizerConfig": "treejax.rl.optimizer",
+    "make_optimizer": "treejax.rl.optimizer",
+    "TrainState": "treejax.rl.train_state",
+    "make_update_fn": "treejax.rl.update",
+    "forest_to_batch": "treejax.rl.batch",
+    "RunConfig": "treejax.rl.loop",
+    "run": "treejax.rl.loop",
+    "MeshConfig": "treejax.parallel.mesh",
+    "make_mesh": "treejax.parallel.mesh",
+    "Checkpointer": "treejax.checkpoint",
+    "draw_tree": "treejax.viz",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treejax' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

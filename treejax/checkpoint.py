@@ -27,8 +27,11 @@ Usage in a loop::
 
 from __future__ import annotations
 
+import errno
+import glob
 import logging
 import os
+import shutil
 import signal
 from typing import Any
 
@@ -36,7 +39,51 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from treejax.errors import UserError
+
 log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(UserError, OSError):
+    """A checkpoint could not be written (disk full, read-only file system, no permission): one line naming the
+    folder, the cause and the bytes the state needs; the partial ``*.orbax-checkpoint-tmp`` folder is removed."""
+
+
+class _OrbaxFailureNoise(logging.Filter):
+    """orbax reports a failed background save on the ``absl`` logger from several threads (each with its
+    traceback: ~460 lines for one full disk) before :class:`Checkpointer` re-raises it as one line: those records
+    (an ``OSError`` in an orbax thread, and the shutdown errors that follow a failed save) are dropped."""
+
+    failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname or record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{record.getMessage()} {exc}"
+        return not (_OrbaxFailureNoise.failed or isinstance(exc, OSError) or "Errno" in text
+                    or "orbax-checkpoint-tmp" in text)
+
+
+def _install_noise_filter() -> None:
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxFailureNoise) for f in absl.filters):
+        absl.addFilter(_OrbaxFailureNoise())
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc`` (itself, or in its cause/context chain), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and not isinstance(exc, UserError) and exc.errno is not None:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _tree_bytes(tree: Any) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
 
 
 def abstract_state_with_shardings(state_like: Any, shardings: Any | None = None) -> Any:
@@ -66,6 +113,8 @@ class Checkpointer:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
+        self._pending: tuple[int, int] | None = None  # (step, bytes) of the save in flight
+        _install_noise_filter()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save, create=True)
@@ -74,8 +123,11 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict | None = None, *, force: bool = False) -> bool:
         """Saves ``state`` and ``data_state`` (JSON-serialisable dict) as ``step``; returns whether it saved."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}))
-        saved = self._manager.save(int(step), args=args, force=force)
+        nbytes = _tree_bytes(state)
+        with self._failures(int(step), nbytes):
+            saved = self._manager.save(int(step), args=args, force=force)
         if saved:
+            self._pending = (int(step), nbytes)
             log.info("checkpoint step %d -> %s", step, self.directory)
         return saved
 
@@ -103,12 +155,61 @@ class Checkpointer:
         return bool(self._manager.reached_preemption(int(step)))
 
     def wait(self) -> None:
-        """Blocks until pending asynchronous saves are durable."""
-        self._manager.wait_until_finished()
+        """Blocks until pending asynchronous saves are durable; a failed write raises :class:`CheckpointSaveError`."""
+        with self._failures(*(self._pending or (None, None))):
+            self._manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
+
+    def _failures(self, step: int | None, nbytes: int | None):
+        """Turns an ``OSError`` of a save (raised here or by orbax's background thread) into one
+        :class:`CheckpointSaveError` line, after removing the partial ``*.orbax-checkpoint-tmp`` folders."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def guard():
+            try:
+                yield
+            except Exception as e:  # noqa: BLE001 -- an OSError is the user's disk; anything else is re-raised
+                cause = _os_error(e)
+                if cause is None:
+                    raise
+                _OrbaxFailureNoise.failed = True
+                self._pending = None
+                raise self._save_error(step, nbytes, cause) from e
+
+        return guard()
+
+    def _save_error(self, step: int | None, nbytes: int | None, cause: OSError) -> CheckpointSaveError:
+        removed = self.remove_partial()
+        try:
+            free = f", {shutil.disk_usage(self.directory).free:,} bytes free" if cause.errno == errno.ENOSPC else ""
+        except OSError:
+            free = ""
+        need = f" (the state needs about {nbytes:,} bytes{free})" if nbytes else ""
+        what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+        tmp = f"; removed the partial {', '.join(os.path.basename(r) for r in removed)}" if removed else ""
+        return CheckpointSaveError(f"could not save {what} to {self.directory}: {cause.strerror or cause}{need}"
+                                   f"{tmp}; free space or choose another RunConfig.log_dir, then rerun to resume "
+                                   "from the last saved step")
+
+    def remove_partial(self) -> list[str]:
+        """Removes the ``*.orbax-checkpoint-tmp*`` folders a failed save left (after orbax's other save threads
+        have stopped writing into them); returns their paths."""
+        import threading
+
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and type(t).__module__.startswith("orbax"):
+                t.join(timeout=60)
+        removed = []
+        for path in sorted(glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*"))):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+        return removed
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -118,22 +219,27 @@ class Checkpointer:
 
 
 class PreemptionHandler:
-    """Turns SIGTERM (and optionally other signals) into a flag the training loop polls at step boundaries.
+    """Turns SIGTERM and SIGINT (Ctrl-C) into a flag the training loop polls at step boundaries.
 
-    The handler only sets a flag (safe in a signal handler); the loop saves and exits cleanly at the next step
-    boundary. On multi-process runs :meth:`should_stop` combines the flags of all processes and the checkpointer's
+    The handler only sets a flag (and writes one line to stderr); the loop saves and exits cleanly at the next
+    step boundary. A second SIGINT aborts at once (``KeyboardInterrupt``), as Ctrl-C does without the handler. On multi-process runs :meth:`should_stop` combines the flags of all processes and the checkpointer's
     preemption sync point, so all processes stop at the same step.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
         self.signals = signals
         self.requested = False
         self.signal_received: int | None = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt  # the second Ctrl-C: abort now
         self.requested = True
         self.signal_received = signum
+        if signum == signal.SIGINT:  # os.write: safe in a signal handler, unlike logging
+            os.write(2, b"treejax: Ctrl-C: finishing this step, then saving a checkpoint and stopping "
+                        b"(Ctrl-C again aborts at once)\n")
 
     def install(self) -> "PreemptionHandler":
         """Installs the handler (main thread only); returns self."""

@@ -95,6 +95,12 @@ def check_field(cls: type, name: str, value) -> None:
     """Raises :class:`ConfigError` unless ``value`` is valid for field ``name`` of dataclass ``cls``."""
     tp = field_types(cls)[name]
     if not conforms(value, tp):
+        literal = [a for t in (typing.get_args(tp) if _is_union(tp) else (tp,))
+                   if typing.get_origin(t) is typing.Literal for a in typing.get_args(t)]
+        if literal and isinstance(value, str):  # an enumerated string: the choices, closest first, and the fix
+            from treejax.choices import check_choice
+
+            check_choice(f"{cls.__name__}.{name}", value, literal)
         raise ConfigError(f"{cls.__name__}.{name} must be {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 

@@ -47,9 +47,25 @@ def resolve_checkpoint(path: str, step: int | None = None) -> tuple[str, int | N
         if step is not None and step != folder_step:
             raise ConfigError(f"--step {step} contradicts the step folder {path}")
         return os.path.dirname(path), folder_step
-    if os.path.isdir(os.path.join(path, "checkpoints")):  # a run's log_dir
-        return os.path.join(path, "checkpoints"), step
-    return path, step
+    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    steps = saved_steps(root)
+    if not steps:
+        raise UserFileError(f"--checkpoint: no checkpoints in {root} (expected step folders such as {root}/3/state, "
+                            "as a training run writes them)")
+    if step is not None and step not in steps:
+        raise UserFileError(f"--step {step}: no checkpoint of that step in {root}; saved steps: "
+                          f"{', '.join(map(str, steps))}")
+    return root, step
+
+
+def saved_steps(root: str) -> list[int]:
+    """The steps with a complete checkpoint folder (``<root>/<step>/state``) under ``root``; read from the file
+    system, so a wrong ``--checkpoint`` or ``--step`` is reported before any model loads."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(root, n, "state")))
 
 
 def _task_option(text: str) -> tuple[str, object]:
@@ -130,7 +146,7 @@ def _run_config(args, checkpoint_root):
         if d:
             candidates.append(os.path.join(d, "quickstart.gin"))
         gin_files = [c for c in candidates if os.path.exists(c)][:1]
-    return train.parse(gin_files, args.gin_param), gin_files
+    return train.parse(gin_files, args.gin_param, check_mesh=False), gin_files  # eval does not use the run's mesh
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = EvalConfig(**{name: getattr(args, name) if getattr(args, name) is not None else value
                            for name, value in defaults.items()})
 
+    task = get_task(task_name, **task_options)  # a task error too comes before the model loads
     t0 = time.perf_counter()
     prec = run_cfg.precision.resolve()
     model_config, params, tokenizer = load_model(model, param_dtype=args.param_dtype or prec.param_dtype,
@@ -168,7 +185,6 @@ def main(argv: list[str] | None = None) -> dict:
         params, step = restore_params(root, params, step)
         log.info("restored the params of step %d from %s", step, root)
     params = prec.sampler_params(jax.device_put(params))
-    task = get_task(task_name, **task_options)
     examples = []
     for ex in task.examples(args.split):
         examples.append(ex)

@@ -178,7 +178,8 @@ def forest_from_paths(
 
     ``leaf_path``: [P, W, D+1] int, column 0 must be 0 (the root). Node parents/depths are derived from the
     paths; tokens default to zeros and log-probs to zeros. Leaves that end at the same node are copies of one
-    path (a slot tree's duplicates). ``leaf_weight`` is ``W`` x :func:`path_mass`. ``leaf_length`` [P, W] must fit the path's depth:
+    path (a slot tree's duplicates). ``leaf_weight`` is ``W`` x :func:`path_mass`. ``leaf_length`` [P, W] must
+    fit the path's depth:
     ``(depth - 1) * S < length <= depth * S``.
     """
     leaf_path = np.asarray(leaf_path, np.int32)

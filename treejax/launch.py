@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         own, rest = argv, []
     parser = argparse.ArgumentParser(prog="python -m treejax.launch",
+                                     usage="python -m treejax.launch -n N [options] -- TRAINER_ARGS ...",
                                      description=__doc__.split("\n\n")[0],
                                      epilog="everything after -- goes to each process (treejax-train's arguments)")
     parser.add_argument("-n", "--num_processes", type=int, required=True)

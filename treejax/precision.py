@@ -24,7 +24,6 @@ with both numbers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -51,15 +50,12 @@ class Precision:
     matmul_precision: str = "auto"
 
     def __post_init__(self):
-        if self.param_dtype not in DTYPES:
-            raise ValueError(f"Precision.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
+        from treejax.choices import check_choice
+
+        check_choice("Precision.param_dtype", self.param_dtype, DTYPES)
         for name in ("compute_dtype", "sampler_dtype", "cache_dtype"):
-            value = getattr(self, name)
-            if value != "auto" and value not in DTYPES:
-                raise ValueError(f"Precision.{name} must be 'auto' or one of {DTYPES}, got {value!r}")
-        if self.matmul_precision != "auto" and self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"Precision.matmul_precision must be 'auto' or one of {MATMUL_PRECISIONS}, "
-                             f"got {self.matmul_precision!r}")
+            check_choice(f"Precision.{name}", getattr(self, name), ("auto", *DTYPES))
+        check_choice("Precision.matmul_precision", self.matmul_precision, ("auto", *MATMUL_PRECISIONS))
 
     def resolve(self, backend: str | None = None) -> "ResolvedPrecision":
         """Concrete dtypes for ``backend`` (default: ``jax.default_backend()``)."""
@@ -89,14 +85,41 @@ class ResolvedPrecision:
         """Context under which jitted programs are traced: float32 matmuls run at ``matmul_precision``.
 
         ``jax.default_matmul_precision`` is part of jit's cache key, so programs traced inside and outside
-        the context never share a compiled executable."""
-        if self.matmul_precision == "default":
-            return contextlib.nullcontext()
+        the context never share a compiled executable. ``"default"`` is set too (XLA's default: TF32 for float32
+        on a GPU), so the model's entry points (:func:`apply_policy`) see it was asked for."""
         return jax.default_matmul_precision(self.matmul_precision)
 
     def sampler_params(self, params: Any) -> Any:
         """The weight copy the sampler reads (a cast of the floating leaves; identity when dtypes agree)."""
         return cast_floating(params, self.sampler_dtype)
+
+
+def policy_matmul_precision(compute_dtype) -> str | None:
+    """The matmul precision the policy gives a program computing in ``compute_dtype``: ``"highest"`` for float32
+    (so fp32 is not silently TF32 on a GPU, whose XLA default it is), ``None`` (leave the default) for 16-bit
+    compute, and ``None`` whenever a precision was already asked for (``jax.default_matmul_precision(...)``, the
+    ``jax_default_matmul_precision`` flag, or the trainer's :meth:`ResolvedPrecision.matmul_context`, e.g.
+    ``Precision.matmul_precision = 'tensorfloat32'``): an explicit choice always wins."""
+    if jax.config.jax_default_matmul_precision is not None:
+        return None
+    return "highest" if jnp.dtype(compute_dtype) == jnp.float32 else None
+
+
+def apply_policy(fn):
+    """Decorates a public model entry point ``fn(params, config, ...)`` (forward, prefill, decode step, logits,
+    log-prob head) so its matmuls follow :func:`policy_matmul_precision` of ``config.compute_dtype``, also when
+    called directly from Python or a notebook (and so inside ``generate`` and the tree rollout, which call them)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(params, config, *args, **kwargs):
+        precision = policy_matmul_precision(config.compute_dtype)
+        if precision is None:
+            return fn(params, config, *args, **kwargs)
+        with jax.default_matmul_precision(precision):
+            return fn(params, config, *args, **kwargs)
+
+    return wrapped
 
 
 def cast_floating(tree: Any, dtype: str) -> Any:

@@ -27,6 +27,7 @@ import importlib
 import importlib.resources
 import logging
 import os
+import re
 import sys
 import tokenize
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import gin
 from gin import config_parser
 
+from treejax.choices import closest_first
 from treejax.config_types import check_field, check_types, field_types
 from treejax.errors import ConfigError, UserError, UserFileError
 from treejax.log import configure_logging
@@ -115,6 +117,10 @@ def _at(path: str | None, line: int | None) -> str:
     return "--gin_param" if path is None else f"{path}:{line}"
 
 
+#: ``Class.param = word``: a bare word where gin expects a Python literal (an unquoted string).
+_UNQUOTED = re.compile(r"^\s*([\w./]+\.\w+)\s*=\s*([A-Za-z_][\w.\-]*)\s*$")
+
+
 def _parse_statements(text: str, path: str | None) -> list[_Located]:
     """The statements of gin ``text`` (from file ``path``, or a ``--gin_param`` if None), by gin's own parser.
 
@@ -124,6 +130,10 @@ def _parse_statements(text: str, path: str | None) -> list[_Located]:
         return [_Located(st, _at(path, st.location.line_num))
                 for st in config_parser.ConfigParser(text, _RecordingDelegate())]
     except SyntaxError as e:
+        bare = _UNQUOTED.match(e.text or "")
+        if bare and bare.group(2) not in ("True", "False", "None"):
+            raise ConfigError(f"{_at(path, e.lineno)}: quote string values: {bare.group(1)}='{bare.group(2)}' "
+                              f"(in a shell: --gin_param=\"{bare.group(1)}='{bare.group(2)}'\")") from None
         code = f" in {e.text.strip()!r}" if e.text and e.text.strip() else ""
         raise ConfigError(f"{_at(path, e.lineno)}: gin syntax error{code}: {_one_line(e.msg)}") from None
     except tokenize.TokenError as e:
@@ -215,6 +225,17 @@ def _import(st: config_parser.ImportStatement, where: str) -> bool:
     return False
 
 
+def _fitting_classes(cls: type, arg: str, classes: dict[str, type]) -> list[str]:
+    """The registered configurables whose instances field ``cls.arg`` takes (its annotation names a base class,
+    e.g. ``BranchingRule | None``): the valid ``@Name()`` values of that field, or [] for other fields."""
+    import typing
+
+    tp = field_types(cls)[arg]
+    bases = [t for t in (typing.get_args(tp) or (tp,)) if isinstance(t, type) and typing.get_origin(t) is None
+             and t not in (type(None), typing.Any, str, int, float, bool, dict, list, tuple)]
+    return [name for name, c in classes.items() if isinstance(c, type) and any(issubclass(c, b) for b in bases)]
+
+
 def _check_binding(st: config_parser.BindingStatement, where: str, classes: dict[str, type],
                    macros: dict[str, Any], defer_unknown: bool) -> None:
     """``Configurable.param = value``: the name must exist; a literal value (or a macro's) must match the field."""
@@ -230,6 +251,13 @@ def _check_binding(st: config_parser.BindingStatement, where: str, classes: dict
     for ref in refs:
         name = ref.name.rsplit("/", 1)[-1]
         if isinstance(ref, _Reference) and name not in classes and not (defer_unknown or _gin_knows(name)):
+            fitting = _fitting_classes(cls, st.arg_name, classes)
+            if fitting:  # e.g. TreeConfig.branching: every registered rule, closest first
+                close = difflib.get_close_matches(name, fitting, n=3, cutoff=0.5)
+                ordered = closest_first(name, fitting)
+                raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close) or ';'} "
+                                  f"valid: {', '.join(f'@{c}()' for c in ordered)} (closest first); fix: {key} = "
+                                  f"@{ordered[0]}()")
             close = difflib.get_close_matches(name, list(classes), n=3, cutoff=0.5)
             raise ConfigError(f"{where}: unknown configurable @{ref.name} in {key}{_did_you_mean(close)}")
     if not refs:
@@ -297,14 +325,14 @@ def _gin_message(e: Exception) -> str:
     return _one_line(str(e).split("\n  In call to configurable")[0])
 
 
-def parse(gin_files: list[str], gin_params: list[str]):
+def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True):
     """Checks and parses gin files and bindings; returns the built, type-checked ``RunConfig``.
 
-    Everything wrong in them (syntax, names, types, ``__post_init__`` checks, the task name) raises a
+    Everything wrong in them (syntax, names, types, ``__post_init__`` checks, bindings nothing uses, the task
+    name and, with ``check_mesh``, the mesh against this process's devices) raises a
     :class:`~treejax.errors.UserError` here, before any model is loaded.
     """
     classes = register_configurables()
-    from treejax.data.tasks import check_task_name
     from treejax.rl.loop import RunConfig
 
     root = logging.getLogger()
@@ -325,18 +353,92 @@ def parse(gin_files: list[str], gin_params: list[str]):
     except ValueError as e:  # a config's __post_init__ rejected a value
         raise ConfigError(_gin_message(e)) from e
     check_types(cfg)
+    _check_unused_bindings(classes)
+    if check_mesh:  # not for a program that does not build the run's mesh (treejax-eval reading a run's config)
+        check_devices(cfg)
+    from treejax.data.tasks import check_task_name  # imports reasoning-gym (~1 s): after the cheaper checks
+
     check_task_name(cfg.task)
     return cfg
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="treejax-train", description=__doc__.split("\n\n")[0])
+def _check_unused_bindings(classes: dict[str, type]) -> None:
+    """A binding of a configurable that the built config never called would be silently ignored (e.g.
+    ``MeshConfig.data = 2`` without ``RunConfig.mesh = @MeshConfig()``): a :class:`ConfigError` naming the field
+    that takes it."""
+    used = {selector for _, selector in gin.config._OPERATIVE_CONFIG}
+    for scope, selector in gin.config._CONFIG:
+        if selector in used or selector.startswith("gin."):
+            continue
+        name = selector.rsplit(".", 1)[-1]
+        params = ", ".join(f"{name}.{k}" for k in gin.config._CONFIG[(scope, selector)])
+        takers = [f"{owner}.{f}" for owner, cls in classes.items() for f in field_types(cls)
+                  if name in _fitting_classes(cls, f, classes)]
+        fix = (f"bind {takers[0]} = @{name}()" if takers else f"remove it, or reference @{name}() from a binding")
+        raise ConfigError(f"{params} {'is' if ',' not in params else 'are'} bound but nothing uses @{name}(), so "
+                          f"{'it' if ',' not in params else 'they'} would be ignored; fix: {fix}")
+
+
+def check_devices(cfg) -> None:
+    """The mesh of ``cfg`` against the devices this run has (all processes'), before any model loads: a
+    :class:`ConfigError` of one line with the fix (``MeshConfig.data = 2`` on 1 device)."""
+    import jax
+
+    n = jax.device_count()
+    try:
+        cfg.mesh.shape(n)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (this run has {n} {jax.devices()[0].platform} device{'s' if n > 1 else ''})") \
+            from None
+
+
+_EPILOG = """\
+gin files and bindings:
+  A run is configured by gin files (--gin_file, repeatable; a positional FILE.gin is the same) and single
+  bindings (--gin_param, repeatable, applied after the files). With neither, the quickstart runs
+  (configs/quickstart.gin). A binding is Class.field = value with a Python literal as the value: quote
+  strings inside the binding and quote the whole binding for the shell:
+    --gin_param="RunConfig.estimator='grpo'"        (not RunConfig.estimator=grpo)
+    --gin_param="RunConfig.num_steps=20"   --gin_param="TreeConfig.branching=@LogProbWeighted()"
+  Every name and value is checked before anything loads; a typo is one line naming the valid choices.
+
+common knobs:
+  RunConfig.model        'smollm2-135m-instruct', an HF checkpoint folder or a .gguf file
+  RunConfig.task         a task name (--list tasks); its options in RunConfig.task_options={...}
+  RunConfig.estimator    the advantage estimator (--list estimators)
+  RunConfig.num_steps / prompts_per_step / log_dir / checkpoint_every / seed
+  TreeConfig.num_leaves / branch_factor / max_depth / segment_length / branching (--list branching)
+  OptimizerConfig.learning_rate / warmup_steps / total_steps / decay
+  RunConfig.mesh=@MeshConfig() with MeshConfig.data / fsdp / tensor (their product = the device count)
+
+examples:
+  treejax-train                                   # the quickstart, into runs/quickstart
+  treejax-train configs/treepo_smollm2.gin --gin_param="RunConfig.num_steps=10"
+  treejax-train --list estimators
+  treejax-train --resume                          # continue runs/quickstart (e.g. with more steps)
+
+Ctrl-C (or SIGTERM) saves a checkpoint after the current step and stops; rerun the command to resume.
+A second Ctrl-C aborts at once. README.md has the rest.
+"""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from treejax.listing import LIST_KINDS
+
+    parser = argparse.ArgumentParser(prog="treejax-train", description=__doc__.split("\n\n")[0],
+                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("gin_files", nargs="*", metavar="FILE.gin", help="gin config file(s), as --gin_file")
     parser.add_argument("--gin_file", action="append", default=None, help="gin config file (repeatable)")
-    parser.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--gin_param", action="append", default=[],
+                        help="gin binding, e.g. \"RunConfig.estimator='grpo'\" (repeatable; quote strings)")
+    parser.add_argument("--list", choices=LIST_KINDS, default=None, metavar="KIND",
+                        help=f"print the registered {', '.join(LIST_KINDS)} (one line each, with its gin "
+                             "binding) and exit")
+    parser.add_argument("--quiet", action="store_true", help="only warnings and errors (no step lines)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in RunConfig.log_dir, finished or not")
-    mode.add_argument("--overwrite", action="store_true", help="delete the run in RunConfig.log_dir and start over")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="delete the run in RunConfig.log_dir (only the files treejax wrote) and start over")
     dist = parser.add_argument_group("multi-process runs (jax.distributed; README: 'Several processes and hosts')")
     dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                       help="address of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS, else one process)")
@@ -344,7 +446,23 @@ def main(argv: list[str] | None = None) -> dict:
     dist.add_argument("--process_id", type=int, default=None, help="this process's index, 0..N-1 (with --coordinator)")
     dist.add_argument("--heartbeat_timeout_s", type=int, default=None,
                       help="a process silent this long is declared dead and the others stop (default: JAX's 100 s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _build_parser()
     args = parser.parse_args(argv)
+    if args.list:
+        from treejax.listing import list_lines
+
+        print("\n".join(list_lines(args.list)))
+        return {}
+    for path in args.gin_files:
+        if not path.endswith(".gin"):
+            parser.error(f"unexpected argument {path!r}: positional arguments are gin files (FILE.gin, as "
+                         "--gin_file); bindings go in --gin_param=\"Class.field=value\"")
+    if args.gin_files:
+        args.gin_file = (args.gin_file or []) + args.gin_files
     if args.resume or args.overwrite:
         args.gin_param = args.gin_param + [f"RunConfig.log_dir_mode = '{'resume' if args.resume else 'overwrite'}'"]
     configure_logging(args.quiet)
@@ -368,22 +486,35 @@ def main(argv: list[str] | None = None) -> dict:
     summary = run(cfg, operative_config=gin.config_str())
     if "preempted_at" in summary:
         if is_primary():
-            print(f"preempted: saved step {summary['preempted_at']} to {summary['checkpoint_dir']}; "
-                  "rerun the same command to resume")
+            print(f"stopped by {summary.get('stopped_by') or 'a preemption signal'}: saved step "
+                  f"{summary['preempted_at']} to {summary['checkpoint_dir']}; rerun the same command (or add "
+                  "--resume) to continue")
         return summary
     if is_primary():  # one process prints the summary of a multi-process run
         print(format_summary(summary))
     return summary
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """The CLI shows a Python warning (e.g. the schedule check's) as one line, like its errors."""
+    print(f"treejax-train: warning: {_one_line(message)}", file=sys.stderr if file is None else file)
+
+
 def console_main(argv: list[str] | None = None) -> None:
     """The ``treejax-train`` entry point: a :class:`~treejax.errors.UserError` is printed as one line and exits
     with status 2 (as argparse does for bad arguments); any other exception propagates with its traceback."""
+    import warnings
+
+    warnings.showwarning = _warning_line
     try:
         main(argv)
     except UserError as e:
         print(f"treejax-train: error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the step loop (nothing trained yet), or a second Ctrl-C in it
+        print("treejax-train: interrupted: stopped at once; the newest checkpoint (if any) is kept, rerun the same "
+              "command to resume from it", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ drawing never changes the global backend (safe in notebooks and headless servers
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -77,16 +77,27 @@ def tree_layout(forest: Forest, prompt: int = 0) -> dict[int, tuple[float, float
     return pos
 
 
+def _one_line(text: str, chars: int, tail: bool = True) -> str:
+    """``text`` on one line (whitespace collapsed), its last (``tail``) or first ``chars`` characters."""
+    flat = " ".join(str(text).split())
+    if len(flat) <= chars:
+        return flat
+    return "\u2026" + flat[-chars:] if tail else flat[:chars] + "\u2026"
+
+
 def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int = 0, *,
               title: str | None = None, cmap: str = "RdYlGn", dpi: int = 120,
-              reward_range: tuple[float, float] | None = None, correct: Any = None) -> str:
+              reward_range: tuple[float, float] | None = None, correct: Any = None, prompt_text: str | None = None,
+              leaf_texts: Sequence[str] | None = None, text_chars: int = 60) -> str:
     """Draws prompt ``prompt``'s tree to ``path`` (format from the suffix: ``.png`` or ``.svg``); returns the path.
 
     ``rewards``: ``[P, W]`` (or ``[W]`` for the drawn prompt) leaf rewards. ``reward_range``: the colour scale's
     ``(low, high)``; give the run's reward range so colours mean the same in every picture (default: this
     tree's own min/max, so an all -1 tree would be drawn neutral). ``correct``: optional ``[P, W]`` / ``[W]``
     verifier results, drawn as a check or a cross next to each leaf's reward (the finish reason says only why
-    decoding stopped, not whether the answer was right).
+    decoding stopped, not whether the answer was right). ``prompt_text``: the prompt, shown under the title;
+    ``leaf_texts``: each leaf's response text (``W`` strings), its last ``text_chars`` characters shown next to
+    the leaf (where the answer is), on one line.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import Normalize
@@ -107,6 +118,8 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     if rewards_W.shape != (forest.num_leaves,):
         raise ValueError(f"draw_tree: rewards must be [P, W] or [W] with W={forest.num_leaves}, got {rewards.shape}")
 
+    if leaf_texts is not None and len(leaf_texts) != forest.num_leaves:
+        raise ValueError(f"draw_tree: leaf_texts must hold W={forest.num_leaves} strings, got {len(leaf_texts)}")
     correct_W = None
     if correct is not None:
         correct = np.asarray(correct, bool)
@@ -124,7 +137,11 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     norm = Normalize(vmin=lo, vmax=hi)
 
     n_rows = max(y for _, y in pos.values()) + 1
-    fig = Figure(figsize=(3.0 + 1.1 * max(forest.max_depth, 1), 2.6 + 0.32 * n_rows))
+    # inches for the leaves' answers (7-point text, ~0.05 inch a character, the reward and quotes included)
+    text_width = 0.05 * (text_chars + 14) if leaf_texts is not None else 0.0
+    tree_width = 3.0 + 1.1 * max(forest.max_depth, 1)
+    fig = Figure(figsize=(tree_width + text_width,
+                          2.6 + 0.32 * n_rows + (0.5 if prompt_text else 0.0)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     parent = np.asarray(forest.node_parent[prompt])
@@ -152,7 +169,9 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
         mark = ""
         if correct_W is not None:
             mark = " \u2713" if correct_W[w] else " \u2717"
-        ax.annotate(f"{rewards_W[w]:+.2f}{mark}", (x + 0.4, y), va="center", fontsize=7)
+        answer = f"  {_one_line(leaf_texts[w], text_chars)!r}" if leaf_texts is not None else ""
+        ax.annotate(f"{rewards_W[w]:+.2f}{mark}{answer}", (x + 0.4, y), va="center", fontsize=7,
+                    annotation_clip=False)
         seen[int(status)] = Line2D([], [], marker=marker, color="k", ls="", label=label)
     handles = [seen[k] for k in sorted(seen)]
     if correct_W is not None:
@@ -164,12 +183,19 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     ax.set_xticks(range(forest.max_depth + 1))
     ax.set_yticks([])
     ax.invert_yaxis()
-    ax.set_xlim(-0.4, forest.max_depth + 1.0)
+    # the tree keeps its scale (data units per inch of the plot without text); the answers get the added width
+    units_per_inch = (forest.max_depth + 1.4) / max(tree_width - 1.6, 1.0)
+    ax.set_xlim(-0.4, forest.max_depth + 1.0 + text_width * units_per_inch)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     n_pruned = int(np.sum(leaf_status == NodeStatus.PRUNED))
-    ax.set_title(title or f"prompt {prompt}: {forest.num_leaves} leaves, segment length {forest.segment_length}"
-                 + (f", {n_pruned} pruned" if n_pruned else ""), fontsize=9)
+    heading = title or (f"prompt {prompt}: {forest.num_leaves} leaves, segment length {forest.segment_length}"
+                        + (f", {n_pruned} pruned" if n_pruned else ""))
+    if prompt_text:
+        import textwrap
+
+        heading += "\n" + "\n".join(textwrap.wrap("prompt: " + _one_line(prompt_text, 240, tail=False), 100))
+    ax.set_title(heading, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi, format=ext[1:])
     return path

@@ -252,3 +252,39 @@ def test_example_is_frozen_dataclass():
     ex = Example([{"role": "user", "content": "q"}], "1", {})
     with pytest.raises(Exception):
         ex.ground_truth = "2"
+
+
+def test_task_seeds_give_disjoint_problem_streams():
+    """reasoning-gym builds item i from Random(rg_seed + i): the task seed is spread out before it is passed on, so
+    seed 7 is not seed 0's problems shifted by 7 items; seed 0 keeps its problems (rg_seed 0), and rg_seed= passes
+    reasoning-gym's own seed through (the old behaviour of seed=7)."""
+    from treejax.data.reasoning_gym_tasks import reasoning_gym_seed
+
+    assert reasoning_gym_seed(0) == 0
+    qs = lambda t, split: {r["question"] for r in t.records(split)}  # noqa: E731
+    opts = dict(size=200, eval_size=50, min_terms=3, max_terms=3, min_digits=2, max_digits=3)
+    a, b = get_task("chain_sum", seed=0, **opts), get_task("chain_sum", seed=7, **opts)
+    assert json.loads(a.records("train")[0]["metadata"])["rg_seed"] == 0
+    for split in ("train", "eval"):
+        assert len(qs(a, split) & qs(b, split)) <= 0.02 * len(qs(a, split))
+    old_seed7 = get_task("chain_sum", seed=0, rg_seed=7, **opts)
+    assert len(qs(a, "train") & qs(old_seed7, "train")) >= 0.9 * len(qs(a, "train"))  # the trap it avoids
+
+
+def test_blank_prompts_in_a_task_file_are_filtered_with_a_count(tmp_path, caplog, monkeypatch):
+    import logging
+
+    rows = [{"question": "What is 2 + 3?", "answer": "#### 5"}, {"question": "", "answer": "#### 1"},
+            {"question": "  \n\t ", "answer": "#### 2"}, {"question": "What is 4 + 4?", "answer": "#### 8"}]
+    path = _write(tmp_path / "blank.jsonl", [json.dumps(r) for r in rows])
+    monkeypatch.setattr(logging.getLogger("treejax"), "propagate", True)  # a CLI test may have turned it off
+    with caplog.at_level(logging.WARNING, logger="treejax.data.file_tasks"):
+        task = get_task("gsm8k_file", path=path, eval_fraction=0.0)
+    assert [r["question"] for r in task.records("train")] == ["What is 2 + 3?", "What is 4 + 4?"]
+    warned = [r.getMessage() for r in caplog.records if "whitespace-only" in r.getMessage()]
+    assert warned == [f"{path}: 2 of 4 problems have an empty or whitespace-only 'question' field (first at "
+                      f"{path}:2): filtered out"]
+    only_blank = _write(tmp_path / "only_blank.jsonl", [json.dumps(r) for r in rows[1:3]])
+    with pytest.raises(DataError, match=r"only_blank\.jsonl holds no problems .* every 'question' field is empty"):
+        get_task("gsm8k_file", path=only_blank)
+    assert sorted(os.listdir(tmp_path)) == ["blank.jsonl", "only_blank.jsonl"]  # nothing else written

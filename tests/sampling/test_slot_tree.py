@@ -98,7 +98,7 @@ def test_slot_tree_with_k_equal_w_is_independent_sampling():
 
 
 def test_slot_tree_config_errors():
-    with pytest.raises(ValueError, match="allocation must be one of"):
+    with pytest.raises(ValueError, match="TreeConfig.allocation='slot' is not one of"):
         tree.TreeConfig(allocation="slot")
     with pytest.raises(ValueError, match="splits a path's own slots"):
         tree.TreeConfig(allocation="slots", branching=LogProbWeighted())

@@ -6,7 +6,8 @@ Formats (field names overridable with ``question_field`` / ``answer_field``):
   - ``"math"``: ``{"problem": str, "solution": "... \\boxed{\\frac{1}{2}} ..."}``; the ground truth is the content of
     the last ``\\boxed{}`` (nested braces kept). With ``answer_field="answer"`` (MATH-500 style) a plain answer is
     used as is; a value with a truncated/empty ``\\boxed{`` is an error.
-Every problem in the file is kept (duplicates included). An answer given as a number (``"answer": 72`` in jsonl,
+Every problem in the file is kept (duplicates included), except those whose question is empty or only whitespace:
+they are filtered out with a count in the log. An answer given as a number (``"answer": 72`` in jsonl,
 an integer or float column in parquet) is that number as the ground truth (``"72"``; a float keeps its digits, a
 whole float drops ``.0``), in either format and without a ``####`` marker or ``\\boxed{}``. Everything else that
 is wrong raises :class:`~treejax.errors.DataError` naming the file and line (row, for parquet): a file with no
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from typing import Iterator, Optional
@@ -34,6 +36,8 @@ from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
 from treejax.data.tasks import Example, Task, register_task
 from treejax.errors import DataError, UserFileError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_INSTRUCTION", "FileTask", "read_rows"]
 
@@ -164,9 +168,15 @@ class FileTask(Task):
         self._records = self._load()
 
     def _read(self, path: str) -> list[dict[str, str]]:
-        out = []
+        """The problems of ``path``; rows whose question is empty or only whitespace are filtered out with a
+        count in the log (a prompt with no question trains and evaluates on nothing)."""
+        out, blank, rows = [], [], 0
         for where, row in read_rows(path):
+            rows += 1
             question = _field(row, self.question_field, where)
+            if not question.strip():
+                blank.append(where)
+                continue
             answer_text = _field(row, self.answer_field, where, numbers=True)
             answer = _ground_truth(self.format, answer_text, self.answer_field, where)
             extra = {k: v for k, v in row.items() if k not in (self.question_field, self.answer_field)
@@ -174,12 +184,16 @@ class FileTask(Task):
             metadata = {**extra, "source": where}
             out.append({"uid": question_uid(question), "question": question, "answer": answer,
                         "metadata": json.dumps(metadata)})
+        if blank:
+            log.warning("%s: %d of %d problems have an empty or whitespace-only %r field (first at %s): filtered "
+                        "out", path, len(blank), rows, self.question_field, blank[0])
         return out
 
     def _read_some(self, path: str) -> list[dict[str, str]]:
         records = self._read(path)
         if not records:
-            raise DataError(f"task file {path} holds no problems (it is empty or has only blank lines)")
+            raise DataError(f"task file {path} holds no problems (it is empty, has only blank lines, or every "
+                            f"{self.question_field!r} field is empty)")
         return records
 
     def _load(self) -> dict[str, list[dict[str, str]]]:

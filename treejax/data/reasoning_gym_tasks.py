@@ -4,13 +4,14 @@
 ``get_task("chain_sum", size=1000, seed=0, min_terms=2, max_terms=2)``: keyword arguments that are not task
 options go to the dataset's reasoning-gym config class (unknown ones are an error listing the valid fields).
 
-**Generation and splits.** One reasoning-gym dataset object is built with ``seed`` and ``scan_size`` items
-(item ``i`` is generated from ``Random(seed + i)``). Items are scanned in index order and assigned to a split by
-the content hash of their question (``treejax.data.splits.split_of(question, eval_fraction)``): train takes the
-first ``size`` train-bucket items, eval the first ``eval_size`` eval-bucket items, each without repeated questions
-(``dedupe=True``). Train and eval therefore never share a question, for any seeds (reasoning-gym's ``seed + i``
-scheme makes different seeds share items, so separate seeds alone would NOT give disjoint splits). If the dataset's
-config has too few distinct problems to fill a split, construction fails with the counts found.
+**Generation and splits.** One reasoning-gym dataset object is built with ``rg_seed = reasoning_gym_seed(seed)``
+(0 for seed 0; task seeds are spread ~5e8 apart, so different seeds give disjoint problem streams) and
+``scan_size`` items (item ``i`` is generated from ``Random(rg_seed + i)``). Items are scanned in index order and
+assigned to a split by the content hash of their question (``treejax.data.splits.split_of(question,
+eval_fraction)``): train takes the first ``size`` train-bucket items, eval the first ``eval_size`` eval-bucket
+items, each without repeated questions (``dedupe=True``). Train and eval therefore never share a question, for any
+seeds. If the dataset's config has too few distinct problems to fill a split, construction fails with the counts
+found.
 
 **Scoring.** The response's answer is extracted (``extraction="tags"``: the last ``<answer>..</answer>``, exactly
 reasoning-gym's ``extract_answer``; other modes from ``treejax.data.verifiers.EXTRACTION_MODES``), the original
@@ -33,7 +34,7 @@ from treejax.data.splits import check_split, question_uid, split_of
 from treejax.data.tasks import Example, Task, register_task
 from treejax.errors import DataError
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "EASY_PRESETS", "ReasoningGymTask"]
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "EASY_PRESETS", "ReasoningGymTask", "reasoning_gym_seed"]
 
 # reasoning-gym's SYSTEM_PROMPTS["default"], copied so that prompts don't change if the package changes it.
 DEFAULT_SYSTEM_PROMPT = (
@@ -64,13 +65,33 @@ EASY_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Multiplier of :func:`reasoning_gym_seed` (odd, ~0.618 * 2**32: consecutive task seeds land ~5e8 apart).
+_SEED_STRIDE = 0x9E3779B1
+
+
+def reasoning_gym_seed(seed: int) -> int:
+    """reasoning-gym's generator seed for task seed ``seed``: ``seed * 0x9E3779B1 mod 2**31`` (0 maps to 0, so
+    every config with ``seed = 0`` keeps its problems).
+
+    reasoning-gym builds item ``i`` from ``Random(rg_seed + i)``, so two task seeds share items only where their
+    windows ``[rg_seed, rg_seed + scan_size)`` overlap: never for scan sizes below ~5e8 between consecutive
+    seeds, and with probability ``~2 scan_size / 2**31`` for arbitrary ones. The problems can still coincide
+    where the dataset's question space is small (``chain_sum_2x1`` has ~160 distinct questions).
+    """
+    return (int(seed) * _SEED_STRIDE) % (1 << 31)
+
+
 class ReasoningGymTask(Task):
     """A reasoning-gym dataset as a ``Task`` (see module docstring).
 
     Args:
       dataset: reasoning-gym dataset name (``reasoning_gym.factory.DATASETS``).
       size / eval_size: number of train / eval problems.
-      seed: reasoning-gym generator seed.
+      seed: the task seed; reasoning-gym's generator seed is :func:`reasoning_gym_seed` of it (0 -> 0), so
+        different seeds give disjoint problem streams (reasoning-gym builds item ``i`` from
+        ``Random(rg_seed + i)``: passing the seed through made ``seed=7`` seed 0's problems shifted by 7 items).
+      rg_seed: reasoning-gym's own seed, used as given instead of the derived one (``rg_seed=7`` reproduces what
+        ``seed=7`` gave before the derivation).
       eval_fraction: fraction of the question space hashed into eval.
       scan_size: number of generator indices scanned (default: enough for both splits with a 2x margin).
       dedupe: no question repeated within a split.
@@ -90,6 +111,7 @@ class ReasoningGymTask(Task):
         size: int = 1000,
         eval_size: int = 100,
         seed: int = 0,
+        rg_seed: Optional[int] = None,
         eval_fraction: float = 0.2,
         scan_size: Optional[int] = None,
         dedupe: bool = True,
@@ -124,7 +146,8 @@ class ReasoningGymTask(Task):
             raise DataError(
                 f"unknown config field(s) {unknown} for reasoning-gym dataset {dataset!r}; "
                 f"valid fields: {sorted(valid_fields)} (task options: size, eval_size, seed, eval_fraction, "
-                "scan_size, dedupe, system_prompt, instruction, extraction, correct_threshold, partial_credit, name)"
+                "rg_seed, scan_size, dedupe, system_prompt, instruction, extraction, correct_threshold, "
+                "partial_credit, name)"
             )
         if scan_size is None:
             need_train = size / max(1.0 - eval_fraction, 1e-9)
@@ -137,7 +160,8 @@ class ReasoningGymTask(Task):
         self.system_prompt, self.instruction, self.extraction = system_prompt, instruction, extraction
         self.correct_threshold, self.partial_credit = correct_threshold, partial_credit
         self.name = name or f"reasoning_gym/{dataset}"
-        self._dataset = reasoning_gym.create_dataset(dataset, seed=seed, size=scan_size, **dataset_config)
+        self.rg_seed = reasoning_gym_seed(seed) if rg_seed is None else rg_seed
+        self._dataset = reasoning_gym.create_dataset(dataset, seed=self.rg_seed, size=scan_size, **dataset_config)
         self._records: Optional[dict[str, list[dict[str, str]]]] = None
 
     def _generate(self) -> dict[str, list[dict[str, str]]]:
@@ -153,7 +177,7 @@ class ReasoningGymTask(Task):
             if len(out[split]) >= wanted[split] or (self.dedupe and question in seen[split]):
                 continue
             seen[split].add(question)
-            metadata = {"rg_dataset": self.dataset_name, "rg_index": idx, "rg_seed": self.seed}
+            metadata = {"rg_dataset": self.dataset_name, "rg_index": idx, "rg_seed": self.rg_seed}
             out[split].append(
                 {"uid": question_uid(question), "question": question, "answer": str(entry["answer"]),
                  "metadata": json.dumps(metadata)}
@@ -183,7 +207,7 @@ class ReasoningGymTask(Task):
         if entry["question"] != example.metadata["question"]:
             raise ValueError(
                 f"{self.name}: item {idx} regenerated a different question; the example was made with another "
-                f"seed/config (example seed {example.metadata.get('rg_seed')}, task seed {self.seed})"
+                f"seed/config (example rg_seed {example.metadata.get('rg_seed')}, task rg_seed {self.rg_seed})"
             )
         return entry
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from treejax.models.config import ModelConfig
+from treejax.precision import apply_policy
 
 Params = dict
 _NEG = -1e30  # finite "minus infinity": keeps fully-masked (padding) rows NaN-free
@@ -214,6 +215,7 @@ def same_attention_sharding(q: jax.Array, k: jax.Array, v: jax.Array):
     return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
 
 
+@apply_policy
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             segment_ids: jax.Array | None = None, remat: bool | str = False,
             attention_impl: str = "xla") -> jax.Array:
@@ -278,6 +280,7 @@ def _run_layers(params: Params, config: ModelConfig, tokens: jax.Array, position
     return rms_norm(x, params["final_norm"], config.rms_norm_eps)
 
 
+@apply_policy
 def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
                  node_lo: jax.Array, node_hi: jax.Array, remat: bool | str = False,
                  attention_impl: str = "xla") -> jax.Array:
@@ -325,6 +328,7 @@ def _head(params: Params, config: ModelConfig) -> jax.Array:
     return params["embed"].T if config.tie_word_embeddings else params["lm_head"]
 
 
+@apply_policy
 def logits(params: Params, config: ModelConfig, hidden: jax.Array, mask_padded_vocab: bool = True) -> jax.Array:
     """fp32 logits ``[..., V]``; ids ``>= true_vocab_size`` get -inf when ``mask_padded_vocab``."""
     w = _head(params, config)
@@ -395,6 +399,7 @@ def _chunk_stats_bwd(inv_temp, res, g):
 _chunk_stats.defvjp(_chunk_stats_fwd, _chunk_stats_bwd)
 
 
+@apply_policy
 def token_logprobs(params: Params, config: ModelConfig, hidden: jax.Array, targets: jax.Array,
                    chunk_size: int = 8192, with_entropy: bool = False, temperature: float = 1.0):
     """``log softmax(h W / temperature)[target]`` for every position, computed in vocabulary chunks.
@@ -497,6 +502,7 @@ def fuse_projections(params: Params) -> Params:
     return dict(params, layers=tuple(fused))
 
 
+@apply_policy
 def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             segment_ids: jax.Array, cache: dict, rows: jax.Array | None = None):
     """Runs a padded prompt batch and writes its keys/values into the cache at slots ``positions``.
@@ -550,6 +556,7 @@ def windowed_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
 
 
 @functools.partial(jax.named_call, name="decode_step")
+@apply_policy
 def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: dict,
                 attend_len: int | None = None, attention_fn=None):
     """One decoding step for every cache row: ``tokens, positions: [B]``.

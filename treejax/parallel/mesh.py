@@ -21,6 +21,7 @@ import jax
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from treejax.errors import ConfigError
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules, rules_dict
 from treejax.parallel.multihost import maybe_initialize_distributed  # noqa: F401 (re-exported)
 
@@ -35,19 +36,31 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
 
+    def __post_init__(self):
+        dims = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, d in dims.items():
+            if isinstance(d, bool) or not isinstance(d, int) or d == 0 or d < -1:
+                raise ConfigError(f"MeshConfig.{name}={d!r}: an axis size must be a positive int or -1 (all the "
+                                  f"devices the other axes leave); fix: MeshConfig.{name} = 1")
+        if sum(d == -1 for d in dims.values()) > 1:
+            raise ConfigError(f"{self}: at most one axis may be -1; fix: MeshConfig."
+                              f"{[n for n, d in dims.items() if d == -1][1]} = 1")
+
     def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """``(data, fsdp, tensor)`` over ``num_devices`` devices; a :class:`~treejax.errors.ConfigError` of one
+        line (with the fix) when the shape does not fit them."""
         dims = [self.data, self.fsdp, self.tensor]
-        if sum(d == -1 for d in dims) > 1:
-            raise ValueError(f"MeshConfig: at most one axis may be -1, got {self}")
-        if any(d == 0 or d < -1 for d in dims):
-            raise ValueError(f"MeshConfig: axis sizes must be positive or -1, got {self}")
         known = math.prod(d for d in dims if d != -1)
         if -1 in dims:
             if num_devices % known:
-                raise ValueError(f"MeshConfig {self}: {num_devices} devices not divisible by {known}")
+                raise ConfigError(f"{self} does not fit {num_devices} device(s): {num_devices} is not divisible "
+                                  f"by {known} (the product of the fixed axes); fix: choose axis sizes whose "
+                                  f"product divides {num_devices}, e.g. MeshConfig.data = 1, MeshConfig.tensor = 1")
             dims[dims.index(-1)] = num_devices // known
         if math.prod(dims) != num_devices:
-            raise ValueError(f"MeshConfig {self} needs {math.prod(dims)} devices, {num_devices} available")
+            raise ConfigError(f"{self} needs {math.prod(dims)} devices (data x fsdp x tensor), {num_devices} "
+                              f"available; fix: make the product {num_devices}, or set one axis to -1 (e.g. "
+                              f"MeshConfig.fsdp = -1 with the others dividing {num_devices})")
         return tuple(dims)
 
 

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from treejax.errors import record_failure
+from treejax.errors import ConfigError, record_failure
 from treejax.forest import Forest
 from treejax.parallel import multihost
 from treejax.parallel.axis_rules import SAMPLER_RULES
@@ -71,6 +71,10 @@ from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
 
 log = logging.getLogger(__name__)
+
+
+class ScheduleWarning(UserWarning):
+    """The learning-rate schedule and the run's length disagree (``RunConfig._check_schedule``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +97,10 @@ class RunConfig:
     ``leaf_weighting``: ``"count"`` (every leaf slot weighs 1: TreePO's official weighting) or ``"mass"`` (each
     leaf's advantages times ``Forest.leaf_weight``, ``W`` x its path mass for ``"transfer"`` trees: see
     :data:`treejax.rl.step.LEAF_WEIGHTINGS`; refused with the fallback).
+    ``tree_picture_text``: the tree picture (every ``tree_picture_every`` steps) shows prompt 0's question and
+    each leaf's answer text. ``compilation_cache``: the persistent JAX compilation cache
+    (:mod:`treejax.compile_cache`): ``"auto"`` (``~/.cache/treejax/jax``), ``"off"``, or a folder;
+    ``TREEJAX_COMPILATION_CACHE`` overrides it.
     ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
     token computed once, same loss and gradient; mini-batches are then groups of prompts, so
     ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
@@ -140,9 +148,11 @@ class RunConfig:
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     tree_picture_every: int = 1
+    tree_picture_text: bool = True  # the picture shows the prompt and each leaf's answer text
     export_hf: bool = True
     seed: int = 0
     mesh: MeshConfig = MeshConfig()
+    compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
 
     def __post_init__(self):
         from treejax.config_types import check_types
@@ -154,10 +164,7 @@ class RunConfig:
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
             raise ValueError(f"RunConfig: {rows} rollout rows (prompts_per_step x num_leaves) must split into "
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
-        if self.reward_style not in ("pm1", "01"):
-            raise ValueError(f"RunConfig.reward_style must be 'pm1' or '01', got {self.reward_style!r}")
-        if self.overlong_prompts not in ("filter", "error"):
-            raise ValueError(f"RunConfig.overlong_prompts must be 'filter' or 'error', got {self.overlong_prompts!r}")
+        self._check_choices()
         if self.max_prompt_length < 1:
             raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
@@ -166,10 +173,44 @@ class RunConfig:
             raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
                              f"{self.prompts_per_step} does not split into mini_batches={self.mini_batches}")
         if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
-            raise ValueError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
-                             "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
-                             "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
+            raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
+                              "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
+                              "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
+        self._check_schedule()
+
+    def _check_choices(self) -> None:
+        """Every enumerated field, one line each naming the valid choices (:func:`treejax.choices.check_choice`)."""
+        from treejax.choices import check_choice
+        from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+        from treejax.rl.advantages.registry import list_estimators
+        from treejax.rl.step import LEAF_WEIGHTINGS, OLD_LOGP_SOURCES
+        from treejax.rl.update import NONFINITE_POLICIES
+        from treejax.run_dir import LOG_DIR_MODES
+
+        check_choice("RunConfig.estimator", self.estimator, list_estimators())
+        check_choice("RunConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("RunConfig.remat", self.remat, (False, True, *REMAT_POLICIES))
+        check_choice("RunConfig.attention_impl", self.attention_impl, TRAIN_ATTENTION_IMPLS)
+        check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
+        check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
+        check_choice("RunConfig.overlong_prompts", self.overlong_prompts, ("filter", "error"))
+        check_choice("RunConfig.log_dir_mode", self.log_dir_mode, LOG_DIR_MODES)
+        check_choice("RunConfig.leaf_weighting", self.leaf_weighting, LEAF_WEIGHTINGS)
+
+    def _check_schedule(self) -> None:
+        """A decaying learning-rate schedule that ends before the run does trains its last steps at the final
+        rate (0 with the default ``end_lr_factor``): warned, once per config, not changed (the schedule is
+        ``OptimizerConfig.total_steps``, never silently rescaled to ``num_steps``)."""
+        opt = self.optimizer
+        if opt.decay != "constant" and opt.total_steps < self.num_steps:
+            import warnings
+
+            warnings.warn(f"OptimizerConfig.total_steps={opt.total_steps} < RunConfig.num_steps={self.num_steps} "
+                          f"with decay={opt.decay!r}: steps {opt.total_steps + 1}..{self.num_steps} train at "
+                          f"learning rate {opt.learning_rate * opt.end_lr_factor:g} (end_lr_factor="
+                          f"{opt.end_lr_factor:g}); set OptimizerConfig.total_steps = {self.num_steps}",
+                          ScheduleWarning, stacklevel=2)
 
     def step_config(self, pad_id: int = 0, batch_devices: int = 1) -> StepConfig:
         """The step's settings; ``batch_devices``: devices the batch is sharded over (packed row multiple)."""
@@ -421,6 +462,7 @@ class _Run:
     data_state: dict
     t_start: float
     mesh: Any = None  # the run's mesh; its programs are traced under mesh_context(mesh)
+    stopped_by: str | None = None  # the signal that stopped the step loop early (SIGTERM, SIGINT)
 
 
 def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
@@ -428,11 +470,16 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
 
     In a multi-process run every process calls this with the same config; process 0 holds the log folder's lock
     and writes the files, every process returns the summary."""
+    from treejax.compile_cache import enable_compilation_cache
     from treejax.log import show_progress
     from treejax.run_dir import claim_log_dir
 
     if multihost.is_primary():
         show_progress()
+    cache_dir = enable_compilation_cache(cfg.compilation_cache)
+    if cache_dir:
+        log.info("compilation cache: %s (RunConfig.compilation_cache = 'off' or TREEJAX_COMPILATION_CACHE=off "
+                 "turns it off)", cache_dir)
     with claim_log_dir(cfg.log_dir, cfg.log_dir_mode):
         r = _setup(cfg, operative_config)
         try:
@@ -443,8 +490,11 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             with r.precision.matmul_context(), mesh_context(r.mesh):
                 return _finish(r)
         except BaseException as e:  # record where the run stopped, then let the error surface unchanged
-            record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
-                           process=multihost.process_index() if multihost.process_count() > 1 else None)
+            try:
+                record_failure(cfg.log_dir, int(r.data_state.get("rl_step", r.start_step)), e,
+                               process=multihost.process_index() if multihost.process_count() > 1 else None)
+            except OSError:  # the disk that made the run fail (full, read-only) cannot take the record either
+                pass
             raise
 
 
@@ -516,6 +566,8 @@ def _setup(cfg: RunConfig, operative_config: str | None) -> _Run:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
         log.info("resumed from step %d", int(data_state["rl_step"]))
+    else:
+        log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))
     return _Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, step_fns, state, ref_params,
                 eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
                 mesh)
@@ -589,8 +641,10 @@ def _train(r: _Run) -> int | None:
             if step == r.start_step:
                 log.info("step %d: rollout, scoring and update (the first step compiles the tree sampler and the "
                          "update; later steps are faster)", step + 1)
+            t_step = time.perf_counter()
             r.state, ro, device_metrics, host = rl_step(r.step_fns, r.state, r.source, jax.random.fold_in(key, step),
                                                         step, r.ref_params)
+            log.info("%s", step_line(step + 1, cfg.num_steps, host, time.perf_counter() - t_step))
             pending_host[step + 1] = dict(host, **{"time/step_s": time.perf_counter() - r.t_start})
             write(deferred.push(step + 1, device_metrics))
             done = step + 1
@@ -599,9 +653,13 @@ def _train(r: _Run) -> int | None:
                 picture = os.path.join(cfg.log_dir, f"tree_step{done}.png")
                 first = dataclasses.replace(ro, forest=first_prompt(ro.forest))  # gathered on every process
                 if multihost.is_primary():
+                    texts = {}
+                    if cfg.tree_picture_text:  # first.forest is on the host already: no collective here
+                        texts = dict(prompt_text=ro.examples[0].prompt_messages[-1]["content"],
+                                     leaf_texts=leaf_texts(r.tokenizer, first.forest)[0])
                     viz.draw_tree(first.forest, np.asarray(ro.rewards_PxW)[:1], picture, prompt=0,
                                   title=f"step {done}: prompt 0, {cfg.rollout.num_leaves} leaves",
-                                  reward_range=reward_range(cfg), correct=ro.scores_PxW[:1] >= 1.0)
+                                  reward_range=reward_range(cfg), correct=ro.scores_PxW[:1] >= 1.0, **texts)
                     r.writer.write_image(done, "rollout/tree", picture)
                     r.writer.write_text(done, "rollout/samples", sample_completions(r.tokenizer, first))
                 r.data_state["tree_picture"] = os.path.abspath(picture)
@@ -616,7 +674,11 @@ def _train(r: _Run) -> int | None:
                 write(deferred.flush())
                 if r.checkpointer.latest_step() != done:
                     r.checkpointer.save(done, r.state, r.data_state, force=True)
-                log.warning("preemption signal: saved step %d and stopping; rerun the same command to resume", done)
+                import signal
+
+                r.stopped_by = signal.Signals(preemption.signal_received).name if preemption.signal_received else \
+                    "a preemption notice"
+                log.warning("%s: saved step %d and stopping; rerun the same command to resume", r.stopped_by, done)
                 break
         write(deferred.flush())
     except RuntimeError as e:
@@ -627,6 +689,20 @@ def _train(r: _Run) -> int | None:
     finally:
         preemption.uninstall()
     return preempted_at
+
+
+def step_line(done: int, total: int, host: dict, step_s: float) -> str:
+    """The line printed as soon as step ``done`` ends: its host-side results, its time and an ETA (the remaining
+    steps at this step's time; the first step also compiles, so its ETA is an upper bound). The update's metrics
+    (loss, gradient norm, ...) are read one step later and follow in the step's full line."""
+    from tqdm import tqdm
+
+    parts = [f"reward {host['reward/mean']:+.3f}"]
+    if "reward/accuracy" in host:
+        parts.append(f"accuracy {100 * host['reward/accuracy']:.1f}%")
+    parts.append(f"{host.get('rollout/decoded_tokens', 0)} decoded tokens")
+    eta = f"ETA {tqdm.format_interval((total - done) * step_s)}" if done < total else "last step"
+    return f"step {done}/{total} done in {step_s:.1f} s: {', '.join(parts)} | {eta}"
 
 
 def nonfinite_update_error(e: BaseException):
@@ -648,7 +724,7 @@ def _finish_preempted(r: _Run, preempted_at: int) -> dict:
     r.checkpointer.wait()
     r.checkpointer.close()
     r.writer.close()
-    return {"preempted_at": preempted_at, "log_dir": os.path.abspath(r.cfg.log_dir),
+    return {"preempted_at": preempted_at, "stopped_by": r.stopped_by, "log_dir": os.path.abspath(r.cfg.log_dir),
             "checkpoint_dir": os.path.abspath(r.checkpointer.directory), "history": r.data_state["history"]}
 
 

@@ -89,18 +89,18 @@ class LossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self):
+        from treejax.choices import check_choice
+
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
         if self.eps_high < 0.0:
             raise ValueError(f"LossConfig.eps_high must be >= 0, got {self.eps_high}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             raise ValueError(f"LossConfig.dual_clip_c must be > 1 (or None to disable), got {self.dual_clip_c}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        check_choice("LossConfig.aggregation", self.aggregation, AGGREGATIONS)
         if self.norm_constant is not None and self.norm_constant <= 0:
             raise ValueError(f"LossConfig.norm_constant must be > 0, got {self.norm_constant}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"LossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        check_choice("LossConfig.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(f"LossConfig.kl_coef/entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
         if self.tis_cap is not None and self.tis_cap <= 0:

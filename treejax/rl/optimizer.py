@@ -53,8 +53,10 @@ class OptimizerConfig:
         from treejax.config_types import check_types
 
         check_types(self)  # OptimizerConfig(learning_rate="1e-5") names the field, not a failed comparison
-        if self.decay not in DECAY_SCHEDULES:
-            raise ValueError(f"OptimizerConfig.decay must be one of {DECAY_SCHEDULES}, got {self.decay!r}")
+        from treejax.choices import check_choice
+
+        check_choice("OptimizerConfig.decay", self.decay, DECAY_SCHEDULES)
+        check_choice("OptimizerConfig.moments_dtype", self.moments_dtype, (None, "float32", "bfloat16", "float16"))
         if self.learning_rate < 0 or self.weight_decay < 0:
             raise ValueError("OptimizerConfig.learning_rate and weight_decay must be >= 0")
         if self.warmup_steps < 0 or self.total_steps < 1:

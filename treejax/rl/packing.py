@@ -109,9 +109,9 @@ class PackingConfig:
             raise ValueError(f"PackingConfig.granule and align must be >= 1, got {self.granule}, {self.align}")
         if self.max_trees_per_row is not None and self.max_trees_per_row < 1:
             raise ValueError(f"PackingConfig.max_trees_per_row must be >= 1 or None, got {self.max_trees_per_row}")
-        if self.attention_impl not in TREE_ATTENTION_IMPLS:
-            raise ValueError(f"PackingConfig.attention_impl must be one of {TREE_ATTENTION_IMPLS}, "
-                             f"got {self.attention_impl!r}")
+        from treejax.choices import check_choice
+
+        check_choice("PackingConfig.attention_impl", self.attention_impl, TREE_ATTENTION_IMPLS)
 
 
 @struct.dataclass

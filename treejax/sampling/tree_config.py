@@ -6,6 +6,8 @@ import dataclasses
 import warnings
 from typing import Callable
 
+from treejax.choices import check_choice
+from treejax.errors import ConfigError
 from treejax.sampling.branching import BranchingRule, FixedAverage, LogProbWeighted
 from treejax.sampling.strategies import Strategy, Temperature
 
@@ -46,7 +48,9 @@ class TreeConfig:
       at most ``D`` rounds. Every slot is then an exact draw of the policy's response distribution and every
       existing estimator, whitening, loss aggregation and metric is slot-weighted with no extra plumbing;
       ``k = W`` is GRPO's independent sampling. Only rules that can split a path's own slots
-      (:attr:`BranchingRule.splits_slots`, e.g. ``FixedAverage``) and that do not prune are allowed. Deprecated: ``divergence`` (one of :data:`DIVERGENCE_POLICIES`) with ``divergence_sign``,
+      (:attr:`BranchingRule.splits_slots`, e.g. ``FixedAverage``) and that do not prune are allowed.
+
+    Deprecated: ``divergence`` (one of :data:`DIVERGENCE_POLICIES`) with ``divergence_sign``,
     ``divergence_temperature`` and ``divergence_schedule`` still work, mapped to the rule they name
     (:attr:`rule`), and warn; setting them together with ``branching`` is an error.
     ``with_entropy``: record per-token entropy in ``info["entropy"]`` (also computed whenever the rule needs it);
@@ -103,9 +107,11 @@ class TreeConfig:
         if self.max_response_length is not None and not 0 < self.max_response_length <= self.max_depth * self.segment_length:
             raise ValueError(f"TreeConfig.max_response_length must be in (0, D*S={self.max_depth * self.segment_length}]"
                              f", got {self.max_response_length}")
-        if self.divergence not in DIVERGENCE_POLICIES:
-            raise ValueError(f"unknown divergence policy {self.divergence!r}; valid: {DIVERGENCE_POLICIES} "
-                             "(deprecated: set TreeConfig.branching to a rule instead)")
+        try:
+            check_choice("TreeConfig.divergence", self.divergence, DIVERGENCE_POLICIES)
+        except ConfigError as e:
+            raise ConfigError(f"unknown divergence policy (deprecated: set TreeConfig.branching to a rule "
+                              f"instead): {e}") from None
         legacy = [k for k, v in _DIVERGENCE_DEFAULTS.items() if getattr(self, k) != v]
         if legacy and self.branching is not None:
             raise ValueError(f"TreeConfig: set either branching={self.branching!r} or the deprecated {legacy}, "
@@ -114,22 +120,22 @@ class TreeConfig:
             warnings.warn(f"TreeConfig.{legacy[0]} is deprecated: use TreeConfig.branching={self.rule!r}",
                           DeprecationWarning, stacklevel=3)
         if self.branching is not None and not isinstance(self.branching, BranchingRule):
-            raise ValueError(f"TreeConfig.branching must be a BranchingRule (treejax.sampling.branching), got "
-                             f"{self.branching!r}")
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"TreeConfig.allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+            from treejax.sampling.branching import rule_classes
+
+            raise ConfigError(f"TreeConfig.branching must be a branching rule, got {self.branching!r}; valid: "
+                              f"{', '.join(f'@{c.__name__}()' for c in rule_classes().values())}")
+        check_choice("TreeConfig.allocation", self.allocation, ALLOCATIONS)
         if self.allocation == "slots":
             rule = self.rule
             if rule.prunes:
-                raise ValueError(f"TreeConfig.allocation='slots' cannot use the pruning rule {rule!r}: a pruned path "
-                                 "would keep its slots as an unfinished answer, so the slots would no longer be "
-                                 "draws of the policy; use allocation='transfer' for pruning rules")
+                raise ConfigError(f"TreeConfig.allocation='slots' cannot use the pruning rule {rule!r}: a pruned path "
+                                  "would keep its slots as an unfinished answer, so the slots would no longer be "
+                                  "draws of the policy; use allocation='transfer' for pruning rules")
             if not rule.splits_slots:
-                raise ValueError(f"TreeConfig.allocation='slots' needs a rule that splits a path's own slots "
-                                 f"(BranchingRule.splits_slots), {type(rule).__name__} moves budget between "
-                                 "paths; use TreeConfig.branching=@FixedAverage() or allocation='transfer'")
-        if self.repetition_scope not in ("segment", "response"):
-            raise ValueError(f"repetition_scope must be 'segment' or 'response', got {self.repetition_scope!r}")
+                raise ConfigError(f"TreeConfig.allocation='slots' needs a rule that splits a path's own slots "
+                                  f"(BranchingRule.splits_slots), {type(rule).__name__} moves budget between "
+                                  "paths; use TreeConfig.branching=@FixedAverage() or allocation='transfer'")
+        check_choice("TreeConfig.repetition_scope", self.repetition_scope, ("segment", "response"))
         if (self.repetition_ngram > 0) != (self.repetition_count > 0):
             raise ValueError("set both repetition_ngram and repetition_count (> 0) or neither")
         if self.row_buckets < 1:

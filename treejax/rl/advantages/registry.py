@@ -55,17 +55,19 @@ class EstimatorSpec:
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
-def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = ()):
+def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (), *, overwrite: bool = False):
     """Decorator registering ``fn`` under ``name``. ``options_cls`` must be a frozen dataclass.
 
-    Registering a second function under an existing name is an error (names are the gin-facing API).
+    Registering a second function under an existing name is an error (names are the gin-facing API), unless
+    ``overwrite=True`` (a notebook cell run twice, or a deliberate replacement).
     """
     if not (dataclasses.is_dataclass(options_cls) and options_cls.__dataclass_params__.frozen):
         raise TypeError(f"options for estimator {name!r} must be a frozen dataclass, got {options_cls!r}")
 
     def decorator(fn):
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-            raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name].fn!r})")
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn and not overwrite:
+            raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name].fn!r}); pass "
+                             "overwrite=True to replace it (e.g. when a notebook cell runs again)")
         _REGISTRY[name] = EstimatorSpec(name=name, fn=fn, options_cls=options_cls, inputs=tuple(inputs))
         return fn
 

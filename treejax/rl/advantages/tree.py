@@ -72,8 +72,8 @@ def treepo(forest: Forest, rewards_PxW: jax.Array, options: TreePOOptions = Tree
     all W leaves of the prompt). The included groups J(i) are: the root group always; a deeper group only if
     it holds more than one leaf (|G_d(i)| > 1) and is not the group of leaf i's own end node (that group
     holds only copies of leaf i itself -- a slot tree's duplicates, ``TreeConfig.allocation = "slots"`` -- whose
-    a_d = 0 would otherwise dilute an early stop's advantage); with ``reject_zero_std`` a deeper group only if its rewards
-    are not all equal (Eq. 7; the root is never rejected — if its rewards are all equal every term is 0).
+    a_d = 0 would otherwise dilute an early stop's advantage); with ``reject_zero_std`` a deeper group only if its
+    rewards are not all equal (Eq. 7; the root is never rejected — if its rewards are all equal every term is 0).
 
         a_d(i) = R_i - mean_{j in G_d(i)} R_j
         average    (paper Eq. 5 without the std, "average" in the code):  A_i = (1/|J|) sum_{d in J} a_d(i)

@@ -144,15 +144,16 @@ class BranchingRule:
 _REGISTRY: dict[str, type] = {}
 
 
-def register(name: str):
+def register(name: str, *, overwrite: bool = False):
     """Class decorator: registers a frozen-dataclass :class:`BranchingRule` under ``name`` (the gin-facing name;
-    a second class under the same name is an error)."""
+    a second class under the same name is an error unless ``overwrite=True``, e.g. a notebook cell run twice)."""
 
     def decorator(cls):
         if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, BranchingRule)):
             raise TypeError(f"branching rule {name!r} must be a frozen dataclass subclassing BranchingRule")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"a branching rule named {name!r} is already registered ({_REGISTRY[name]!r})")
+        if name in _REGISTRY and _REGISTRY[name] is not cls and not overwrite:
+            raise ValueError(f"a branching rule named {name!r} is already registered ({_REGISTRY[name]!r}); pass "
+                             "overwrite=True to replace it (e.g. when a notebook cell runs again)")
         _REGISTRY[name] = cls
         cls.rule_name = name
         return cls

@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from treejax.choices import check_choice
 from treejax.sampling.branching.base import BranchingRule, PathStats, capped_allocation, register
 
 
@@ -36,9 +37,9 @@ class EntropyGuided(BranchingRule):
 
     def __post_init__(self):
         if self.statistic not in ("entropy", "nll"):
-            raise ValueError(f"EntropyGuided.statistic must be 'entropy' or 'nll', got {self.statistic!r}")
+            check_choice("EntropyGuided.statistic", self.statistic, ("entropy", "nll"))
         if self.reduce not in ("mean", "max"):
-            raise ValueError(f"EntropyGuided.reduce must be 'mean' or 'max', got {self.reduce!r}")
+            check_choice("EntropyGuided.reduce", self.reduce, ("mean", "max"))
         if self.branches is not None and self.branches < 1:
             raise ValueError(f"EntropyGuided.branches must be >= 1, got {self.branches}")
 

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from treejax.choices import check_choice
 from treejax.sampling import kernels
 from treejax.sampling.branching.base import BranchingRule, PathStats, register
 
@@ -35,7 +36,7 @@ class FixedAverage(BranchingRule):
 
     def __post_init__(self):
         if self.remainder not in ("first", "last"):
-            raise ValueError(f"FixedAverage.remainder must be 'first' or 'last', got {self.remainder!r}")
+            check_choice("FixedAverage.remainder", self.remainder, ("first", "last"))
 
     def allocate(self, stats: PathStats, total_P: jax.Array) -> jax.Array:
         live = stats.live_PxW
@@ -66,7 +67,7 @@ class LogProbWeighted(BranchingRule):
 
     def __post_init__(self):
         if self.scope not in ("segment", "path"):
-            raise ValueError(f"LogProbWeighted.scope must be 'segment' or 'path', got {self.scope!r}")
+            check_choice("LogProbWeighted.scope", self.scope, ("segment", "path"))
         if not self.temperature > 0:
             raise ValueError(f"LogProbWeighted.temperature must be > 0, got {self.temperature}")
         if self.schedule is not None and (len(self.schedule) != 3 or self.schedule[2] <= 0):

@@ -1,0 +1,97 @@
+"""What ``treejax-train --list KIND`` prints: one line per registered name, with the gin binding that selects it.
+
+Kinds: ``tasks``, ``estimators``, ``branching``, ``strategies``, ``configs``. Everything listed comes from the
+registries the trainer itself reads (tasks, estimators, branching rules, sampling strategies) and from the
+shipped gin files, so a name registered in a notebook or an imported module shows up too.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["LIST_KINDS", "list_lines"]
+
+LIST_KINDS = ("tasks", "estimators", "branching", "strategies", "configs")
+
+
+def _first_line(doc: str | None) -> str:
+    for line in (doc or "").strip().splitlines():
+        line = line.strip()
+        if line:
+            return line
+    return ""
+
+
+def _table(rows: list[tuple[str, str]]) -> list[str]:
+    width = max((len(a) for a, _ in rows), default=0)
+    return [f"{a.ljust(width)}  {b}".rstrip() for a, b in rows]
+
+
+def _tasks() -> list[str]:
+    from treejax.data import task_names
+    from treejax.data.reasoning_gym_tasks import EASY_PRESETS
+
+    rows = []
+    for name in task_names():
+        if name in EASY_PRESETS:
+            opts = ", ".join(f"{k}={v!r}" for k, v in EASY_PRESETS[name].items() if k != "dataset")
+            what = f"preset: reasoning-gym {EASY_PRESETS[name]['dataset']} ({opts})"
+        elif name in ("gsm8k_file", "math_file"):
+            what = (f"local {name.split('_')[0].upper()} file: task_options={{'path': ..., 'eval_path': ... or "
+                    "'eval_fraction': ...}")
+        elif name == "reasoning_gym":
+            what = "any reasoning-gym dataset: task_options={'dataset': ..., ...}"
+        else:
+            what = "reasoning-gym dataset (its config fields go in RunConfig.task_options)"
+        rows.append((f"RunConfig.task='{name}'", what))
+    return _table(rows)
+
+
+def _estimators() -> list[str]:
+    from treejax.rl.advantages import registry
+
+    rows = []
+    for name in registry.list_estimators():
+        spec = registry.estimator_spec(name)
+        doc = _first_line(spec.fn.__doc__)
+        rows.append((f"RunConfig.estimator='{name}'", f"{doc} [options: @{spec.options_cls.__name__}()]"))
+    return _table(rows)
+
+
+def _branching() -> list[str]:
+    from treejax.sampling import branching
+
+    return _table([(f"TreeConfig.branching=@{cls.__name__}()", f"'{name}': {_first_line(cls.__doc__)}")
+                   for name, cls in branching.rule_classes().items()])
+
+
+def _strategies() -> list[str]:
+    from treejax.sampling import strategies
+
+    return _table([(f"TreeConfig.strategy=@{cls.__name__}()", f"'{name}': {_first_line(cls.__doc__)}")
+                   for name, cls in strategies._REGISTRY.items()])
+
+
+def _configs() -> list[str]:
+    from treejax.train import default_config_dir
+
+    folder = default_config_dir()
+    if folder is None:
+        return []
+    rows = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".gin"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            comment = next((ln.lstrip("# ").strip() for ln in f if ln.startswith("#") and ln.strip("# \n")), "")
+        rows.append((f"--gin_file={os.path.join(folder, name)}", comment))
+    return _table(rows)
+
+
+def list_lines(kind: str) -> list[str]:
+    """The lines of ``--list kind`` (``kind`` one of :data:`LIST_KINDS`)."""
+    from treejax.choices import check_choice
+
+    check_choice("--list", kind, LIST_KINDS)
+    return {"tasks": _tasks, "estimators": _estimators, "branching": _branching, "strategies": _strategies,
+            "configs": _configs}[kind]()

@@ -417,8 +417,8 @@ examples:
   treejax-train --list estimators
   treejax-train --resume                          # continue runs/quickstart (e.g. with more steps)
 
-Ctrl-C (or SIGTERM) saves a checkpoint after the current step and stops; rerun the command to resume.
-A second Ctrl-C aborts at once. README.md has the rest.
+Ctrl-C (or SIGTERM) during training finishes the current step, saves a checkpoint and stops; rerun the
+command to resume. A second Ctrl-C, or one before the first step starts, stops at once. README.md has the rest.
 """
 
 

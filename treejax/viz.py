@@ -79,7 +79,7 @@ def tree_layout(forest: Forest, prompt: int = 0) -> dict[int, tuple[float, float
 
 def _one_line(text: str, chars: int, tail: bool = True) -> str:
     """``text`` on one line (whitespace collapsed), its last (``tail``) or first ``chars`` characters."""
-    flat = " ".join(str(text).split())
+    flat = " ".join("".join(c if c.isprintable() else " " for c in str(text)).split())
     if len(flat) <= chars:
         return flat
     return "\u2026" + flat[-chars:] if tail else flat[:chars] + "\u2026"
@@ -196,6 +196,10 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
 
         heading += "\n" + "\n".join(textwrap.wrap("prompt: " + _one_line(prompt_text, 240, tail=False), 100))
     ax.set_title(heading, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi, format=ext[1:])
+    import warnings
+
+    with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi, format=ext[1:])
     return path

@@ -281,9 +281,10 @@ def test_blank_prompts_in_a_task_file_are_filtered_with_a_count(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="treejax.data.file_tasks"):
         task = get_task("gsm8k_file", path=path, eval_fraction=0.0)
     assert [r["question"] for r in task.records("train")] == ["What is 2 + 3?", "What is 4 + 4?"]
-    warned = [r.getMessage() for r in caplog.records if "whitespace-only" in r.getMessage()]
-    assert warned == [f"{path}: 2 of 4 problems have an empty or whitespace-only 'question' field (first at "
-                      f"{path}:2): filtered out"]
+    # (a set: after a CLI test in the same process, the treejax logger's own handler may capture it a second time)
+    warned = {r.getMessage() for r in caplog.records if "whitespace-only" in r.getMessage()}
+    assert warned == {f"{path}: 2 of 4 problems have an empty or whitespace-only 'question' field (first at "
+                      f"{path}:2): filtered out"}
     only_blank = _write(tmp_path / "only_blank.jsonl", [json.dumps(r) for r in rows[1:3]])
     with pytest.raises(DataError, match=r"only_blank\.jsonl holds no problems .* every 'question' field is empty"):
         get_task("gsm8k_file", path=only_blank)

@@ -32,6 +32,7 @@ import math
 import os
 from typing import Iterator, Optional
 
+from treejax.choices import closest_first
 from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
 from treejax.data.tasks import Example, Task, register_task
@@ -152,7 +153,8 @@ class FileTask(Task):
         if format not in _DEFAULT_FIELDS:
             raise DataError(f"unknown file task format {format!r}; valid formats: {sorted(_DEFAULT_FIELDS)}")
         if extraction not in verifiers.EXTRACTION_MODES:
-            raise DataError(f"unknown extraction {extraction!r}; valid: {sorted(verifiers.EXTRACTION_MODES)}")
+            raise DataError(f"unknown extraction {extraction!r}; valid (closest first): "
+                            f"{closest_first(extraction, sorted(verifiers.EXTRACTION_MODES))}")
         if eval_path is not None and eval_fraction:
             raise DataError("give either eval_path or eval_fraction, not both")
         self.path, self.eval_path, self.format = path, eval_path, format

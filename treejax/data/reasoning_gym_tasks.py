@@ -29,6 +29,7 @@ import json
 import math
 from typing import Any, Optional
 
+from treejax.choices import closest_first
 from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
 from treejax.data.tasks import Example, Task, register_task
@@ -136,7 +137,8 @@ class ReasoningGymTask(Task):
         if not 0.0 < eval_fraction < 1.0 and not (eval_size == 0 and eval_fraction == 0.0):
             raise DataError(f"eval_fraction must lie in (0, 1) (or be 0 with eval_size=0), got {eval_fraction!r}")
         if extraction not in verifiers.EXTRACTION_MODES:
-            raise DataError(f"unknown extraction {extraction!r}; valid: {sorted(verifiers.EXTRACTION_MODES)}")
+            raise DataError(f"unknown extraction {extraction!r}; valid (closest first): "
+                            f"{closest_first(extraction, sorted(verifiers.EXTRACTION_MODES))}")
         if not 0.0 < correct_threshold <= 1.0:
             raise DataError(f"correct_threshold must lie in (0, 1], got {correct_threshold!r}")
         config_cls = DATASETS[dataset][1]

@@ -361,7 +361,7 @@ def test_packed_equals_expanded_with_duplicate_leaves(policy_params):
 
 
 def test_mass_leaf_weighting(policy_params):
-    """``leaf_weighting='mass'``: on a slot tree (every weight 1) the step is bit-identical to ``'count'``; on a
+    """``leaf_weighting='mass'``: on a slot tree (every weight 1) the step equals ``'count'``'s; on a
     ``"transfer"`` tree without fallback (weights = W x path mass, not all 1) the parameters move differently;
     bad values and the fallback are refused."""
     from treejax.precision import Precision
@@ -388,10 +388,12 @@ def test_mass_leaf_weighting(policy_params):
         return jax.device_get(state.params), np.asarray(ro.forest.leaf_weights())
 
     slots = dataclasses.replace(TC, allocation="slots", init_divergence=2)
+    # weights of 1 change nothing (exact on the CPU; to reduction order on a GPU, whose sums are not run-to-run
+    # deterministic), weights != 1 move the parameters far beyond that
     (a, _), (b, _) = run(slots, "count"), run(slots, "mass")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     transfer = dataclasses.replace(TC, fallback=False)
     (a, w), (b, _) = run(transfer, "count"), run(transfer, "mass")
     assert not np.allclose(w, 1.0)
-    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert any(not np.allclose(x, y, rtol=1e-3, atol=1e-4) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -1,12 +1,12 @@
 """The efficacy study: methods x seeds, held-out accuracy against training wall-clock seconds and decoded tokens.
 
-Run every config x seed one after another on one accelerator (each run a fresh ``treejax-train`` process, so each
-pays its own compilation, as a user's run would), then write the report::
+Run every config x seed on one accelerator (each run a fresh ``treejax-train`` process, so each pays its own
+compilation, as a user's run would; one after another, or ``--parallel N`` at once), then write the report::
 
     python experiments/efficacy.py run --seeds 0 1 2 --out runs/efficacy \\
-        configs/efficacy_grpo.gin configs/efficacy_treepo.gin configs/efficacy_treepo_segment.gin
-    python experiments/efficacy.py report --runs runs/efficacy --out experiments/results/efficacy \\
-        [--rollouts experiments/results/efficacy/rollouts_*.json]
+        configs/efficacy_grpo.gin configs/efficacy_slots_k8.gin configs/efficacy_treepo.gin
+    python experiments/efficacy.py report --runs runs/efficacy --out experiments/results/unbiased \\
+        [--rollouts experiments/results/unbiased/rollouts_efficacy.json]   # compare_rollouts.py --json output
 
 ``run`` writes ``<out>/<method>/seed<k>/`` (the run's log folder; ``<method>`` is the config's file name without
 ``efficacy_``) and skips runs whose ``summary.json`` exists, so an interrupted sweep continues where it stopped;

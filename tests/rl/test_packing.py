@@ -378,13 +378,18 @@ def test_mass_leaf_weighting(policy_params):
     opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
     update = jax.jit(make_update_fn(CFG, loss_cfg, opt))
 
+    fns = {w: make_step_fns(CFG, StepConfig(estimator="grpo", loss=loss_cfg, leaf_weighting=w),
+                            Precision().resolve("cpu"), update) for w in ("count", "mass")}  # built once each
+
+    rollouts = {}
+
     def run(tc, weighting):
-        source = FixedPromptRollouts(tree.make_tree_rollout(CFG, tc), PROMPTS, LENGTHS,
+        if tc not in rollouts:  # one compiled rollout per tree config
+            rollouts[tc] = tree.make_tree_rollout(CFG, tc)
+        source = FixedPromptRollouts(rollouts[tc], PROMPTS, LENGTHS,
                                      lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
-        fns = make_step_fns(CFG, StepConfig(estimator="grpo", loss=loss_cfg, leaf_weighting=weighting),
-                            Precision().resolve("cpu"), update)
         state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt, jax.random.key(1))
-        state, ro, _, _ = rl_step(fns, state, source, jax.random.key(8), 0)
+        state, ro, _, _ = rl_step(fns[weighting], state, source, jax.random.key(8), 0)
         return jax.device_get(state.params), np.asarray(ro.forest.leaf_weights())
 
     slots = dataclasses.replace(TC, allocation="slots", init_divergence=2)

@@ -306,39 +306,37 @@ def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: in
         "time/rollout_s": t_rollout - t0 - t_scoring, "time/scoring_s": t_scoring + (t_inputs - t_rollout),
         "time/logp_s": t_logp - t_inputs, "time/update_s": t_update - t_logp,
         "rollout/decoded_tokens": int(info.get("decoded_tokens", 0)),
-        **leaf_length_metrics(ro.forest),
         "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
         **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
     }
     host.update(packing_info)
-    host.update(sibling_metrics(ro.forest, ro.rewards_PxW))
+    host.update(tree_metrics(ro.forest, ro.rewards_PxW))
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
     return state, ro, device_metrics, host
 
 
-def leaf_length_metrics(forest) -> dict:
-    """``rollout/mean_leaf_length``: the leaves' mean length weighted by ``forest.leaf_weight`` (the policy's
-    expected response length for an unbiased tree: slot trees count a path once per slot, ``"transfer"`` trees
-    by ``W`` x path mass); ``rollout/distinct_leaves``: distinct leaves (paths) per prompt, mean over prompts;
-    ``rollout/mean_distinct_leaf_length``: their unweighted mean length (what the tree decoded)."""
-    length = forest.leaf_length.astype(jnp.float32)
-    weight, first = forest.leaf_weights(), forest.distinct_leaves().astype(jnp.float32)
-    # reductions of the whole (possibly sharded) forest: replicated scalars
-    return {"rollout/mean_leaf_length": float(jnp.sum(weight * length) / jnp.maximum(jnp.sum(weight), 1e-12)),
-            "rollout/distinct_leaves": float(jnp.sum(first) / first.shape[0]),
-            "rollout/mean_distinct_leaf_length": float(jnp.sum(first * length) / jnp.maximum(jnp.sum(first), 1.0))}
+def tree_metrics(forest, rewards_PxW) -> dict:
+    """The rollout's shape, from one host gather of the forest's per-leaf arrays (:mod:`treejax.rl.tree_stats`):
 
-
-def sibling_metrics(forest, rewards_PxW) -> dict:
-    """``rollout/sibling_reward_corr``: correlation of the rewards of leaves under one depth-1 node
-    (:mod:`treejax.rl.tree_stats`; left out when undefined: independent samples have no siblings, all-equal
-    rewards no spread); ``rollout/effective_leaves``: the effective sample size of a prompt's reward mean, mean
-    over prompts (``W`` for independent samples)."""
-    path, weight = multihost.host_tree((forest.leaf_path, forest.leaf_weights()))
-    rewards = np.asarray(multihost.host_tree(rewards_PxW), np.float64)
+    * ``rollout/mean_leaf_length``: the leaves' mean length weighted by ``forest.leaf_weight`` (the policy's
+      expected response length for an unbiased tree: slot trees count a path once per slot, ``"transfer"`` trees
+      by ``W`` x path mass);
+    * ``rollout/distinct_leaves``: distinct leaves (paths) per prompt, mean over prompts, and
+      ``rollout/mean_distinct_leaf_length`` their unweighted mean length (what the tree decoded);
+    * ``rollout/sibling_reward_corr``: correlation of the rewards of leaves under one depth-1 node (left out when
+      undefined: independent samples have no siblings, all-equal rewards no spread);
+    * ``rollout/effective_leaves``: the effective sample size of a prompt's reward mean, mean over prompts (``W``
+      for independent samples).
+    """
+    path, weight, first, length, rewards = (np.asarray(x, np.float64) if i else np.asarray(x) for i, x in enumerate(
+        multihost.host_tree((forest.leaf_path, forest.leaf_weights(), forest.distinct_leaves(), forest.leaf_length,
+                             rewards_PxW))))
     rho = tree_stats.sibling_correlation(tree_stats.sibling_sums(path, weight, rewards))
-    out = {"rollout/effective_leaves": float(tree_stats.effective_samples(path, weight, rho).mean())}
+    out = {"rollout/mean_leaf_length": tree_stats.weighted_mean(length, weight),
+           "rollout/distinct_leaves": float(first.sum() / first.shape[0]),
+           "rollout/mean_distinct_leaf_length": tree_stats.weighted_mean(length, first),
+           "rollout/effective_leaves": float(tree_stats.effective_samples(path, weight, rho).mean())}
     if np.isfinite(rho):
         out["rollout/sibling_reward_corr"] = float(rho)
     return out

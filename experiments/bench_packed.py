@@ -46,7 +46,8 @@ import numpy as np
 from treejax.forest import forest_from_paths
 from treejax.models import transformer
 from treejax.rl import packing
-from treejax.rl.batch import forest_to_batch
+from treejax.rl.batch import expanded_batch, forest_to_batch
+from treejax.rl.layouts import Expanded, Packed
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
@@ -114,11 +115,11 @@ def device_peak_gb() -> float:
 def run_layout(name, cfg, loss, batch, micro, args):
     """Compile, warm up and time one layout; returns a result dict (or the error)."""
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
-    update_fn = make_update_fn(cfg, loss, optimizer, num_micro_batches=micro, remat=args.remat,
-                               logprob_chunk_size=args.logprob_chunk, attention_impl=args.attention,
-                               tree_attention_impl=args.tree_attention)
+    layout = (Expanded(cfg, attention_impl=args.attention, chunk_size=args.logprob_chunk) if name == "expanded" else
+              Packed(cfg, packing.PackingConfig(attention_impl=args.tree_attention), chunk_size=args.logprob_chunk))
+    update_fn = make_update_fn(layout, loss, optimizer, num_micro_batches=micro, remat=args.remat)
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(jax.random.key(0))
-    state = jax.jit(lambda p: TrainState.create(p, optimizer, jax.random.key(1)))(params)
+    state = jax.jit(lambda p: TrainState.create(p, optimizer))(params)
     del params
     jitted = jax.jit(update_fn, donate_argnames=("state",))
     t0 = time.perf_counter()
@@ -148,6 +149,8 @@ def bench_setting(preset, Lp, args):
     expanded = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv)
     expanded["old_logp"] = -5.0 * expanded["loss_mask"]
     del expanded["sampler_logp"]
+    exp_pos = np.asarray(expanded["positions"])[np.asarray(expanded["segment_ids"]) > 0]
+    expanded = expanded_batch(expanded)
     pcfg = packing.PackingConfig(granule=args.granule, align=args.align)
     trained = np.ones((P, W), bool)
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, S, pcfg,
@@ -157,10 +160,9 @@ def bench_setting(preset, Lp, args):
     del pairs["sampler_logp"]
     packed = packing.packed_batch(plan, pairs)
     info = packing.describe(plan)
-    exp_pos = np.asarray(expanded["positions"])[np.asarray(expanded["segment_ids"]) > 0]
     pk_pos = plan.positions[plan.node_lo != packing.PAD_NODE]
     flops = {"expanded": useful_flops(cfg, exp_pos), "packed": useful_flops(cfg, pk_pos)}
-    print(f"\n{preset}: P={P} W={W} b=2 D={D} S={S} Lp={Lp}: expanded {P * W} rows x {expanded['tokens'].shape[1]}, "
+    print(f"\n{preset}: P={P} W={W} b=2 D={D} S={S} Lp={Lp}: expanded {P * W} rows x {expanded.sequence_length}, "
           f"packed {info['rows']} rows x {info['row_length']} ({info['unique_tokens']} unique of "
           f"{info['expanded_tokens']} tokens: {info['token_saving']:.2f}x fewer; row fill {info['fill']:.0%})",
           flush=True)

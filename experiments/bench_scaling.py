@@ -3,7 +3,8 @@
 For each preset and device count ``n`` the loop's own pieces run on a mesh over the first ``n`` devices: the
 TreePO tree rollout (KV cache and rows sharded over the mesh, the Pallas decode kernel per shard), the trainer's
 old-logp pass and the sharded, donated update (``treejax.parallel.mesh.place_train_state`` /
-``sharded_update``, as :mod:`treejax.rl.loop` builds them), driven by :func:`treejax.rl.step.rl_step`.
+``sharded_update``, as :mod:`treejax.rl.loop` builds them), driven by :func:`treejax.rl.step.rl_step` (``timed=True``:
+each phase closed by a device sync, so the split is exact).
 The work is the same at every ``n`` (strong scaling: the RL recipe fixes the global batch), so the scaling
 efficiency of a phase is
 
@@ -37,7 +38,9 @@ from treejax.precision import Precision
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.packing import PackingConfig
-from treejax.rl.step import StepConfig, make_step_fns, rl_step
+from treejax.rl.config import StepConfig
+from treejax.rl.layouts import make_layout
+from treejax.rl.step import make_learner, rl_step
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
 from treejax.sampling.decode import make_model_fns
@@ -69,7 +72,7 @@ def run_one(preset: str, mesh, args, variant: str = "treepo") -> dict:
     precision = Precision(compute_dtype=cfg.compute_dtype).resolve()
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(jax.random.key(0))
-    create = lambda p: TrainState.create(p, optimizer, jax.random.key(1))  # noqa: E731
+    create = lambda p: TrainState.create(p, optimizer)  # noqa: E731
     axes = transformer.param_logical_axes(cfg)
     state, state_sh = place_train_state(params, axes, create, optimizer, mesh)
     del params
@@ -77,14 +80,14 @@ def run_one(preset: str, mesh, args, variant: str = "treepo") -> dict:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; known: {VARIANTS}")
     packing = PackingConfig() if variant == "treepo+packed" else None
-    update_fn = make_update_fn(cfg, loss, optimizer, num_micro_batches=args.micro, remat=args.remat,
-                               attention_impl="auto", tree_attention_impl=PackingConfig().attention_impl)
     # the loop's defaults: cudnn flash attention (expanded) / the Pallas tree kernel (packed) on a GPU
+    layout = make_layout(cfg, packing, attention_impl="auto", row_multiple=args.micro * n)
+    update_fn = make_update_fn(layout, loss, optimizer, num_micro_batches=args.micro, remat=args.remat)
     update = sharded_update(update_fn, state_sh, mesh)
-    fns = make_step_fns(cfg, StepConfig(estimator="grpo" if variant == "grpo" else "treepo", loss=loss,
-                                        micro_batches=args.micro, row_multiple=args.micro * n, packing=packing),
-                        precision, update, batch_sharding=batch_placer(mesh),
-                        sampler_shardings=logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params))
+    fns = make_learner(cfg, StepConfig(estimator="grpo" if variant == "grpo" else "treepo", loss=loss,
+                                       micro_batches=args.micro, row_multiple=args.micro * n, packing=packing),
+                       precision, update, layout, batch_sharding=batch_placer(mesh),
+                       sampler_shardings=logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params))
     model_fns = make_model_fns(cfg, cache_dtype=precision.cache_dtype, mesh=mesh)
     shape = (dict(branch_factor=1, init_divergence=args.leaves, fallback=False) if variant == "grpo"
              else dict(branch_factor=2))
@@ -96,13 +99,13 @@ def run_one(preset: str, mesh, args, variant: str = "treepo") -> dict:
     source = FixedPromptRollouts(rollout, prompts, np.full((args.prompts,), args.prompt_len, np.int32),
                                  lambda f: jnp.mean((f.tokens % 7 == 0) * f.loss_mask, -1))  # synthetic reward
     t0 = time.perf_counter()
-    state, _, metrics, host = rl_step(fns, state, source, jax.random.key(0), 0)
+    state, _, metrics, host = rl_step(fns, state, source, jax.random.key(0), 0, timed=True)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - t0
     rows = []
     for it in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        state, _, metrics, host = rl_step(fns, state, source, jax.random.key(it), it)
+        state, _, metrics, host = rl_step(fns, state, source, jax.random.key(it), it, timed=True)
         loss_value = float(metrics["update/loss"])
         total = time.perf_counter() - t0
         rows.append({"rollout": host["time/rollout_s"], "logp": host["time/logp_s"],

@@ -28,6 +28,8 @@ from treejax.models import presets, transformer
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
+from treejax.rl.batch import expanded_batch
+from treejax.rl.layouts import Expanded
 from treejax.rl.update import make_update_fn
 
 ATTENTION = "auto"  # set by --attention
@@ -59,9 +61,9 @@ def make_batch(cfg, rows: int, seq: int, key):
     tokens = jax.random.randint(key, (rows, seq), 3, cfg.sampling_vocab_size, jnp.int32)
     prompt = seq // 8
     mask = (jnp.arange(seq)[None, :] >= prompt).astype(jnp.float32) * jnp.ones((rows, 1))
-    return {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
-            "segment_ids": jnp.ones((rows, seq), jnp.int32), "loss_mask": mask,
-            "old_logp": -5.0 * mask, "advantages": jax.random.normal(key, (rows, seq)) * mask}
+    return expanded_batch({"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq)),
+                           "segment_ids": jnp.ones((rows, seq), jnp.int32), "loss_mask": mask,
+                           "old_logp": -5.0 * mask, "advantages": jax.random.normal(key, (rows, seq)) * mask})
 
 
 def get_config(preset: str):
@@ -75,11 +77,11 @@ def bench_update(preset: str, rows: int, seq: int, micro: int, repeats: int = 3)
     cfg = get_config(preset)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(jax.random.key(0))
-    state = jax.jit(lambda p: TrainState.create(p, optimizer, jax.random.key(1)))(params)
+    state = jax.jit(lambda p: TrainState.create(p, optimizer))(params)
     del params
-    update = jax.jit(make_update_fn(cfg, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
-                                    num_micro_batches=micro, remat=REMAT, logprob_chunk_size=CHUNK,
-                                    attention_impl=ATTENTION),
+    layout = Expanded(cfg, attention_impl=ATTENTION, chunk_size=CHUNK)
+    update = jax.jit(make_update_fn(layout, LossConfig(eps_high=0.28, dual_clip_c=10.0), optimizer,
+                                    num_micro_batches=micro, remat=REMAT),
                      donate_argnames=("state",))
     batch = make_batch(cfg, rows, seq, jax.random.key(2))
     state, m = update(state, batch)
@@ -100,7 +102,8 @@ def bench_update(preset: str, rows: int, seq: int, micro: int, repeats: int = 3)
 def bench_rl_step(preset: str, prompts: int, W: int, D: int, S: int, micro: int, old_logp: str = "trainer"):
     """The loop's own :func:`treejax.rl.step.rl_step` on random weights and prompts (synthetic reward)."""
     from treejax.precision import Precision
-    from treejax.rl.step import StepConfig, make_step_fns, rl_step
+    from treejax.rl.config import StepConfig
+    from treejax.rl.step import make_learner, rl_step
     from treejax.sampling.decode import make_model_fns
     from treejax.sampling.strategies import Temperature
     from treejax.sampling.tree import TreeConfig, make_tree_rollout
@@ -109,27 +112,27 @@ def bench_rl_step(preset: str, prompts: int, W: int, D: int, S: int, micro: int,
     cfg = get_config(preset)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(jax.random.key(0))
-    state = jax.jit(lambda p: TrainState.create(p, optimizer, jax.random.key(1)))(params)
+    state = jax.jit(lambda p: TrainState.create(p, optimizer))(params)
     del params
     precision = Precision(compute_dtype=cfg.compute_dtype).resolve()
     rollout = make_tree_rollout(make_model_fns(cfg, cache_dtype=precision.cache_dtype),
                                 TreeConfig(num_leaves=W, max_depth=D, segment_length=S, branch_factor=2,
                                            strategy=Temperature(1.0), stop_ids=()))
     loss = LossConfig(eps_high=0.28, dual_clip_c=10.0)
-    update = jax.jit(make_update_fn(cfg, loss, optimizer, num_micro_batches=micro, remat=REMAT,
-                                    logprob_chunk_size=CHUNK, attention_impl=ATTENTION),
+    layout = Expanded(cfg, attention_impl=ATTENTION, chunk_size=CHUNK)
+    update = jax.jit(make_update_fn(layout, loss, optimizer, num_micro_batches=micro, remat=REMAT),
                      donate_argnames=("state",))
-    fns = make_step_fns(cfg, StepConfig(estimator="treepo", loss=loss, old_logp=old_logp, micro_batches=micro,
-                                        logprob_chunk_size=CHUNK, attention_impl=ATTENTION), precision, update)
+    fns = make_learner(cfg, StepConfig(estimator="treepo", loss=loss, old_logp=old_logp, micro_batches=micro,
+                                       logprob_chunk_size=CHUNK, attention_impl=ATTENTION), precision, update, layout)
     rng = np.random.RandomState(0)
     prompt_tokens = rng.randint(3, cfg.sampling_vocab_size, (prompts, 64)).astype(np.int32)
     source = FixedPromptRollouts(rollout, prompt_tokens, np.full((prompts,), 64, np.int32),
                                  lambda f: jnp.mean((f.tokens % 7 == 0) * f.loss_mask, -1))  # synthetic reward
     for it in range(2):  # the first iteration compiles
         t0 = time.perf_counter()
-        state, ro, metrics, host = rl_step(fns, state, source, jax.random.key(it), it)
+        state, ro, metrics, host = rl_step(fns, state, source, jax.random.key(it), it, timed=True)
         total = time.perf_counter() - t0
-    times = {k[5:-2]: v for k, v in host.items() if k.startswith("time/")}
+    times = {k[5:-2]: v for k, v in host.items() if k.startswith("time/") and k != "time/learn_dispatch_s"}
     times["host overhead"] = total - sum(times.values())
     return times, host["rollout/decoded_tokens"]
 

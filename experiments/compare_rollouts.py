@@ -94,7 +94,9 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
             include_config: bool = True) -> dict:
     from treejax.data import get_task, make_prompt_pipeline
     from treejax.models.registry import load_model
-    from treejax.rl import loop
+    from treejax.data.prompts import encode_prompts, pad_token_lists
+    from treejax.rl.scoring import score_forest
+    from treejax.rl.setup import filter_prompts
     from treejax.sampling.decode import make_model_fns
     from treejax.sampling.tree import make_tree_rollout
 
@@ -111,7 +113,7 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
     tc = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
     arms = rollout_arms(tc, list(slots), include_config)
     rollouts = {name: make_tree_rollout(fns, arm) for name, arm in arms.items()}
-    records, _, width = loop.filter_prompts(tokenizer, task, task.records("train"), [], cfg)
+    records, _, width = filter_prompts(tokenizer, task, task.records("train"), [], cfg)
     pipeline = make_prompt_pipeline(records, batch_size=cfg.prompts_per_step, seed=seed)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     got = {name: [] for name in rollouts}
@@ -120,8 +122,8 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
         for b in range(batches + 1):  # batch 0 warms up (compiles) and is not counted
             recs = next(pipeline)
             recs = [dict(zip(recs, v)) for v in zip(*recs.values())]
-            examples, toks = loop.encode_prompts(tokenizer, task, recs, cfg.system_prompt, cfg.instruction)
-            prompts, lens = loop.pad_token_lists(toks, width, pad)
+            examples, toks = encode_prompts(tokenizer, task, recs, cfg.system_prompt, cfg.instruction)
+            prompts, lens = pad_token_lists(toks, width, pad)
             for name, rollout in rollouts.items():
                 t0 = time.perf_counter()
                 forest, info = rollout(params, prompts, lens, jax.random.key(seed * 1000 + b))
@@ -133,7 +135,7 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
                 got[name].append({
                     "path": np.asarray(forest.leaf_path), "weight": np.asarray(forest.leaf_weights(), np.float64),
                     "length": np.asarray(forest.leaf_length), "status": np.asarray(forest.leaf_status),
-                    "correct": (loop.score_forest(tokenizer, task, examples, forest) >= 1).astype(np.float64),
+                    "correct": (score_forest(tokenizer, task, examples, forest) >= 1).astype(np.float64),
                     "first": np.asarray(forest.distinct_leaves()), "decoded": int(info["decoded_tokens"]),
                     "rounds": int(info["segments"])})
     out = {name: arm_report(got[name], seconds[name]) for name in rollouts}

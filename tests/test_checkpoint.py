@@ -19,6 +19,8 @@ from treejax.parallel.mesh import MeshConfig, make_mesh, logical_to_sharding, tr
 from treejax.rl import losses
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
+from treejax.rl.batch import expanded_batch
+from treejax.rl.layouts import Expanded
 from treejax.rl.update import make_update_fn
 
 CFG = presets.tiny_config("smollm2-135m")
@@ -37,19 +39,20 @@ def _assert_tree_equal(a, b):
 def make_setup():
     """(initial state, batch(i) data function, jitted update): shared by the tests and the SIGKILL child."""
     params = transformer.init_params(CFG, jax.random.PRNGKey(0))
-    state = TrainState.create(params, TX, jax.random.PRNGKey(1))
+    state = TrainState.create(params, TX)
     B, L = 4, 12
     t = np.arange(L)[None, :]
 
     def batch(i):  # a deterministic "data iterator": batch i is a pure function of i
         r = np.random.default_rng(i)
-        return dict(tokens=jnp.asarray(r.integers(3, CFG.vocab_size, (B, L)), jnp.int32),
-                    positions=jnp.asarray(np.broadcast_to(t, (B, L)), jnp.int32),
-                    loss_mask=jnp.asarray(np.broadcast_to(t >= 4, (B, L)), jnp.float32),
-                    old_logp=jnp.full((B, L), -5.0, jnp.float32),
-                    advantages=jnp.asarray(np.broadcast_to(r.normal(size=(B, 1)), (B, L)), jnp.float32))
+        return expanded_batch(dict(
+            tokens=jnp.asarray(r.integers(3, CFG.vocab_size, (B, L)), jnp.int32),
+            positions=jnp.asarray(np.broadcast_to(t, (B, L)), jnp.int32),
+            loss_mask=jnp.asarray(np.broadcast_to(t >= 4, (B, L)), jnp.float32),
+            old_logp=jnp.full((B, L), -5.0, jnp.float32),
+            advantages=jnp.asarray(np.broadcast_to(r.normal(size=(B, 1)), (B, L)), jnp.float32)))
 
-    update = jax.jit(make_update_fn(CFG, losses.LossConfig(), TX))
+    update = jax.jit(make_update_fn(Expanded(CFG, attention_impl="xla"), losses.LossConfig(), TX))
     return state, batch, update
 
 
@@ -178,8 +181,8 @@ def test_restore_params_only(tmp_path):
     params = transformer.init_params(CFG, jax.random.PRNGKey(0))
     later = jax.tree.map(lambda x: x + 1, params)
     with Checkpointer(tmp_path / "ck") as ckpt:
-        ckpt.save(1, TrainState.create(params, TX, jax.random.PRNGKey(1)), {"rl_step": 1}, force=True)
-        ckpt.save(3, TrainState.create(later, TX, jax.random.PRNGKey(1)), {"rl_step": 3}, force=True)
+        ckpt.save(1, TrainState.create(params, TX), {"rl_step": 1}, force=True)
+        ckpt.save(3, TrainState.create(later, TX), {"rl_step": 3}, force=True)
     listing = sorted(os.walk(tmp_path))
     got, step = restore_params(tmp_path / "ck", params)
     assert step == 3

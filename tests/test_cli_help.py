@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from treejax.rl.loop import step_line
+from treejax.rl.report import step_line
 
 
 def test_launcher_usage_shows_trainer_args(capsys):

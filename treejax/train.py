@@ -50,7 +50,7 @@ def register_configurables() -> dict[str, type]:
     from treejax.precision import Precision
     from treejax.rl.advantages import registry as adv_registry
     from treejax.rl.evaluation import EvalConfig
-    from treejax.rl.loop import RunConfig
+    from treejax.rl.config import RunConfig
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig
     from treejax.rl.packing import PackingConfig
@@ -333,7 +333,7 @@ def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True):
     :class:`~treejax.errors.UserError` here, before any model is loaded.
     """
     classes = register_configurables()
-    from treejax.rl.loop import RunConfig
+    from treejax.rl.config import RunConfig
 
     root = logging.getLogger()
     if not any(isinstance(f, _GinSearchNoise) for f in root.filters):

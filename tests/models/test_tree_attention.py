@@ -112,7 +112,8 @@ def test_block_tables_cover_every_visible_tile_and_skip_the_rest():
 def test_packed_gradients_through_the_pallas_kernel():
     """The kernel's custom VJP inside the update's layer scan with remat: packed loss and gradients equal the
     expanded batch's (fp32, relative 1e-5; the kernel in the interpreter)."""
-    from treejax.rl.batch import forest_to_batch
+    from treejax.rl.batch import expanded_batch, forest_to_batch
+    from treejax.rl.layouts import Expanded, Packed
     from treejax.rl.losses import LossConfig
     from treejax.rl.update import make_grad_fn
 
@@ -120,11 +121,12 @@ def test_packed_gradients_through_the_pallas_kernel():
     params = T.init_params(cfg, jax.random.key(3))
     _, forest, prompts, lens = _two_trees()
     adv = jax.random.normal(jax.random.key(4), forest.tokens.shape) * forest.loss_mask
-    expanded = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv)
+    expanded = expanded_batch(forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv))
     packed = packing.forest_to_packed(prompts, lens, forest, adv, config=packing.PackingConfig(row_length=32))
     loss_cfg = LossConfig(eps_high=0.28, entropy_coef=0.01)
-    want = jax.jit(make_grad_fn(cfg, loss_cfg))(params, expanded)
-    got = jax.jit(make_grad_fn(cfg, loss_cfg, remat="full", tree_attention_impl="pallas"))(params, packed)
+    want = jax.jit(make_grad_fn(Expanded(cfg, attention_impl="xla"), loss_cfg))(params, expanded)
+    pallas = Packed(cfg, packing.PackingConfig(row_length=32, attention_impl="pallas"))
+    got = jax.jit(make_grad_fn(pallas, loss_cfg, remat="full"))(params, packed)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b)) + 1e-12
@@ -167,7 +169,8 @@ def test_packed_gradients_through_the_pallas_kernel_on_a_mesh(mesh_shape):
     ``data x fsdp``, heads over ``tensor``; 8-way ``tensor`` does not divide 2 KV heads and leaves them whole):
     packed loss and gradients still equal the expanded batch's on one device."""
     from treejax.parallel.mesh import MeshConfig, make_mesh
-    from treejax.rl.batch import forest_to_batch
+    from treejax.rl.batch import expanded_batch, forest_to_batch
+    from treejax.rl.layouts import Expanded, Packed
     from treejax.rl.losses import LossConfig
     from treejax.rl.update import make_grad_fn
 
@@ -175,17 +178,18 @@ def test_packed_gradients_through_the_pallas_kernel_on_a_mesh(mesh_shape):
     params = T.init_params(cfg, jax.random.key(3))
     _, forest, prompts, lens = _two_trees()
     adv = jax.random.normal(jax.random.key(4), forest.tokens.shape) * forest.loss_mask
-    expanded = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv)
+    expanded = expanded_batch(forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv))
     packed = packing.forest_to_packed(prompts, lens, forest, adv, row_multiple=2,
                                       config=packing.PackingConfig(row_length=32, max_trees_per_row=1))
     assert packed.num_rows == 2
     loss_cfg = LossConfig(eps_high=0.28, entropy_coef=0.01)
-    want = jax.jit(make_grad_fn(cfg, loss_cfg))(params, expanded)
+    want = jax.jit(make_grad_fn(Expanded(cfg, attention_impl="xla"), loss_cfg))(params, expanded)
+    pallas = Packed(cfg, packing.PackingConfig(row_length=32, max_trees_per_row=1, attention_impl="pallas"))
     n = int(np.prod(mesh_shape))
     with jax.set_mesh(make_mesh(MeshConfig(*mesh_shape), jax.devices()[:n])):
-        lo = jnp.asarray(packed.node_lo)
+        lo = jnp.asarray(packed.inputs.node_lo)
         assert "_per_shard" in tree_attention.make_tree_attention(lo, lo, "pallas").__qualname__
-        got = jax.jit(make_grad_fn(cfg, loss_cfg, remat="full", tree_attention_impl="pallas"))(params, packed)
+        got = jax.jit(make_grad_fn(pallas, loss_cfg, remat="full"))(params, packed)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b)) + 1e-12

@@ -14,6 +14,8 @@ from treejax.parallel.mesh import (MeshConfig, batch_sharding, init_train_state,
 from treejax.rl import losses
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
+from treejax.rl.batch import expanded_batch
+from treejax.rl.layouts import Expanded
 from treejax.rl.update import make_update_fn
 
 CFG = presets.tiny_config("qwen2.5-0.5b")
@@ -51,7 +53,7 @@ def test_logical_to_spec_rules():
 def _setup(mesh, tx, params_host):
     """Sharded init of a TrainState holding ``params_host`` (same values on every mesh)."""
     def init_fn():
-        return TrainState.create(params_host, tx, jax.random.PRNGKey(7))
+        return TrainState.create(params_host, tx)
 
     return init_train_state(init_fn, transformer.param_logical_axes(CFG), tx, mesh)
 
@@ -77,8 +79,8 @@ def test_same_update_on_1_and_8_devices():
     tx = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0, weight_decay=0.1))
     loss_cfg = losses.LossConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
     params_host = jax.device_get(transformer.init_params(CFG, jax.random.PRNGKey(0)))
-    batch_host = jax.device_get(_batch())
-    update = make_update_fn(CFG, loss_cfg, tx, num_micro_batches=2)
+    batch_host = jax.device_get(expanded_batch(_batch()))
+    update = make_update_fn(Expanded(CFG, attention_impl="xla"), loss_cfg, tx, num_micro_batches=2)
     results = {}
     for shape in [(1, 1, 1), (2, 2, 2), (8, 1, 1), (1, 2, 4)]:
         devices = jax.devices()[: int(np.prod(shape))]

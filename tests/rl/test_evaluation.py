@@ -158,8 +158,8 @@ def test_cli_end_to_end_on_a_checkpoint(tiny, tmp_path, capsys):
     run = tmp_path / "run"
     trained = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(5), x.shape, x.dtype), params)
     with Checkpointer(run / "checkpoints") as ckpt:
-        ckpt.save(2, TrainState.create(params, make_optimizer(OptimizerConfig()), jax.random.key(1)), force=True)
-        ckpt.save(4, TrainState.create(trained, make_optimizer(OptimizerConfig()), jax.random.key(1)), force=True)
+        ckpt.save(2, TrainState.create(params, make_optimizer(OptimizerConfig())), force=True)
+        ckpt.save(4, TrainState.create(trained, make_optimizer(OptimizerConfig())), force=True)
     from treejax.rl.loop import RunConfig
 
     if "eval" in {f.name for f in dataclasses.fields(RunConfig)}:  # RunConfig.eval: an EvalConfig

@@ -13,7 +13,9 @@ from treejax.models import presets, transformer
 from treejax.precision import Precision
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
-from treejax.rl.step import StepConfig, make_step_fns, rl_step
+from treejax.rl.config import StepConfig
+from treejax.rl.layouts import Expanded
+from treejax.rl.step import make_learner, rl_step
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
 from treejax.sampling.strategies import Temperature
@@ -47,9 +49,10 @@ def _train(sign: float) -> list[float]:
     source = FixedPromptRollouts(make_tree_rollout(cfg, tree), prompts, lens, reward)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=3e-3, warmup_steps=0, total_steps=STEPS,
                                                weight_decay=0.0))
-    state = TrainState.create(params, optimizer, jax.random.key(1))
-    update = jax.jit(make_update_fn(cfg, LossConfig(), optimizer), donate_argnames=("state",))
-    fns = make_step_fns(cfg, StepConfig(estimator="treepo"), Precision().resolve("cpu"), update)
+    state = TrainState.create(params, optimizer)
+    layout = Expanded(cfg, attention_impl="xla")
+    update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
+    fns = make_learner(cfg, StepConfig(estimator="treepo"), Precision().resolve("cpu"), update, layout)
     for step in range(STEPS):
         state, _, metrics, _ = rl_step(fns, state, source, jax.random.fold_in(jax.random.key(2), step), step)
         assert float(metrics["update/skipped"]) == 0.0

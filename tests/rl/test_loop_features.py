@@ -94,7 +94,9 @@ def test_every_estimator_and_loss_term_through_rl_step():
     from treejax.precision import Precision
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig, make_optimizer
-    from treejax.rl.step import StepConfig, initial_reference, make_step_fns, rl_step
+    from treejax.rl.config import StepConfig
+    from treejax.rl.layouts import Expanded
+    from treejax.rl.step import initial_reference, make_learner, rl_step
     from treejax.rl.train_state import TrainState
     from treejax.rl.update import make_update_fn
     from treejax.sampling.decode import generate
@@ -113,15 +115,16 @@ def test_every_estimator_and_loss_term_through_rl_step():
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10))
     params = transformer.init_params(cfg, jax.random.key(0))
     precision = Precision().resolve("cpu")
+    layout = Expanded(cfg, attention_impl="xla")
     cases = [(name, LossConfig()) for name in BUILT_IN]
     cases += [("treepo", LossConfig(kl_coef=0.1, kl_estimator="k1")),
               ("treepo", LossConfig(kl_coef=0.1, kl_estimator="k3", tis_cap=2.0))]
     updates = {}  # one update program per loss configuration, shared by the estimators
     for name, loss in cases:
-        state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer, jax.random.key(1))
+        state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer)
         if loss not in updates:
-            updates[loss] = jax.jit(make_update_fn(cfg, loss, optimizer), donate_argnames=("state",))
-        fns = make_step_fns(cfg, StepConfig(estimator=name, loss=loss), precision, updates[loss])
+            updates[loss] = jax.jit(make_update_fn(layout, loss, optimizer), donate_argnames=("state",))
+        fns = make_learner(cfg, StepConfig(estimator=name, loss=loss), precision, updates[loss], layout)
         ref = initial_reference(state.params, loss)
         steps = 2 if loss.kl_coef > 0 else 1  # the KL term is 0 at the first step (reference = policy)
         for step in range(steps):
@@ -146,7 +149,9 @@ def test_clip_scale_fn_reaches_the_loss():
     from treejax.precision import Precision
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig, make_optimizer
-    from treejax.rl.step import StepConfig, make_step_fns, rl_step
+    from treejax.rl.config import StepConfig
+    from treejax.rl.layouts import Expanded
+    from treejax.rl.step import make_learner, rl_step
     from treejax.rl.train_state import TrainState
     from treejax.rl.update import make_update_fn
     from treejax.sampling.tree import TreeConfig, make_tree_rollout
@@ -159,12 +164,13 @@ def test_clip_scale_fn_reaches_the_loss():
                                  lambda f: jax.numpy.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=10))
     params = transformer.init_params(cfg, jax.random.key(0))
-    update = jax.jit(make_update_fn(cfg, LossConfig(), optimizer), donate_argnames=("state",))
+    layout = Expanded(cfg, attention_impl="xla")
+    update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
     clipped = {}
     for scale in (0.0, 1.0):
-        fns = make_step_fns(cfg, StepConfig(mini_batches=2, clip_scale_fn=lambda f, r, s=scale: s * np.ones(r.shape)),
-                            Precision().resolve("cpu"), update)
-        state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer, jax.random.key(1))
+        fns = make_learner(cfg, StepConfig(mini_batches=2, clip_scale_fn=lambda f, r, s=scale: s * np.ones(r.shape)),
+                           Precision().resolve("cpu"), update, layout)
+        state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer)
         _, _, m, _ = rl_step(fns, state, source, jax.random.key(0), 0)
         m = jax.device_get(m)
         clipped[scale] = float(m["update/clip_frac_low"] + m["update/clip_frac_high"])

@@ -1,5 +1,5 @@
-"""The tree-packed update (``treejax.rl.packing`` + ``update.make_grad_fn`` on a ``PackedBatch``) against the expanded
-one (``treejax.rl.batch.forest_to_batch``): same loss, metrics and gradients on forests sampled by the tree sampler.
+"""The tree-packed update (``treejax.rl.packing`` + ``update.make_grad_fn`` of the ``Packed`` layout) against the
+expanded one (``treejax.rl.batch.forest_to_batch``, the ``Expanded`` layout): same loss, metrics and gradients on forests sampled by the tree sampler.
 
 Forest: a tiny Qwen2-family model (weights x8 so the sampler's distribution is peaked and varied) rolled out with
 stop tokens and a maximum response length that ends leaves inside a segment, with a key whose rollout forks and
@@ -28,7 +28,8 @@ from treejax.parallel.mesh import MeshConfig, batch_sharding, jit_update, logica
 from treejax.parallel.mesh import train_state_shardings
 from treejax.rl import losses, packing
 from treejax.rl.advantages import estimator_spec
-from treejax.rl.batch import forest_to_batch, response_to_sequence
+from treejax.rl.batch import TreeInputs, expanded_batch, forest_to_batch, response_to_sequence
+from treejax.rl.layouts import Expanded, Packed
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_grad_fn, make_update_fn
@@ -43,6 +44,14 @@ LENGTHS = np.array([6, 3, 5], np.int32)
 TREE_KEY = jax.random.key(8)  # forks, one fallback, EOS and truncated leaves with this draw (asserted)
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "treepo", "treepo_segment", "spo_tree", "mc_grpo", "remax")
 SMALL_ROWS = packing.PackingConfig(granule=8)
+EXPANDED = Expanded(CFG, attention_impl="xla")
+PACKED = Packed(CFG, dataclasses.replace(SMALL_ROWS, attention_impl="xla"))
+
+
+def _grad_fn(loss_cfg, num_micro_batches=1):
+    """One jitted gradient function per layout; the returned function picks the batch's."""
+    fns = {lay: jax.jit(make_grad_fn(lay, loss_cfg, num_micro_batches=num_micro_batches)) for lay in (EXPANDED, PACKED)}
+    return lambda params, b: fns[PACKED if isinstance(b.inputs, TreeInputs) else EXPANDED](params, b)
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +100,10 @@ def _both_batches(prompts, lens, forest, estimator, config=SMALL_ROWS, row_multi
     packed = packing.forest_to_packed(prompts, lens, forest, adv.tokens, adv.loss_mask, eps_scale_PxW=eps,
                                       config=config, row_multiple=row_multiple)
     flat = lambda x: jnp.asarray(x).reshape(P * W, Tr)  # noqa: E731
-    packed = packed.replace(old_logp=packing.pack_pairs(packed, flat(old)),
-                            ref_logp=packing.pack_pairs(packed, flat(ref)),
-                            sampler_logp=packing.pack_pairs(packed, flat(smp)))
-    return batch, packed
+    packed = packed.replace(old_logp=packing.pack_pairs(packed.inputs, flat(old)),
+                            ref_logp=packing.pack_pairs(packed.inputs, flat(ref)),
+                            sampler_logp=packing.pack_pairs(packed.inputs, flat(smp)))
+    return expanded_batch(batch), packed
 
 
 def _assert_grads_close(g_packed, g_ref, rtol=1e-5):
@@ -229,7 +238,7 @@ def test_packed_loss_and_gradients_equal_expanded(aggregation, estimator_batches
     dual-clip and per-sample clip scales on: loss, metrics and gradients of the packed batch equal the expanded
     batch's (one compiled program per layout, shared by the estimators)."""
     loss_cfg, micro = CASES[aggregation]
-    grad_fn = jax.jit(make_grad_fn(CFG, loss_cfg, num_micro_batches=micro))
+    grad_fn = _grad_fn(loss_cfg, num_micro_batches=micro)
     for name, (batch, packed) in estimator_batches.items():
         assert packed.num_rows % micro == 0
         loss, metrics, grads = grad_fn(policy_params, batch)
@@ -253,15 +262,15 @@ def test_packed_update_on_8_devices_equals_expanded_on_one(sampled, policy_param
     batch, packed = _both_batches(prompts, lens, forest, "treepo_segment",
                                   config=dataclasses.replace(SMALL_ROWS, max_trees_per_row=1), row_multiple=4)
     assert packed.num_rows == 4
-    state = TrainState.create(policy_params, opt, jax.random.key(0))
-    ref_state, ref_m = jax.jit(make_update_fn(CFG, loss_cfg, opt))(state, batch)
+    state = TrainState.create(policy_params, opt)
+    ref_state, ref_m = jax.jit(make_update_fn(EXPANDED, loss_cfg, opt))(state, batch)
 
     mesh = make_mesh(MeshConfig(2, 2, 2), devices=jax.devices()[:8])
     param_sh = logical_to_sharding(T.param_logical_axes(CFG), mesh, shapes=policy_params)
     state_sh = train_state_shardings(jax.eval_shape(lambda: state), param_sh, opt, mesh)
     sh = batch_sharding(mesh, packed)
-    assert sh.tokens.spec[0] == ("data", "fsdp")
-    update = jit_update(make_update_fn(CFG, loss_cfg, opt), state_sh, sh, mesh)
+    assert sh.inputs.tokens.spec[0] == ("data", "fsdp")
+    update = jit_update(make_update_fn(PACKED, loss_cfg, opt), state_sh, sh, mesh)
     host_params = jax.device_get(policy_params)
     new_state, m = update(jax.device_put(jax.tree.map(jnp.copy, state), state_sh), jax.device_put(packed, sh))
     for k in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "num_tokens", "tis_weight_mean"):
@@ -275,20 +284,24 @@ def test_rl_step_packed_equals_expanded(policy_params):
     passes and update as the expanded step (one mini-batch, 2 micro-batches, KL + TIS): equal metrics and
     parameters, the first PPO ratio 1."""
     from treejax.precision import Precision
-    from treejax.rl.step import StepConfig, initial_reference, make_step_fns, rl_step
+    from treejax.rl.config import StepConfig
+    from treejax.rl.layouts import make_layout
+    from treejax.rl.step import initial_reference, make_learner, rl_step
     from treejax.testing.sources import FixedPromptRollouts
 
     loss_cfg = losses.LossConfig(eps_high=0.28, kl_coef=0.05, tis_cap=1.5, entropy_coef=0.01)
     opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
     source = FixedPromptRollouts(tree.make_tree_rollout(CFG, TC), PROMPTS, LENGTHS,
                                  lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
-    update = jax.jit(make_update_fn(CFG, loss_cfg, opt, num_micro_batches=2))
     out = {}
     for packed in (False, True):
         cfg = StepConfig(estimator="treepo_segment", loss=loss_cfg, micro_batches=2, row_multiple=2,
-                         packing=SMALL_ROWS if packed else None)
-        fns = make_step_fns(CFG, cfg, Precision().resolve("cpu"), update)
-        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt, jax.random.key(1))
+                         packing=dataclasses.replace(SMALL_ROWS, attention_impl="xla") if packed else None,
+                         attention_impl="xla")
+        layout = make_layout(CFG, cfg.packing, attention_impl="xla", row_multiple=2)
+        update = jax.jit(make_update_fn(layout, loss_cfg, opt, num_micro_batches=2))
+        fns = make_learner(CFG, cfg, Precision().resolve("cpu"), update, layout)
+        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt)
         state, _, m, _ = rl_step(fns, state, source, jax.random.key(8), 0, initial_reference(state.params, loss_cfg))
         out[packed] = jax.device_get((state.params, m))
     (p0, m0), (p1, m1) = out[False], out[True]
@@ -327,12 +340,13 @@ def test_sticky_layout_only_grows_and_keeps_the_loss(sampled, policy_params):
     mask = adv.loss_mask * jnp.asarray(keep[:, :, None], adv.loss_mask.dtype)
     batch = forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv.tokens, mask)
     batch["old_logp"] = response_to_sequence(jnp.asarray(old), jnp.asarray(lens), batch["tokens"].shape[1])
+    batch = expanded_batch(batch)
     pl = packing.plan_packing(*args, prompts=[2], floor=floor.shape)
     assert pl.shape == floor.shape and pl.shape != plain[2]
     packed = packing.packed_batch(pl, dict(pairs, loss_mask=mask.reshape(P * W, Tr),
                                            old_logp=jnp.asarray(old).reshape(P * W, Tr)), None)
     packed = packed.replace(num_sequences=P * W)  # the expanded batch above holds every prompt's leaves
-    grad_fn = jax.jit(make_grad_fn(CFG, losses.LossConfig()))
+    grad_fn = _grad_fn(losses.LossConfig())
     loss, _, grads = grad_fn(policy_params, batch)
     ploss, _, pgrads = grad_fn(policy_params, packed)
     np.testing.assert_allclose(float(ploss), float(loss), rtol=1e-5)
@@ -349,7 +363,7 @@ def test_packed_equals_expanded_with_duplicate_leaves(policy_params):
     forest, _ = tree.make_tree_rollout(CFG, tc)(params, PROMPTS, LENGTHS, TREE_KEY)
     first = np.asarray(forest.distinct_leaves())
     assert not first.all()  # copies present
-    grad_fn = jax.jit(make_grad_fn(CFG, CASES["seq-mean-token-mean"][0], num_micro_batches=1))
+    grad_fn = _grad_fn(CASES["seq-mean-token-mean"][0], num_micro_batches=1)
     for name in ("treepo", "grpo", "treepo_segment"):
         batch, packed = _both_batches(PROMPTS, LENGTHS, forest, name)
         loss, metrics, grads = grad_fn(policy_params, batch)
@@ -365,21 +379,21 @@ def test_mass_leaf_weighting(policy_params):
     ``"transfer"`` tree without fallback (weights = W x path mass, not all 1) the parameters move differently;
     bad values and the fallback are refused."""
     from treejax.precision import Precision
-    from treejax.rl import loop
-    from treejax.rl.step import StepConfig, make_step_fns, rl_step
+    from treejax.rl.config import RunConfig, StepConfig
+    from treejax.rl.step import make_learner, rl_step
     from treejax.testing.sources import FixedPromptRollouts
 
     with pytest.raises(ValueError, match="leaf_weighting must be one of"):
         StepConfig(leaf_weighting="path")
     with pytest.raises(ValueError, match="fallback"):
-        loop.RunConfig(leaf_weighting="mass")
-    loop.RunConfig(leaf_weighting="mass", rollout=dataclasses.replace(loop.RunConfig().rollout, fallback=False))
+        RunConfig(leaf_weighting="mass")
+    RunConfig(leaf_weighting="mass", rollout=dataclasses.replace(RunConfig().rollout, fallback=False))
     loss_cfg = losses.LossConfig(eps_high=0.28)
     opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
-    update = jax.jit(make_update_fn(CFG, loss_cfg, opt))
+    update = jax.jit(make_update_fn(EXPANDED, loss_cfg, opt))
 
-    fns = {w: make_step_fns(CFG, StepConfig(estimator="grpo", loss=loss_cfg, leaf_weighting=w),
-                            Precision().resolve("cpu"), update) for w in ("count", "mass")}  # built once each
+    fns = {w: make_learner(CFG, StepConfig(estimator="grpo", loss=loss_cfg, leaf_weighting=w),
+                           Precision().resolve("cpu"), update, EXPANDED) for w in ("count", "mass")}  # built once each
 
     rollouts = {}
 
@@ -388,7 +402,7 @@ def test_mass_leaf_weighting(policy_params):
             rollouts[tc] = tree.make_tree_rollout(CFG, tc)
         source = FixedPromptRollouts(rollouts[tc], PROMPTS, LENGTHS,
                                      lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
-        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt, jax.random.key(1))
+        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt)
         state, ro, _, _ = rl_step(fns[weighting], state, source, jax.random.key(8), 0)
         return jax.device_get(state.params), np.asarray(ro.forest.leaf_weights())
 

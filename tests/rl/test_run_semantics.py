@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from treejax.errors import ConfigError, DataError, DivergenceError
-from treejax.rl import loop
+from treejax.rl import health, loop, setup
 from treejax.run_dir import RunLock, prepare_log_dir
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_run_config_defaults_are_the_quickstart():
 def test_run_config_default_task_data_exists():
     """The default task options ask for problems the generator has (the old default asked for 1000 distinct
     chain_sum_2x1 problems; about 160 exist)."""
-    task, train, evals = loop.load_task_data(loop.RunConfig())
+    task, train, evals = setup.load_task_data(loop.RunConfig())
     assert len(train) == 128 and len(evals) == 32
     assert not {r["question"] for r in train} & {e.metadata["question"] for e in evals}
 
@@ -101,37 +101,37 @@ def test_overlong_prompts_are_filtered_with_a_count_or_refused(tmp_path, treejax
     monkeypatch.setattr(prompts, "format_prompt", lambda tok, msgs, **kw: " ".join(m["content"] for m in msgs))
     task = _task(tmp_path, [50, 60, 55, 1000, 291, 57])
     cfg = loop.RunConfig(task="gsm8k_file", max_prompt_length=128, prompts_per_step=2)
-    records, evals, width = loop.filter_prompts(_Tok(), task, task.records("train"), [], cfg)
+    records, evals, width = setup.filter_prompts(_Tok(), task, task.records("train"), [], cfg)
     assert len(records) == 4 and width == 64  # the 291- and 1000-word questions are gone; the width follows
     assert "2 of 6 training" in caplog.text
     with pytest.raises(DataError, match="2 of 6 training .* longer than max_prompt_length=128"):
-        loop.filter_prompts(_Tok(), task, task.records("train"), [],
+        setup.filter_prompts(_Tok(), task, task.records("train"), [],
                              dataclasses.replace(cfg, overlong_prompts="error"))
 
 
 def test_divergence_rules():
     V = 49152
-    assert loop.divergence({"update/entropy": 2.0, "update/param_norm": 100.0}, 100.5, V) is None
-    assert "uniform" in loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V)
-    assert "uniform" in loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=1.5)
+    assert health.divergence({"update/entropy": 2.0, "update/param_norm": 100.0}, 100.5, V) is None
+    assert "uniform" in health.divergence({"update/entropy": 0.99 * np.log(V)}, None, V)
+    assert "uniform" in health.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=1.5)
     # a model that started uniform (a random initialisation) has not diverged by staying there
-    assert loop.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=0.99 * np.log(V)) is None
-    assert "jumped" in loop.divergence({"update/param_norm": 400.0}, 100.0, V)
-    assert "norm is nan" in loop.divergence({"update/param_norm": float("nan")}, 100.0, V)
+    assert health.divergence({"update/entropy": 0.99 * np.log(V)}, None, V, initial_entropy=0.99 * np.log(V)) is None
+    assert "jumped" in health.divergence({"update/param_norm": 400.0}, 100.0, V)
+    assert "norm is nan" in health.divergence({"update/param_norm": float("nan")}, 100.0, V)
 
 
 def test_invalid_sampled_ids_stop_the_run():
     from treejax.testing.forests import random_forest
 
     forest = random_forest(np.random.default_rng(0), 2, 4, 2, 3)
-    loop.check_sampled_ids(forest, 10**6, 0)
+    health.check_sampled_ids(forest, 10**6, 0)
     valid = np.argwhere(np.asarray(forest.segment_index) >= 0)[0]
     bad = forest.replace(tokens=forest.tokens.at[tuple(valid)].set(10**6 + 5))
     with pytest.raises(DivergenceError, match="outside the vocabulary"):
-        loop.check_sampled_ids(bad, 10**6, 0)
+        health.check_sampled_ids(bad, 10**6, 0)
     nan = forest.replace(logprobs=forest.logprobs.at[tuple(valid)].set(np.nan))
     with pytest.raises(DivergenceError, match="1 non-finite log-probs"):
-        loop.check_sampled_ids(nan, 10**6, 0)
+        health.check_sampled_ids(nan, 10**6, 0)
 
 
 def _jsonl(path, rows):
@@ -250,9 +250,9 @@ def test_nonfinite_update_in_the_jitted_step_becomes_a_divergence_error():
 
     with pytest.raises(Exception) as err:
         jax.block_until_ready(update(jnp.float32(np.nan)))
-    error = loop.nonfinite_update_error(err.value)
+    error = health.nonfinite_update_error(err.value)
     assert isinstance(error, DivergenceError)
     assert str(error) == ("non-finite update at step 3: loss=nan, grad_norm=nan; stopped before export "
                           "(nonfinite='raise'); lower OptimizerConfig.learning_rate")
-    assert loop.nonfinite_update_error(RuntimeError("INTERNAL: something else")) is None
-    assert loop.nonfinite_update_error(ValueError("FloatingPointError: non-finite update at step 1")) is None
+    assert health.nonfinite_update_error(RuntimeError("INTERNAL: something else")) is None
+    assert health.nonfinite_update_error(ValueError("FloatingPointError: non-finite update at step 1")) is None

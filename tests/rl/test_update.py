@@ -15,9 +15,17 @@ from treejax.models import presets, transformer
 from treejax.rl import losses
 from treejax.rl.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from treejax.rl.train_state import TrainState
-from treejax.rl.update import make_update_fn, sequence_logprobs, trainable_mask
+from treejax.rl.batch import expanded_batch, trainable_mask
+from treejax.rl.layouts import Expanded, sequence_logprobs
+from treejax.rl.update import make_update_fn
 
 CFG = presets.tiny_config("qwen2.5-0.5b")
+
+
+def _update(cfg, loss_cfg, tx, **kw):
+    """The jitted update of the expanded layout on an expanded dict batch (``expanded_batch``)."""
+    fn = make_update_fn(Expanded(cfg, attention_impl="xla"), loss_cfg, tx, **kw)
+    return jax.jit(lambda state, batch: fn(state, expanded_batch(batch)))
 
 
 def make_batch(seed, B=8, L=16, prompt=5, cfg=CFG):
@@ -108,8 +116,8 @@ def test_micro_batch_accumulation_equals_one_shot(smooth_optimizer):
     batch["eps_scale"] = jnp.asarray(rng.uniform(0.5, 2.0, batch["tokens"].shape[0]), jnp.float32)
     results = {}
     for m in (1, 4):
-        fn = jax.jit(make_update_fn(CFG, loss_cfg, smooth_optimizer, num_micro_batches=m))
-        state = TrainState.create(params, smooth_optimizer, jax.random.PRNGKey(0))
+        fn = _update(CFG, loss_cfg, smooth_optimizer, num_micro_batches=m)
+        state = TrainState.create(params, smooth_optimizer)
         results[m] = fn(state, batch)
     (s1, m1), (s4, m4) = results[1], results[4]
     for k in ("loss", "pg_loss", "grad_norm", "entropy", "kl", "tis_weight_mean", "clip_frac_low", "approx_kl",
@@ -133,8 +141,8 @@ def test_nonfinite_step_is_skipped_or_raises(smooth_optimizer):
     good = make_batch(4)
     r, c = np.argwhere(np.asarray(trainable_mask(good)) > 0)[0]
     bad = dict(good, advantages=good["advantages"].at[r, c].set(jnp.nan))
-    fn = jax.jit(make_update_fn(CFG, loss_cfg, smooth_optimizer, nonfinite="skip"))
-    state = TrainState.create(params, smooth_optimizer, jax.random.PRNGKey(0))
+    fn = _update(CFG, loss_cfg, smooth_optimizer, nonfinite="skip")
+    state = TrainState.create(params, smooth_optimizer)
     skipped, m = fn(state, bad)
     assert float(m["skipped"]) == 1.0 and not np.isfinite(float(m["loss"]))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), skipped.params, params)
@@ -144,7 +152,7 @@ def test_nonfinite_step_is_skipped_or_raises(smooth_optimizer):
     assert float(m2["skipped"]) == 0.0
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(after.params))
 
-    raising = jax.jit(make_update_fn(CFG, loss_cfg, smooth_optimizer, nonfinite="raise"))
+    raising = _update(CFG, loss_cfg, smooth_optimizer, nonfinite="raise")
     with pytest.raises(Exception, match="non-finite update at step 0"):
         jax.block_until_ready(raising(state, bad))
 
@@ -161,12 +169,11 @@ def test_updates_raise_logprob_of_positive_advantage_tokens():
     score = jax.jit(lambda p: sequence_logprobs(p, CFG, batch["tokens"], batch["positions"], batch["segment_ids"]))
     old = score(params)
     mask = trainable_mask(batch)
-    fn = jax.jit(make_update_fn(CFG, loss_cfg, tx, num_micro_batches=2,
-                                learning_rate_fn=learning_rate_schedule(opt_cfg)))
+    fn = _update(CFG, loss_cfg, tx, num_micro_batches=2, learning_rate_fn=learning_rate_schedule(opt_cfg))
 
     def gap_after(sign):
         b = dict(batch, old_logp=old, advantages=jnp.broadcast_to(sign[:, None], old.shape))
-        state = TrainState.create(params, tx, jax.random.PRNGKey(0))
+        state = TrainState.create(params, tx)
         for _ in range(4):
             state, metrics = fn(state, b)
         delta = (score(state.params) - old) * mask
@@ -185,9 +192,9 @@ def test_fp32_master_weights_with_bf16_compute():
     cfg16 = presets.tiny_config("qwen2.5-0.5b", compute_dtype="bfloat16")
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0))
     params = transformer.init_params(cfg16, jax.random.PRNGKey(6))
-    state = TrainState.create(params, tx, jax.random.PRNGKey(0))
+    state = TrainState.create(params, tx)
     batch = make_batch(6, cfg=cfg16)
-    new, m = jax.jit(make_update_fn(cfg16, losses.LossConfig(), tx, num_micro_batches=2))(state, batch)
+    new, m = _update(cfg16, losses.LossConfig(), tx, num_micro_batches=2)(state, batch)
     assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.opt_state) if jnp.issubdtype(x.dtype, jnp.floating))

@@ -10,6 +10,10 @@
     (``"<question>\\n\\n<instruction>"``), the common place for an answer-format instruction such as
     "put your final answer within \\boxed{}".
 
+``encode_examples`` / ``encode_prompts`` turn task examples into token lists through the template, and
+``pad_token_lists`` right-pads them into the sampler's ``[N, width]`` prompt array (the training loop, the
+evaluation and the notebooks all encode prompts this one way).
+
 Any tokenizer with HF-compatible ``apply_chat_template`` works (transformers tokenizers, the treejax wrapper).
 Tasks already put their gin-configured system prompt and instruction into ``Example.prompt_messages``; the extra
 arguments are for ad-hoc use (notebooks, evaluation of raw questions).
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["format_prompt", "prepare_messages"]
+import numpy as np
+
+__all__ = ["format_prompt", "prepare_messages", "encode_examples", "encode_prompts", "pad_token_lists"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -64,3 +70,28 @@ def format_prompt(
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
     return text
+
+
+def encode_examples(tokenizer, examples, system_prompt=None, instruction=None) -> list[list[int]]:
+    """Examples -> token lists through the chat template (``None`` keeps the task's system prompt/instruction)."""
+    texts = [format_prompt(tokenizer, ex.prompt_messages, system_prompt=system_prompt, instruction=instruction)
+             for ex in examples]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def encode_prompts(tokenizer, task, records, system_prompt=None, instruction=None):
+    """Records -> (examples, token lists) through the task and the chat template."""
+    examples = [task.make_example(r) for r in records]
+    return examples, encode_examples(tokenizer, examples, system_prompt, instruction)
+
+
+def pad_token_lists(token_lists, width: int | None = None, pad_id: int = 0):
+    """Right-pads token lists into ``([N, width] int32, lengths [N])``."""
+    lens = np.array([len(t) for t in token_lists], np.int32)
+    width = int(lens.max()) if width is None else width
+    if lens.max() > width:
+        raise ValueError(f"a prompt of {lens.max()} tokens exceeds the prompt width {width}")
+    out = np.full((len(token_lists), width), pad_id, np.int32)
+    for i, t in enumerate(token_lists):
+        out[i, : len(t)] = t
+    return out, lens

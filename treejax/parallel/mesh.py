@@ -165,13 +165,12 @@ def sharded_init(init_fn: Callable[[], Any], shardings: Any) -> Any:
 def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: optax.GradientTransformation,
                           mesh: Mesh) -> Any:
     """Shardings for a ``TrainState``: params as given, optimizer leaves that mirror params (Adam moments) like
-    their param, every other leaf (counts, step, key) replicated."""
+    their param, every other leaf (counts, step) replicated."""
     opt_shardings = optax.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract_state.opt_state, param_shardings,
         transform_non_params=lambda _: replicated(mesh),
     )
-    return abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh),
-                                  key=replicated(mesh))
+    return abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh))
 
 
 def init_train_state(init_state_fn: Callable[[], Any], param_logical_axes: Any, optimizer: optax.GradientTransformation,

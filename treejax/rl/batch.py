@@ -1,7 +1,23 @@
-"""From a rollout forest to the update step's batch of full sequences.
+"""The learner's one batch type, and the expanded rows built from a rollout forest.
 
-Leaf ``w`` of prompt ``p`` becomes row ``b = p * W + w``: the prompt's ``n_p`` tokens followed by the leaf's
-``m_pw`` response tokens, right-padded to ``L = Lp + T``::
+:class:`Batch` is what every update, old-log-prob pass and loss reads, whichever layout built it
+(:mod:`treejax.rl.layouts`). Its per-pair arrays are in **pair layout** ``[rows, *pairs]`` (row axis first, so
+micro-batches and data sharding split rows), one entry per (leaf, token) pair the loss may train on::
+
+    loss_mask     float  1.0 where the pair is trained (already narrowed to pairs with a predecessor token)
+    advantages    float  the pair's advantage
+    old_logp      float  log pi_old of the pair's token (the PPO ratio's denominator)
+    sampler_logp  float  optional: the sampler's log-prob (truncated importance sampling)
+    ref_logp      float  optional: the frozen reference policy's log-prob (KL term)
+    eps_scale     float  optional ``[rows, *pairs[:-1]]``: per-sequence clip-range multiplier
+
+and the aggregation terms ``num_sequences`` (the expanded batch's row count: Dr.GRPO's ``B``, filler leaves
+included) and ``sequence_length`` (``Lp + T``: Dr.GRPO's default ``T_max``). ``inputs`` is the layout's own pytree:
+:class:`SequenceInputs` for expanded rows (pairs = sequence positions ``[B, L]``), :class:`TreeInputs` for
+tree-packed rows (pairs = leaf slots x response tokens ``[R, Wr, T]``).
+
+Expanded rows (:func:`forest_to_batch`): leaf ``w`` of prompt ``p`` becomes row ``b = p * W + w``: the prompt's
+``n_p`` tokens followed by the leaf's ``m_pw`` response tokens, right-padded to ``L = Lp + T``::
 
     tokens[b, j]      = prompt[p, j]             for j < n_p
                       = response[p, w, j - n_p]  for n_p <= j < n_p + m_pw,   pad elsewhere
@@ -9,15 +25,135 @@ Leaf ``w`` of prompt ``p`` becomes row ``b = p * W + w``: the prompt's ``n_p`` t
 
 Per-token response arrays (``[P, W, T]`` in the forest's layout: advantages, sampler log-probs, loss masks) are
 moved to the same sequence positions, so ``batch[k][b, n_p + t]`` is response token ``t``'s value
-(:func:`response_to_sequence`). The update step scores ``tokens[b, j]`` from the hidden state at ``j - 1``.
+(:func:`response_to_sequence`). The update scores ``tokens[b, j]`` from the hidden state at ``j - 1``, so position
+``j`` is trained only if ``loss_mask[b, j] > 0`` and ``j - 1`` lies in the same nonzero segment
+(:func:`trainable_mask`, applied by :func:`expanded_batch`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from treejax.forest import Forest
+
+PAIR_KEYS = ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
+REQUIRED_KEYS = ("tokens", "positions", "loss_mask", "old_logp", "advantages")
+OPTIONAL_KEYS = ("segment_ids", "ref_logp", "sampler_logp", "eps_scale")
+
+
+@struct.dataclass
+class SequenceInputs:
+    """Expanded rows ``[B, L]``: ``tokens``, RoPE ``positions`` and ``segment_ids`` (0 = padding; equal nonzero ids
+    attend causally to each other; ``None``: one segment per row)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array | None = None
+
+
+@struct.dataclass
+class TreeInputs:
+    """Tree-packed rows (:mod:`treejax.rl.packing`): per token ``[R, L]`` ``tokens``, ``positions``, ``node_lo`` /
+    ``node_hi`` (the tree mask's preorder intervals), ``prev`` (the predictor's row index); the gather map
+    ``pair_index [R, Wr, T]`` (row index of each pair's token) and ``leaf_id [R, Wr]`` (``p * W + w``; -1 empty)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    node_lo: jax.Array
+    node_hi: jax.Array
+    prev: jax.Array
+    pair_index: jax.Array
+    leaf_id: jax.Array
+
+
+@struct.dataclass
+class Batch:
+    """One batch of (leaf, token) pairs for the loss (module docstring)."""
+
+    inputs: Any
+    loss_mask: jax.Array
+    advantages: jax.Array
+    old_logp: jax.Array
+    sampler_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    eps_scale: jax.Array | None = None
+    num_sequences: int = struct.field(pytree_node=False, default=0)
+    sequence_length: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def num_rows(self) -> int:
+        return self.loss_mask.shape[0]
+
+    def flat(self, name: str) -> jax.Array | None:
+        """A per-pair array as ``[pairs, T]`` rows for the loss (``eps_scale`` as ``[pairs]``); ``None`` if absent."""
+        v = getattr(self, name)
+        if v is None:
+            return None
+        return v.reshape(-1) if name == "eps_scale" else v.reshape((-1, v.shape[-1]))
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the first mis-shaped field."""
+        shape = tuple(self.loss_mask.shape)
+        for k in PAIR_KEYS[1:]:
+            v = getattr(self, k)
+            if v is not None and tuple(v.shape) != shape:
+                raise ValueError(f"batch: {k} has shape {tuple(v.shape)}, expected {shape} (like loss_mask)")
+        if self.eps_scale is not None and tuple(self.eps_scale.shape) != shape[:-1]:
+            raise ValueError(f"batch: eps_scale has shape {tuple(self.eps_scale.shape)}, expected {shape[:-1]}")
+        for path, v in jax.tree_util.tree_leaves_with_path(self.inputs):
+            if v.shape[:1] != shape[:1]:
+                raise ValueError(f"batch: inputs{jax.tree_util.keystr(path)} has {v.shape[0]} rows, the pairs "
+                                 f"{shape[0]}")
+        if self.num_sequences < 1 or self.sequence_length < 1:
+            raise ValueError("batch: num_sequences and sequence_length must be set (>= 1)")
+
+    def take_rows(self, idx: jax.Array) -> "Batch":
+        """Rows ``idx`` of an expanded batch (every row one sequence): a mini-batch."""
+        out = jax.tree.map(lambda v: jnp.take(v, idx, axis=0), self)
+        return out.replace(num_sequences=int(idx.shape[0]))
+
+
+def trainable_mask(batch: dict[str, jax.Array]) -> jax.Array:
+    """``loss_mask`` restricted to positions whose previous token is in the same nonzero segment."""
+    mask = batch["loss_mask"].astype(jnp.float32)
+    seg = batch.get("segment_ids")
+    if seg is None:
+        seg = jnp.ones_like(batch["tokens"])
+    prev_seg = jnp.concatenate([jnp.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
+    return mask * ((seg == prev_seg) & (seg != 0)).astype(jnp.float32)
+
+
+def validate_batch(batch: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the first missing, unknown or mis-shaped entry of an expanded dict batch."""
+    for k in REQUIRED_KEYS:
+        if k not in batch:
+            raise ValueError(f"update batch is missing {k!r}; required keys: {REQUIRED_KEYS}")
+    unknown = set(batch) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS)
+    if unknown:
+        raise ValueError(f"update batch has unknown keys {sorted(unknown)}; allowed: {REQUIRED_KEYS + OPTIONAL_KEYS}")
+    shape = tuple(batch["tokens"].shape)
+    if len(shape) != 2:
+        raise ValueError(f"batch['tokens'] must be [B, L], got {shape}")
+    for k, v in batch.items():
+        want = shape[:1] if k == "eps_scale" else shape
+        if tuple(v.shape) != want:
+            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, expected {want}")
+
+
+def expanded_batch(batch: dict[str, jax.Array]) -> Batch:
+    """The :class:`Batch` of an expanded dict batch (keys as :func:`forest_to_batch` returns them:
+    ``tokens``, ``positions``, ``loss_mask``, ``old_logp``, ``advantages`` and optionally ``segment_ids``,
+    ``sampler_logp``, ``ref_logp``, ``eps_scale``); the loss mask is narrowed by :func:`trainable_mask`."""
+    validate_batch(batch)
+    B, L = batch["tokens"].shape
+    return Batch(inputs=SequenceInputs(batch["tokens"], batch["positions"], batch.get("segment_ids")),
+                 loss_mask=trainable_mask(batch), advantages=batch["advantages"], old_logp=batch["old_logp"],
+                 sampler_logp=batch.get("sampler_logp"), ref_logp=batch.get("ref_logp"),
+                 eps_scale=batch.get("eps_scale"), num_sequences=int(B), sequence_length=int(L))
 
 
 def response_to_sequence(x_PxWxT: jax.Array, prompt_lengths_P: jax.Array, seq_len: int, fill=0) -> jax.Array:

@@ -17,7 +17,7 @@ Decoding uses :func:`treejax.sampling.decode.generate` with a fixed batch of ``b
 padded with copies of its first prompt), so each pass compiles once per prompt-length bucket. The sampled pass
 tiles the prompts problem-major (row ``i * k + s`` is sample ``s`` of problem ``i``) and draws batch ``b`` with the
 key ``fold_in(key(seed), b)``: results are a deterministic function of (params, examples, config). Prompts are
-formatted exactly like the training loop's (:func:`treejax.rl.loop.encode_examples`).
+formatted exactly like the training loop's (:func:`treejax.data.prompts.encode_examples`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ from typing import Any, Hashable, Optional, Sequence
 
 import jax
 import numpy as np
+
+from treejax.data import verifiers
+from treejax.data.prompts import encode_examples, pad_token_lists
+from treejax.parallel.multihost import host_tree
+from treejax.rl.scoring import decode_texts
+from treejax.sampling.decode import bucket_length, generate
+from treejax.sampling.strategies import Greedy, Temperature
 
 __all__ = [
     "EvalConfig",
@@ -110,8 +117,6 @@ def answer_key(answer: Optional[str]) -> Optional[Hashable]:
     """The vote an extracted answer casts: ``None`` for no/empty answer (it does not vote); the exact rational
     value for a plain number (``"1,000"``, ``"1000.0"`` and ``"\\frac{2000}{2}"`` vote together); else the
     normalised string (wrappers, ``\\text{}``, ``\\left``/``\\right`` and whitespace removed, lower case)."""
-    from treejax.data import verifiers
-
     if answer is None or not answer.strip():
         return None
     number = verifiers.parse_number(answer)
@@ -162,8 +167,6 @@ def maj_at_k(answers: Sequence[Sequence[Optional[str]]], scores: Sequence[Sequen
 def extract_answer(task, text: str) -> Optional[str]:
     """The answer a task's verifier reads from a response: ``task.extract_answer(text)`` when the task defines it,
     else :func:`treejax.data.verifiers.extract_answer` with the task's ``extraction`` mode (``"auto"`` if none)."""
-    from treejax.data import verifiers
-
     own = getattr(task, "extract_answer", None)
     if callable(own):
         return own(text)
@@ -173,18 +176,11 @@ def extract_answer(task, text: str) -> Optional[str]:
 # ----------------------------------------------------------------------------------------------- decoding
 def prompt_width_for(tokenizer, examples, system_prompt=None, instruction=None) -> int:
     """A prompt width covering every example's formatted prompt (a power-of-two length bucket)."""
-    from treejax.rl.loop import encode_examples
-    from treejax.sampling.decode import bucket_length
-
     return bucket_length(max(len(t) for t in encode_examples(tokenizer, examples, system_prompt, instruction)))
 
 
 def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_tokens, batch_size, strategy, key):
     """Responses (texts, lengths) of ``token_lists`` in fixed batches of ``batch_size`` rows."""
-    from treejax.parallel.multihost import host_tree
-    from treejax.rl.loop import pad_token_lists
-    from treejax.sampling.decode import generate
-
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     stop_ids = tuple(tokenizer.eos_ids)
     texts, lengths = [], []
@@ -197,9 +193,8 @@ def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_
                        stop_ids=stop_ids)
         # all-gathered where the rows span other processes (every process decodes and scores the same problems)
         tokens, out_lens = host_tree((out.tokens, out.lengths))
-        for i in range(real):
-            texts.append(tokenizer.decode(tokens[i, : out_lens[i]].tolist(), skip_special_tokens=True))
-            lengths.append(int(out_lens[i]))
+        texts += decode_texts(tokenizer, tokens[:real], out_lens[:real])
+        lengths += [int(n) for n in out_lens[:real]]
     return texts, lengths
 
 
@@ -217,9 +212,6 @@ def evaluate(params, model_config, tokenizer, task, examples, prompt_width: int,
     ``k``) and ``"sample_mean_length"``. ``with_details=True`` adds ``"problems"``: per problem its uid, question,
     ground truth, greedy text/answer/score/length and the samples' texts/answers/scores/voted answer.
     """
-    from treejax.rl.loop import encode_examples
-    from treejax.sampling.strategies import Greedy, Temperature
-
     if not isinstance(config, EvalConfig):
         raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
     examples = list(examples)[: config.num_problems]

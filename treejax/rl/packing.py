@@ -68,13 +68,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from treejax.choices import check_choice
 from treejax.forest import Forest
-from treejax.models.tree_attention import TREE_ATTENTION_IMPLS, tree_mask  # noqa: F401  (tree_mask re-exported)
+from treejax.models.tree_attention import TREE_ATTENTION_IMPLS
+from treejax.parallel.multihost import host_tree
+from treejax.rl.batch import PAIR_KEYS, Batch, TreeInputs
 
 PAD_NODE = 1 << 30  # node_lo / node_hi of padding tokens (above every real preorder number)
-PAIR_KEYS = ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,62 +110,12 @@ class PackingConfig:
             raise ValueError(f"PackingConfig.granule and align must be >= 1, got {self.granule}, {self.align}")
         if self.max_trees_per_row is not None and self.max_trees_per_row < 1:
             raise ValueError(f"PackingConfig.max_trees_per_row must be >= 1 or None, got {self.max_trees_per_row}")
-        from treejax.choices import check_choice
-
         check_choice("PackingConfig.attention_impl", self.attention_impl, TREE_ATTENTION_IMPLS)
-
-
-@struct.dataclass
-class PackedBatch:
-    """The packed update batch (module docstring). ``R`` rows of ``L`` tokens, ``Wr`` leaf slots per row, ``T``
-    response tokens per leaf. Every array has the row axis first, so micro-batches and data sharding split rows
-    (whole trees).
-
-    Per token ``[R, L]``: ``tokens``, ``positions``, ``node_lo``, ``node_hi`` (tree mask), ``prev`` (predictor).
-    Per leaf slot: ``leaf_id [R, Wr]`` (``p * W + w``; ``-1`` empty), ``eps_scale [R, Wr]`` (optional).
-    Per pair ``[R, Wr, T]``: ``pair_index`` (row index of the pair's token), ``loss_mask`` (1.0 where the pair is
-    trained: a real response token with a predecessor and the estimator's mask on), ``advantages``, ``old_logp``,
-    and optionally ``sampler_logp`` (TIS) and ``ref_logp`` (KL).
-    Static: ``num_sequences`` (the expanded batch's row count, filler leaves included) and ``sequence_length``
-    (the expanded rows' length ``Lp + T``): the Dr.GRPO denominator ``num_sequences * T_max`` with
-    ``T_max = LossConfig.norm_constant or sequence_length``, as in the expanded batch.
-    """
-
-    tokens: jax.Array
-    positions: jax.Array
-    node_lo: jax.Array
-    node_hi: jax.Array
-    prev: jax.Array
-    pair_index: jax.Array
-    leaf_id: jax.Array
-    loss_mask: jax.Array
-    advantages: jax.Array
-    old_logp: jax.Array
-    sampler_logp: jax.Array | None = None
-    ref_logp: jax.Array | None = None
-    eps_scale: jax.Array | None = None
-    num_sequences: int = struct.field(pytree_node=False, default=0)
-    sequence_length: int = struct.field(pytree_node=False, default=0)
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
-    def pair_arrays(self) -> dict[str, jax.Array]:
-        """The per-pair arrays flattened to ``[R * Wr, T]`` (``eps_scale`` to ``[R * Wr]``), for the loss."""
-        out = {}
-        for k in PAIR_KEYS:
-            v = getattr(self, k)
-            if v is not None:
-                out[k] = v.reshape((-1, v.shape[-1]))
-        if self.eps_scale is not None:
-            out["eps_scale"] = self.eps_scale.reshape(-1)
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class PackingPlan:
-    """Host-side result of :func:`plan_packing` (NumPy arrays; fields as in :class:`PackedBatch`).
+    """Host-side result of :func:`plan_packing` (NumPy arrays; fields as in :class:`~treejax.rl.batch.TreeInputs`).
 
     ``pair_valid [R, Wr, T]``: the pair is a real response token with a predecessor (the expanded batch's
     ``trainable_mask`` before the loss mask). ``unique_tokens`` / ``expanded_tokens``: real tokens in the packed
@@ -455,7 +406,7 @@ class LayoutFloor:
 
 
 # ----------------------------------------------------------------------------------------------- per-pair arrays
-def pack_pairs(plan: PackingPlan | PackedBatch | jax.Array, x_BxT: jax.Array, fill=0) -> jax.Array:
+def pack_pairs(plan: PackingPlan | TreeInputs | jax.Array, x_BxT: jax.Array, fill=0) -> jax.Array:
     """Per-pair array of the whole forest ``[P * W, T]`` (leaf ``b = p * W + w``) -> ``[R, Wr, T]`` in the packed
     slots (``fill`` in empty slots). Jittable in the arrays; ``plan`` (or a ``leaf_id [R, Wr]`` array) supplies
     the leaf of each slot."""
@@ -464,7 +415,7 @@ def pack_pairs(plan: PackingPlan | PackedBatch | jax.Array, x_BxT: jax.Array, fi
     return jnp.where((leaf >= 0).reshape(leaf.shape + (1,) * (x_BxT.ndim - 1)), out, jnp.asarray(fill, x_BxT.dtype))
 
 
-def unpack_pairs(batch: PackedBatch | PackingPlan, x_RxWrxT: jax.Array, num_leaves_total: int,
+def unpack_pairs(batch: TreeInputs | PackingPlan, x_RxWrxT: jax.Array, num_leaves_total: int,
                  out: jax.Array | None = None) -> jax.Array:
     """Inverse of :func:`pack_pairs`: ``[R, Wr, T]`` -> ``[num_leaves_total, T]`` (rows of leaves not in the batch
     keep ``out``'s values, zeros by default)."""
@@ -485,20 +436,20 @@ def plan_arrays(plan: PackingPlan) -> dict[str, np.ndarray]:
 
 @functools.partial(jax.jit, static_argnames=("num_sequences", "sequence_length"))
 def assemble(arrays: dict[str, jax.Array], pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None, *,
-             num_sequences: int, sequence_length: int) -> PackedBatch:
+             num_sequences: int, sequence_length: int) -> Batch:
     """Jitted body of :func:`packed_batch`: gathers the per-pair arrays into the plan's slots."""
     leaf = arrays["leaf_id"]
     packed = {k: pack_pairs(arrays["leaf_id"], jnp.asarray(v, jnp.float32)) for k, v in pairs.items()}
     packed["loss_mask"] = jnp.where(arrays["pair_valid"], packed["loss_mask"], 0.0)
     eps = None if eps_scale_B is None else pack_pairs(leaf, jnp.asarray(eps_scale_B, jnp.float32), fill=1.0)
-    return PackedBatch(tokens=arrays["tokens"], positions=arrays["positions"], node_lo=arrays["node_lo"],
-                       node_hi=arrays["node_hi"], prev=arrays["prev"], pair_index=arrays["pair_index"], leaf_id=leaf,
-                       eps_scale=eps, num_sequences=num_sequences, sequence_length=sequence_length, **packed)
+    inputs = TreeInputs(tokens=arrays["tokens"], positions=arrays["positions"], node_lo=arrays["node_lo"],
+                        node_hi=arrays["node_hi"], prev=arrays["prev"], pair_index=arrays["pair_index"], leaf_id=leaf)
+    return Batch(inputs=inputs, eps_scale=eps, num_sequences=num_sequences, sequence_length=sequence_length, **packed)
 
 
 def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None = None
-                 ) -> PackedBatch:
-    """The :class:`PackedBatch` of ``plan`` with per-pair arrays ``pairs`` in the forest's leaf layout
+                 ) -> Batch:
+    """The packed :class:`~treejax.rl.batch.Batch` of ``plan`` with per-pair arrays ``pairs`` in the forest's leaf layout
     ``[P * W, T]`` (``loss_mask``, ``advantages`` and ``old_logp`` required; ``sampler_logp`` / ``ref_logp``
     optional) and an optional per-leaf ``eps_scale_B [P * W]``. ``loss_mask`` is narrowed to ``pair_valid``."""
     for k in ("loss_mask", "advantages", "old_logp"):
@@ -532,8 +483,6 @@ def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_
     The plan is host code over the whole forest, so in a multi-process run every process gathers the global
     arrays (one all-gather, :func:`treejax.parallel.multihost.host_tree`): ``np.asarray`` / ``jax.device_get``
     refuse arrays that span other processes' devices (on 2 GPUs the sampler's forest is sharded over the rows)."""
-    from treejax.parallel.multihost import host_tree
-
     P, W = forest.leaf_length.shape
     host = host_tree({"mask": loss_mask_BxT, "path": forest.leaf_path, "length": forest.leaf_length,
                       "tokens": forest.tokens, "prompts": prompt_tokens_PxLp, "lengths": prompt_lengths_P})
@@ -544,7 +493,7 @@ def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_
 def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advantages_PxWxT,
                      loss_mask_PxWxT=None, pad_id: int = 0, eps_scale_PxW=None,
                      config: PackingConfig = PackingConfig(), *, prompts=None, row_multiple: int = 1
-                     ) -> PackedBatch:
+                     ) -> Batch:
     """The packed counterpart of :func:`treejax.rl.batch.forest_to_batch` (same arguments, same loss): plans on
     the host (:func:`plan_packing`), then places the per-pair arrays (:func:`packed_batch`). Not jittable (the
     plan's shapes depend on the forest); ``prompts`` selects a subset of the trees (a mini-batch)."""
@@ -566,6 +515,6 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
             "token_saving": plan.expanded_tokens / max(plan.unique_tokens, 1)}
 
 
-__all__ = ["PackingConfig", "PackedBatch", "PackingPlan", "LayoutFloor", "plan_packing", "pack_pairs", "unpack_pairs",
-           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest", "forest_to_packed", "tree_mask",
+__all__ = ["PackingConfig", "PackingPlan", "LayoutFloor", "plan_packing", "pack_pairs", "unpack_pairs",
+           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest", "forest_to_packed",
            "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

@@ -1,6 +1,16 @@
-"""One RL step as one function: rollouts -> estimator inputs -> advantages -> batch -> old / reference log-probs
--> PPO updates. The training loop (:mod:`treejax.rl.loop`), ``experiments/bench_update.py`` and the learning-signal
-test all call :func:`rl_step`; they differ only in where rollouts and rewards come from (a :class:`RolloutSource`).
+"""Learn: one step's rollouts -> advantages -> mini-batches -> old / reference log-probs -> PPO updates.
+
+    rollouts = source.sample(learner.sampler_params(state.params), key, step)     collect (treejax.rl.rollouts)
+    state, metrics, info = learn(learner, state, rollouts, key, ref_params)       learn (this module)
+
+:func:`learn` runs one path for every layout (:mod:`treejax.rl.layouts`): the estimator's per-token advantages
+(optionally times ``Forest.leaf_weight``), the layout's pool of (leaf, token) pairs, ``epochs`` shuffles of
+``mini_batches`` mini-batch plans, the old / reference log-probs computed on the first epoch's mini-batches (the
+update's exact rows and programs, so the first PPO ratio is 1) and scattered back into the pool, then one optax
+update per mini-batch. Nothing here waits for the device: the only host reads are the ones the packed layout's
+planner needs (the forest, already on the host after scoring); the metrics come back as device arrays and the
+loop reads them one step late (:class:`treejax.metrics.DeferredMetrics`). :func:`rl_step` is collect + learn
+(the loop's step; tests and benchmarks drive it with their own sources).
 
 Log-probabilities (verl's and tunix's practice)::
 
@@ -11,24 +21,16 @@ Log-probabilities (verl's and tunix's practice)::
                    exp(log pi_old - log q) != 1 wherever the two numerics differ)
     ref_logp       log pi_ref(y_t | y_<t)  the initial weights, kept frozen, when ``LossConfig.kl_coef > 0``
 
-With trainer-side ``old_logp`` the first mini-batch's ratio ``exp(logp - old_logp)`` is 1 up to the forward's
-run-to-run reproducibility, and truncated importance sampling (``LossConfig.tis_cap``) weights each token by
-``min(exp(old_logp - sampler_logp), C)``, correcting for the sampler/trainer mismatch. The step reports that
-mismatch: ``mismatch/abs_mean`` and ``mismatch/abs_max`` of ``old_logp - sampler_logp`` over trained tokens.
-
-Estimator inputs: an estimator's ``EstimatorSpec.inputs`` are supplied by the step — ``greedy_reward_P`` (ReMax)
-is the verifier reward of one greedy rollout per prompt, asked of the rollout source.
-
-Timing: each phase (rollout, scoring, old/ref log-probs, update) is closed with ``block_until_ready`` on its output
-so the split is real; no metric is copied to the host here (the caller reads them one step late,
-``treejax.metrics.DeferredMetrics``), and the mini-batch shuffle runs on the device.
+With trainer-side ``old_logp`` truncated importance sampling (``LossConfig.tis_cap``) weights each token by
+``min(exp(old_logp - sampler_logp), C)``, correcting for the sampler/trainer mismatch, reported as
+``mismatch/abs_mean`` and ``mismatch/abs_max`` of ``old_logp - sampler_logp`` over trained pairs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,287 +38,185 @@ import numpy as np
 
 from treejax.forest import Forest
 from treejax.models.config import ModelConfig
-from treejax.precision import ResolvedPrecision
-from treejax.rl.advantages import estimator_spec
 from treejax.parallel import multihost
-from treejax.rl import packing as packing_lib
+from treejax.precision import ResolvedPrecision
 from treejax.rl import tree_stats
-from treejax.rl.batch import forest_to_batch
+from treejax.rl.advantages import estimator_spec
+from treejax.rl.batch import Batch
+from treejax.rl.config import StepConfig
+from treejax.rl.layouts import Layout, make_layout
 from treejax.rl.losses import LossConfig
-from treejax.rl.update import gather_pairs, packed_logprobs, sequence_logprobs, split_micro, trainable_mask
+from treejax.rl.rollouts import RolloutSource, Rollouts
+from treejax.rl.update import split_micro
 
-OLD_LOGP_SOURCES = ("trainer", "sampler")
-KNOWN_INPUTS = ("greedy_reward_P",)
-
-
-@dataclasses.dataclass
-class Rollouts:
-    """What a rollout source returns for one step (``P`` prompts, ``W`` leaves each).
-
-    ``scores_PxW`` are verifier scores in [0, 1] (``None`` when there is no verifier: accuracy is then not
-    reported); ``rewards_PxW`` the shaped rewards the estimator sees. ``info`` holds host ints (decoded tokens,
-    forks, stop counts) and ``time/scoring_s``.
-    """
-
-    forest: Forest
-    rewards_PxW: jax.Array
-    scores_PxW: np.ndarray | None
-    prompts_PxLp: np.ndarray
-    lengths_P: np.ndarray
-    info: dict[str, Any]
-    examples: list | None = None
+SHUFFLE_STREAM = 0xE70C  # fold_in stream of the mini-batch shuffle keys
 
 
-class RolloutSource(Protocol):
-    def sample(self, params: Any, key: jax.Array, step: int) -> Rollouts:
-        """Rollouts of ``P`` prompts from the sampler's ``params``."""
+def make_logprob_fn(layout: Layout, num_micro_batches: int) -> Callable[[Any, Batch], jax.Array]:
+    """``fn(params, batch) -> logp [rows, *pairs]``: the update's forward without gradients, micro-batched the same
+    way (strided micro-batches, ``lax.map``), so old / reference log-probs have the update's numerics."""
 
-    def greedy_rewards(self, params: Any, rollouts: Rollouts) -> np.ndarray:
-        """``[P]`` reward of one greedy completion of each prompt of ``rollouts`` (ReMax's baseline)."""
-
-
-#: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
-#: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
-#: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum
-#: ``sum_l w_l A_l grad log pi(l)`` weighs every leaf by the share of the policy's sample it stands for (the PPO
-#: clip of a leaf with ``w > 0`` is unchanged by the scale); the estimators' baselines are left as they are.
-LEAF_WEIGHTINGS = ("count", "mass")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Static settings of :func:`rl_step` (a subset of ``RunConfig``)."""
-
-    estimator: str = "treepo"
-    estimator_options: Any = None
-    loss: LossConfig = LossConfig()
-    old_logp: str = "trainer"
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batches: int = 1
-    pad_id: int = 0
-    logprob_chunk_size: int = 8192
-    attention_impl: str = "auto"
-    clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
-    packing: packing_lib.PackingConfig | None = None  # None: expanded rows; else the tree-packed update
-    row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
-    leaf_weighting: str = "count"  # "count" | "mass": scale each leaf's advantages by forest.leaf_weight
-
-    def __post_init__(self):
-        if self.leaf_weighting not in LEAF_WEIGHTINGS:
-            raise ValueError(f"leaf_weighting must be one of {LEAF_WEIGHTINGS}, got {self.leaf_weighting!r}")
-        if self.old_logp not in OLD_LOGP_SOURCES:
-            raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
-        if self.old_logp == "sampler" and self.loss.tis_cap is not None:
-            raise ValueError("LossConfig.tis_cap needs old_logp='trainer': with old_logp='sampler' the sampler's "
-                             "log-probs are both the PPO denominator and the TIS reference, so TIS is a no-op")
-        for name in ("epochs", "mini_batches", "micro_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        missing = [i for i in estimator_spec(self.estimator).inputs if i not in KNOWN_INPUTS]
-        if missing:
-            raise ValueError(f"estimator {self.estimator!r} needs inputs {missing} that the RL step cannot supply "
-                             f"(supplied: {KNOWN_INPUTS})")
-
-
-def make_logprob_fn(model_config: ModelConfig, num_micro_batches: int, chunk_size: int = 8192,
-                    attention_impl: str = "auto") -> Callable:
-    """``fn(params, batch) -> logp [B, L]``: the update's forward without gradients, micro-batched the same way
-    (strided micro-batches, ``lax.map``), so old/reference log-probs have the update's numerics."""
-
-    def one(params, tokens, positions, segment_ids):
-        return sequence_logprobs(params, model_config, tokens, positions, segment_ids, chunk_size=chunk_size,
-                                 attention_impl=attention_impl)
-
-    def fn(params, batch):
-        args = (batch["tokens"], batch["positions"], batch.get("segment_ids", jnp.ones_like(batch["tokens"])))
+    def fn(params, batch: Batch):
         if num_micro_batches == 1:
-            return one(params, *args)
-        B = args[0].shape[0]
-        out = jax.lax.map(lambda xs: one(params, *xs), tuple(split_micro(a, num_micro_batches) for a in args))
-        return jnp.swapaxes(out, 0, 1).reshape((B,) + out.shape[2:])  # [M, B/M, L] -> rows back in order
+            return layout.pair_logprobs(params, batch.inputs)
+        rows = batch.num_rows
+        micro = jax.tree.map(lambda a: split_micro(a, num_micro_batches), batch.inputs)
+        out = jax.lax.map(lambda mb: layout.pair_logprobs(params, mb), micro)
+        return jnp.swapaxes(out, 0, 1).reshape((rows,) + out.shape[2:])  # [M, B/M, ...] -> rows back in order
 
     return fn
 
 
-def make_packed_logprob_fn(model_config: ModelConfig, num_micro_batches: int, chunk_size: int = 8192,
-                           attention_impl: str = "auto") -> Callable:
-    """``fn(params, packed) -> logp [R, Wr, T]``: the packed update's forward without gradients (unique tokens
-    scored once, then gathered to (leaf, token) pairs), micro-batched over rows like the update."""
-
-    def one(params, mb):
-        logp = packed_logprobs(params, model_config, mb, chunk_size=chunk_size, attention_impl=attention_impl)
-        return gather_pairs(logp, mb.pair_index)
-
-    def fn(params, batch):
-        if num_micro_batches == 1:
-            return one(params, batch)
-        R = batch.num_rows
-        micro = jax.tree.map(lambda a: split_micro(a, num_micro_batches), batch)
-        out = jax.lax.map(lambda mb: one(params, mb), micro)
-        return jnp.swapaxes(out, 0, 1).reshape((R,) + out.shape[2:])
-
-    return fn
-
-
-def logp_mismatch(old_logp_BxL: jax.Array, sampler_logp_BxL: jax.Array, mask_BxL: jax.Array) -> dict:
-    """Mean and max ``|old_logp - sampler_logp|`` over trained tokens (0 when none)."""
-    on = mask_BxL > 0
-    d = jnp.where(on, jnp.abs(old_logp_BxL - sampler_logp_BxL), 0.0)
+def logp_mismatch(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict:
+    """Mean and max ``|old_logp - sampler_logp|`` over trained pairs (0 when none)."""
+    on = mask > 0
+    d = jnp.where(on, jnp.abs(old_logp - sampler_logp), 0.0)
     return {"mismatch/abs_mean": jnp.sum(d) / jnp.maximum(jnp.sum(on), 1), "mismatch/abs_max": jnp.max(d)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StepFns:
-    """Jitted pieces of :func:`rl_step`, built once per run by :func:`make_step_fns`."""
+class Learner:
+    """What :func:`learn` runs, built once per run by :func:`make_learner`.
+
+    ``estimator(forest, rewards_PxW, inputs) -> Advantages`` (jitted); ``logprobs(params, batch) -> [rows,
+    *pairs]`` (jitted, no gradient); ``update(state, batch) -> (state, metrics)`` (jitted with shardings and
+    donation by the caller); ``place(batch)``: a mini-batch's placement before the update and the log-prob
+    passes; ``sampler_params(params)``: the sampler's copy of the weights (cast, and gathered on a mesh)."""
 
     config: StepConfig
     precision: ResolvedPrecision
-    sampler_params: Callable
-    estimator_inputs: tuple[str, ...]  # the estimator's declared extra inputs (EstimatorSpec.inputs)
+    layout: Layout
     estimator: Callable
-    to_batch: Callable
-    logprobs: Callable
-    prepare: Callable  # (batch, old_logp, ref_logp) -> batch with old/ref/sampler log-probs and metrics
-    take_rows: Callable
-    update: Callable  # (state, mini_batch) -> (state, metrics): jitted with shardings + donation by the caller
-    pairs: Callable | None = None  # packed: (forest, adv_tokens, adv_mask) -> per-pair arrays [P * W, T]
-    packed_logprobs: Callable | None = None  # packed: (params, PackedBatch) -> logp [R, Wr, T]
-    layout: packing_lib.LayoutFloor | None = None  # packed + sticky: the largest layout met (host state)
-    place: Callable = lambda batch: batch  # noqa: E731  mini-batch placement before the update and old/ref passes
+    logprobs: Callable[[Any, Batch], jax.Array]
+    update: Callable[[Any, Batch], tuple[Any, dict]]
+    place: Callable[[Batch], Batch]
+    sampler_params: Callable[[Any], Any]
+
+    @property
+    def estimator_inputs(self) -> tuple[str, ...]:
+        """The estimator's declared extra inputs (``EstimatorSpec.inputs``) a rollout source must supply."""
+        return estimator_spec(self.config.estimator).inputs
 
 
-def make_step_fns(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision,
-                  update: Callable, batch_sharding: Callable | None = None,
-                  sampler_shardings: Any = None) -> StepFns:
-    """Builds :class:`StepFns`. ``update`` is the jitted ``update(state, batch)``; ``batch_sharding(batch)`` (optional)
-    places each mini-batch before it and before the trainer's old / reference log-prob passes (e.g.
-    ``jax.device_put`` with the mesh's batch sharding: without it those passes take the layout the mini-batch
-    gather gives, which on a mesh can be replicated, so every device computes every row).
-    ``sampler_shardings`` (optional, a pytree of shardings like the params): where the sampler's weight copy lives
-    (e.g. ``treejax.parallel.axis_rules.SAMPLER_RULES``: gathered over ``fsdp`` once per step, not per decode
-    step); the cast is then jitted with these output shardings even when the dtype does not change."""
+def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision, update: Callable,
+                 layout: Layout | None = None, batch_sharding: Callable | None = None,
+                 sampler_shardings: Any = None) -> Learner:
+    """Builds the :class:`Learner`. ``update`` is the jitted ``update(state, batch)`` of ``layout`` (default:
+    :func:`~treejax.rl.layouts.make_layout` of ``cfg``; pass the one the update was built with).
+    ``batch_sharding(batch)`` (optional) places each mini-batch before the update and the old / reference passes
+    (e.g. ``jax.device_put`` with the mesh's batch sharding: without it those passes take the layout the
+    mini-batch gather gives, which on a mesh can be replicated, so every device computes every row).
+    ``sampler_shardings`` (optional, a pytree of shardings like the params): where the sampler's weight copy
+    lives (e.g. ``treejax.parallel.axis_rules.SAMPLER_RULES``: gathered over ``fsdp`` once per step); the cast is
+    then jitted with these output shardings even when the dtype does not change."""
+    if layout is None:
+        layout = make_layout(model_config, cfg.packing, pad_id=cfg.pad_id, attention_impl=cfg.attention_impl,
+                             row_multiple=cfg.row_multiple, chunk_size=cfg.logprob_chunk_size)
     spec = estimator_spec(cfg.estimator)
     options = cfg.estimator_options if cfg.estimator_options is not None else spec.default_options()
     estimator = jax.jit(lambda f, r, inputs: spec.fn(f, r, options, **inputs))
-
-    @jax.jit
-    def to_batch(prompts, lens, forest, adv_tokens, adv_mask, eps_scale_PxW):
-        return forest_to_batch(prompts, lens, forest, adv_tokens, adv_mask, cfg.pad_id, eps_scale_PxW=eps_scale_PxW)
-
-    logprobs = jax.jit(make_logprob_fn(model_config, cfg.micro_batches, cfg.logprob_chunk_size,
-                                       cfg.attention_impl))
-
-    @jax.jit
-    def prepare(batch, old_logp, ref_logp):
-        batch = dict(batch)
-        sampler = batch["sampler_logp"]
-        metrics = {}
-        if old_logp is not None:
-            batch["old_logp"] = old_logp
-            metrics = logp_mismatch(old_logp, sampler, trainable_mask(batch))
-        else:
-            batch["old_logp"] = sampler
-            del batch["sampler_logp"]
-        if ref_logp is not None:
-            batch["ref_logp"] = ref_logp
-        return batch, metrics
-
-    take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda v: jnp.take(v, idx, axis=0), batch))
     place = batch_sharding or (lambda b: b)
-    same = precision.sampler_dtype == precision.param_dtype
     if sampler_shardings is not None:  # cast (and gather) once per step
         sampler_params = jax.jit(precision.sampler_params, out_shardings=sampler_shardings)
+    elif precision.sampler_dtype == precision.param_dtype:
+        sampler_params = lambda p: p  # noqa: E731
     else:
-        sampler_params = (lambda p: p) if same else jax.jit(precision.sampler_params)  # cast once per step
-    pairs = packed_fn = None
-    if cfg.packing is not None:
-        pairs = jax.jit(packing_lib.forest_pairs)
-        packed_fn = jax.jit(make_packed_logprob_fn(model_config, cfg.micro_batches, cfg.logprob_chunk_size,
-                                                   cfg.packing.attention_impl))
-    layout = packing_lib.LayoutFloor() if cfg.packing is not None and cfg.packing.sticky else None
-    return StepFns(cfg, precision, sampler_params, spec.inputs, estimator, to_batch, logprobs, prepare,
-                   take_rows, lambda state, batch: update(state, place(batch)), pairs, packed_fn, layout, place)
+        sampler_params = jax.jit(precision.sampler_params)  # cast once per step
+    return Learner(cfg, precision, layout, estimator, jax.jit(make_logprob_fn(layout, cfg.micro_batches)),
+                   lambda state, batch: update(state, place(batch)), place, sampler_params)
 
 
-def _sync(x):
+def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False
+          ) -> tuple[Any, dict[str, jax.Array], dict[str, Any]]:
+    """One step's learning from ``ro`` (module docstring). Returns ``(state, device_metrics, host_info)``.
+
+    ``device_metrics``: the update metrics (``update/...``: means over mini-batches, ratio extremes of the
+    *first* mini-batch as ``update/first_ratio_min|max``) and the log-prob mismatch, still on the device.
+    ``host_info``: the layout's plan sizes (packed: ``packing/...``); with ``timed`` (benchmarks) also
+    ``time/logp_s`` and ``time/update_s``, each phase closed by waiting for its output (two device syncs the
+    loop does not make)."""
+    cfg, layout = learner.config, learner.layout
+    t0 = time.perf_counter()
+    missing = [name for name in learner.estimator_inputs if name not in ro.estimator_inputs]
+    if missing:
+        raise ValueError(f"estimator {cfg.estimator!r} needs inputs {missing} that the rollout source did not supply "
+                         f"(Rollouts.estimator_inputs has {sorted(ro.estimator_inputs)})")
+    adv = learner.estimator(ro.forest, ro.rewards_PxW, ro.estimator_inputs)
+    if cfg.leaf_weighting == "mass":
+        adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
+    P, W = ro.rewards_PxW.shape
+    eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
+                 else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
+    pool = layout.pool(ro, adv.tokens, adv.loss_mask, eps_scale)
+    if pool.units % cfg.mini_batches:
+        raise ValueError(f"{pool.units} mini-batch units (rows, or prompts with the packed update) do not split "
+                         f"into mini_batches={cfg.mini_batches}")
+    per_mini = pool.units // cfg.mini_batches
+    perms = [jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, SHUFFLE_STREAM), e), pool.units)
+             for e in range(cfg.epochs)]
+    chunks = lambda perm: [perm[m * per_mini: (m + 1) * per_mini] for m in range(cfg.mini_batches)]  # noqa: E731
+    first = [layout.plan(pool, units) for units in chunks(perms[0])]
+
+    def pool_logprobs(params):
+        out = jnp.zeros_like(pool.batch.sampler_logp)
+        for plan in first:
+            out = layout.scatter(out, plan, learner.logprobs(params, learner.place(layout.assemble(pool, plan))))
+        return out
+
+    b, mismatch = pool.batch, {}
+    if cfg.old_logp == "trainer":
+        b = b.replace(old_logp=pool_logprobs(state.params))
+        mismatch = logp_mismatch(b.old_logp, b.sampler_logp, b.loss_mask)
+    else:
+        b = b.replace(old_logp=b.sampler_logp, sampler_logp=None)
+    if cfg.loss.kl_coef > 0:
+        b = b.replace(ref_logp=pool_logprobs(ref_params))
+    pool = dataclasses.replace(pool, batch=b)
+    t_logp = _wait(b.old_logp) if timed else None
+    all_metrics = []
+    for e, perm in enumerate(perms):
+        for m, units in enumerate(chunks(perm)):
+            plan = first[m] if e == 0 else layout.plan(pool, units)
+            state, metrics = learner.update(state, layout.assemble(pool, plan))
+            all_metrics.append(metrics)
+    device_metrics = {f"update/{k}": v for k, v in mean_metrics(all_metrics).items()}
+    device_metrics["update/first_ratio_min"] = all_metrics[0]["ratio_min"]
+    device_metrics["update/first_ratio_max"] = all_metrics[0]["ratio_max"]
+    device_metrics.update(mismatch)
+    info = layout.describe(first)
+    if timed:
+        info.update({"time/logp_s": t_logp - t0, "time/update_s": _wait(state.step) - t_logp})
+    return state, device_metrics, info
+
+
+def _wait(x) -> float:
     jax.block_until_ready(x)
     return time.perf_counter()
 
 
-def rl_step(fns: StepFns, state, source: RolloutSource, key: jax.Array, step: int,
-            ref_params: Any = None) -> tuple[Any, Rollouts, dict, dict]:
-    """One RL step (module docstring). Returns ``(state, rollouts, device_metrics, host_info)``.
-
-    ``device_metrics``: the update metrics of every mini-batch (``update/...``: means over mini-batches, ratio
-    extremes of the *first* mini-batch as ``update/first_ratio_min|max``) and the log-prob mismatch, all still on
-    the device. ``host_info``: decoded-token counters, rollout accuracy and the phase times (seconds); with the
-    packed update also ``packing/unique_tokens`` (real tokens in the packed rows), ``packing/expanded_tokens``
-    (tokens the expanded rows would hold) and ``packing/row_tokens`` (packed row slots, padding included), summed
-    over the first epoch's mini-batches, and with sticky layouts ``packing/layouts`` (distinct layouts so far).
-    """
-    cfg = fns.config
+def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step: int, ref_params: Any = None, *,
+            timed: bool = False) -> tuple[Any, Rollouts, dict, dict]:
+    """Collect + learn: ``source.sample`` with the sampler's weights, then :func:`learn`. Returns ``(state,
+    rollouts, device_metrics, host_info)``; ``host_info``: the rollout counters, rewards, accuracy, the tree's
+    shape (:func:`tree_metrics`), the layout's plan sizes and ``time/rollout_s`` / ``time/scoring_s`` (host
+    seconds; the rollout time includes waiting for the previous step's update, which the sampler's weights
+    need) and ``time/learn_dispatch_s`` (host seconds to dispatch the learning; the device's share is the loop's
+    ``time/update_s``, or with ``timed`` :func:`learn`'s exact ``time/logp_s`` / ``time/update_s``)."""
     t0 = time.perf_counter()
-    with fns.precision.matmul_context():
-        sampler_params = fns.sampler_params(state.params)
-        ro = source.sample(sampler_params, key, step)
-        t_rollout = _sync(ro.forest.tokens)
-        inputs = {}
-        if "greedy_reward_P" in fns.estimator_inputs:
-            inputs["greedy_reward_P"] = jnp.asarray(source.greedy_rewards(sampler_params, ro), jnp.float32)
-        t_inputs = time.perf_counter()
-        adv = fns.estimator(ro.forest, ro.rewards_PxW, inputs)
-        if cfg.leaf_weighting == "mass":
-            adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
-        P, W = ro.rewards_PxW.shape
-        eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
-                     else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
-        if cfg.packing is not None:
-            state, all_metrics, mismatch, t_logp, packing_info = _packed_updates(fns, state, ro, adv, eps_scale, key,
-                                                                                 ref_params)
-        else:
-            packing_info = {}
-            batch = fns.to_batch(jnp.asarray(ro.prompts_PxLp), jnp.asarray(ro.lengths_P), ro.forest, adv.tokens,
-                                 adv.loss_mask, eps_scale)
-            rows = batch["tokens"].shape[0]
-            per_mini = rows // cfg.mini_batches
-            perms = [jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), rows)
-                     for e in range(cfg.epochs)]
-            minis = [perms[0][m * per_mini: (m + 1) * per_mini] for m in range(cfg.mini_batches)]
-            old = _per_mini_logprobs(fns, state.params, batch, minis) if cfg.old_logp == "trainer" else None
-            ref = _per_mini_logprobs(fns, ref_params, batch, minis) if cfg.loss.kl_coef > 0 else None
-            batch, mismatch = fns.prepare(batch, old, ref)
-            t_logp = _sync(batch["old_logp"])
-
-            all_metrics = []
-            for perm in perms:
-                for m in range(cfg.mini_batches):
-                    mini = fns.take_rows(batch, perm[m * per_mini: (m + 1) * per_mini])
-                    state, metrics = fns.update(state, mini)
-                    all_metrics.append(metrics)
-        t_update = _sync(state.step)
-
-    device_metrics = {f"update/{k}": v for k, v in _mean_metrics(all_metrics).items()}
-    device_metrics["update/first_ratio_min"] = all_metrics[0]["ratio_min"]
-    device_metrics["update/first_ratio_max"] = all_metrics[0]["ratio_max"]
-    device_metrics.update(mismatch)
-    info = dict(ro.info)
-    t_scoring = float(info.pop("time/scoring_s", 0.0))
-    host = {
-        "time/rollout_s": t_rollout - t0 - t_scoring, "time/scoring_s": t_scoring + (t_inputs - t_rollout),
-        "time/logp_s": t_logp - t_inputs, "time/update_s": t_update - t_logp,
-        "rollout/decoded_tokens": int(info.get("decoded_tokens", 0)),
-        "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
-        **{f"rollout/{k}": v for k, v in info.items() if k != "decoded_tokens"},
-    }
-    host.update(packing_info)
-    host.update(tree_metrics(ro.forest, ro.rewards_PxW))
+    with learner.precision.matmul_context():
+        ro = source.sample(learner.sampler_params(state.params), key, step)
+        t_rollout = time.perf_counter()
+        state, device_metrics, layout_info = learn(learner, state, ro, key, ref_params, timed=timed)
+    t_learn = time.perf_counter()
+    host = {"time/rollout_s": t_rollout - t0 - ro.counters.scoring_s, "time/scoring_s": ro.counters.scoring_s,
+            "time/learn_dispatch_s": t_learn - t_rollout, "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
+            **ro.counters.metrics(), **layout_info, **tree_metrics(ro.forest, ro.rewards_PxW)}
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
     return state, ro, device_metrics, host
 
 
-def tree_metrics(forest, rewards_PxW) -> dict:
+def tree_metrics(forest: Forest, rewards_PxW) -> dict:
     """The rollout's shape, from one host gather of the forest's per-leaf arrays (:mod:`treejax.rl.tree_stats`):
 
     * ``rollout/mean_leaf_length``: the leaves' mean length weighted by ``forest.leaf_weight`` (the policy's
@@ -342,77 +242,7 @@ def tree_metrics(forest, rewards_PxW) -> dict:
     return out
 
 
-def _packed_updates(fns: StepFns, state, ro: Rollouts, adv, eps_scale_PxW, key, ref_params):
-    """The old / reference log-prob passes and the PPO updates on tree-packed mini-batches.
-
-    Mini-batches are random groups of ``P / mini_batches`` *prompts* (whole trees; the expanded path draws
-    groups of leaves), reshuffled each epoch. Old and reference log-probs are computed on the first epoch's
-    packed mini-batches (the update's exact rows and programs, so the first ratio is 1) and kept per pair in the
-    forest's leaf layout ``[P * W, T]``, from which every epoch's mini-batches are packed."""
-    cfg = fns.config
-    forest = ro.forest
-    P, W, T = forest.tokens.shape
-    pairs = dict(fns.pairs(forest, adv.tokens, adv.loss_mask))
-    host = packing_lib.host_forest(ro.prompts_PxLp, ro.lengths_P, forest, pairs["loss_mask"])  # all processes'
-    if P % cfg.mini_batches:
-        raise ValueError(f"the packed update splits prompts into mini-batches: {P} prompts do not split into "
-                         f"mini_batches={cfg.mini_batches}")
-    eps_B = eps_scale_PxW.reshape(P * W)
-    per_mini = P // cfg.mini_batches
-
-    def plan(prompts):
-        pl = packing_lib.plan_packing(host["prompts"], host["lengths"], host["path"], host["length"], host["tokens"],
-                                      forest.segment_length, cfg.packing, prompts=prompts, trained_PxW=host["trained"],
-                                      row_multiple=cfg.row_multiple, pad_id=cfg.pad_id,
-                                      floor=None if fns.layout is None else fns.layout.shape)
-        if fns.layout is not None:
-            fns.layout.grow(pl.shape)
-        return pl
-
-    perms = [np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, 0xE70C), e), P))
-             for e in range(cfg.epochs)]
-    first = [plan(perms[0][m * per_mini: (m + 1) * per_mini]) for m in range(cfg.mini_batches)]
-
-    def per_pair_logprobs(params):
-        out = jnp.zeros((P * W, T), jnp.float32)
-        for pl in first:
-            b = packing_lib.packed_batch(pl, pairs, eps_B)
-            out = packing_lib.unpack_pairs(b, fns.packed_logprobs(params, fns.place(b)), P * W, out=out)
-        return out
-
-    sampler = pairs["sampler_logp"]
-    mismatch = {}
-    if cfg.old_logp == "trainer":
-        pairs["old_logp"] = per_pair_logprobs(state.params)
-        mismatch = logp_mismatch(pairs["old_logp"], sampler, pairs["loss_mask"])
-    else:
-        del pairs["sampler_logp"]
-    if cfg.loss.kl_coef > 0:
-        pairs["ref_logp"] = per_pair_logprobs(ref_params)
-    t_logp = _sync(pairs["old_logp"])
-    all_metrics = []
-    for e, perm in enumerate(perms):
-        for m in range(cfg.mini_batches):
-            pl = first[m] if e == 0 else plan(perm[m * per_mini: (m + 1) * per_mini])
-            state, metrics = fns.update(state, packing_lib.packed_batch(pl, pairs, eps_B))
-            all_metrics.append(metrics)
-    info = {"packing/unique_tokens": sum(pl.unique_tokens for pl in first),
-            "packing/expanded_tokens": sum(pl.expanded_tokens for pl in first),
-            "packing/row_tokens": sum(pl.shape[0] * pl.shape[1] for pl in first)}
-    if fns.layout is not None:
-        info["packing/layouts"] = len(fns.layout.layouts)  # distinct layouts so far (one compile each)
-    return state, all_metrics, mismatch, t_logp, info
-
-
-def _per_mini_logprobs(fns: StepFns, params, batch: dict, minis: list) -> jax.Array:
-    """``[B, L]`` log-probs computed on the first epoch's mini-batches (the update's exact shapes and micro-batch
-    split, so both forwards run the same kernels on the same rows), scattered back to batch row order."""
-    parts = [fns.logprobs(params, fns.place(fns.take_rows(batch, idx))) for idx in minis]
-    order = jnp.concatenate(minis)
-    return jnp.zeros_like(batch["sampler_logp"]).at[order].set(jnp.concatenate(parts))
-
-
-def _mean_metrics(metrics: list[dict]) -> dict:
+def mean_metrics(metrics: list[dict]) -> dict:
     """Means over mini-batches (extremes: max / min), computed on the device."""
     out = {}
     for k in metrics[0]:
@@ -428,6 +258,5 @@ def initial_reference(params: Any, loss: LossConfig) -> Any:
     return jax.tree.map(jnp.copy, params)
 
 
-__all__ = ["Rollouts", "RolloutSource", "StepConfig", "StepFns", "make_step_fns", "make_logprob_fn",
-           "make_packed_logprob_fn", "rl_step",
-           "logp_mismatch", "initial_reference", "OLD_LOGP_SOURCES"]
+__all__ = ["Learner", "make_learner", "make_logprob_fn", "learn", "rl_step", "tree_metrics", "logp_mismatch",
+           "initial_reference"]

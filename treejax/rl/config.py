@@ -1,0 +1,228 @@
+"""The run's configuration: :class:`RunConfig` (the gin-facing surface of ``treejax-train``) and the small configs it
+hands down (:class:`StepConfig` to the learner; ``TreeConfig``, ``LossConfig``, ``OptimizerConfig``,
+``PackingConfig``, ``EvalConfig``, ``MeshConfig`` and ``Precision`` are their modules' own).
+
+Every check runs when the config is built (from gin or from Python), so a bad value is a one-line
+:class:`~treejax.errors.ConfigError` before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+from treejax.choices import check_choice
+from treejax.config_types import check_types
+from treejax.errors import ConfigError
+from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
+from treejax.parallel.mesh import MeshConfig
+from treejax.precision import Precision
+from treejax.rl.advantages import estimator_spec
+from treejax.rl.advantages.registry import list_estimators
+from treejax.rl.evaluation import EvalConfig
+from treejax.rl.losses import LossConfig
+from treejax.rl.optimizer import OptimizerConfig
+from treejax.rl.packing import PackingConfig
+from treejax.run_dir import LOG_DIR_MODES
+from treejax.sampling.strategies import Temperature
+from treejax.sampling.tree import TreeConfig
+
+#: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`).
+OLD_LOGP_SOURCES = ("trainer", "sampler")
+#: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
+KNOWN_INPUTS = ("greedy_reward_P",)
+#: ``RunConfig.nonfinite``: what an update with a non-finite loss or gradient does (:mod:`treejax.rl.update`).
+NONFINITE_POLICIES = ("skip", "raise")
+
+#: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
+#: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
+#: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum
+#: ``sum_l w_l A_l grad log pi(l)`` weighs every leaf by the share of the policy's sample it stands for (the PPO
+#: clip of a leaf with ``w > 0`` is unchanged by the scale); the estimators' baselines are left as they are.
+LEAF_WEIGHTINGS = ("count", "mass")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the learner (:func:`treejax.rl.step.learn`; a subset of ``RunConfig``): the estimator,
+    the loss, where log pi_old comes from, epochs / mini-batches / micro-batches and the layout's settings (``packing``
+    None: expanded rows, :class:`treejax.rl.layouts.Expanded`; else :class:`treejax.rl.layouts.Packed`)."""
+
+    estimator: str = "treepo"
+    estimator_options: Any = None
+    loss: LossConfig = LossConfig()
+    old_logp: str = "trainer"
+    epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+    pad_id: int = 0
+    logprob_chunk_size: int = 8192
+    attention_impl: str = "auto"
+    clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
+    packing: PackingConfig | None = None  # None: expanded rows; else the tree-packed update
+    row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
+    leaf_weighting: str = "count"  # "count" | "mass": scale each leaf's advantages by forest.leaf_weight
+
+    def __post_init__(self):
+        if self.leaf_weighting not in LEAF_WEIGHTINGS:
+            raise ValueError(f"leaf_weighting must be one of {LEAF_WEIGHTINGS}, got {self.leaf_weighting!r}")
+        if self.old_logp not in OLD_LOGP_SOURCES:
+            raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
+        if self.old_logp == "sampler" and self.loss.tis_cap is not None:
+            raise ValueError("LossConfig.tis_cap needs old_logp='trainer': with old_logp='sampler' the sampler's "
+                             "log-probs are both the PPO denominator and the TIS reference, so TIS is a no-op")
+        for name in ("epochs", "mini_batches", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        missing = [i for i in estimator_spec(self.estimator).inputs if i not in KNOWN_INPUTS]
+        if missing:
+            raise ValueError(f"estimator {self.estimator!r} needs inputs {missing} that the RL step cannot supply "
+                             f"(supplied: {KNOWN_INPUTS})")
+
+
+
+class ScheduleWarning(UserWarning):
+    """The learning-rate schedule and the run's length disagree (``RunConfig._check_schedule``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs (the gin-facing surface; see ``configs/*.gin``).
+
+    The defaults are the quickstart (``configs/quickstart.gin``): a few TreePO steps of the embedded SmolLM2 on
+    ``chain_sum_2x1``. ``old_logp``: ``"trainer"`` (recompute log pi_old with the trainer's forward, one extra
+    forward per step) or ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1).
+    ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
+    (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
+    ``eval_every``: held-out evaluation every N steps (0: only before and after training).
+    ``nonfinite``: ``"skip"`` (an update with a non-finite loss or gradient is not applied; a step that looks
+    diverged, see :func:`divergence`, is logged and listed in the summary's ``"divergence"``) or ``"raise"`` (either
+    stops the run with a :class:`~treejax.errors.DivergenceError` before anything is exported).
+    ``max_prompt_length`` / ``overlong_prompts``: prompts are measured when the run starts (train and eval
+    splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
+    or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
+    a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
+    ``leaf_weighting``: ``"count"`` (every leaf slot weighs 1: TreePO's official weighting) or ``"mass"`` (each
+    leaf's advantages times ``Forest.leaf_weight``, ``W`` x its path mass for ``"transfer"`` trees: see
+    :data:`LEAF_WEIGHTINGS`; refused with the fallback).
+    ``tree_picture_text``: the tree picture (every ``tree_picture_every`` steps) shows prompt 0's question and
+    each leaf's answer text. ``compilation_cache``: the persistent JAX compilation cache
+    (:mod:`treejax.compile_cache`): ``"auto"`` (``~/.cache/treejax/jax``), ``"off"``, or a folder;
+    ``TREEJAX_COMPILATION_CACHE`` overrides it.
+    ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
+    token computed once, same loss and gradient; mini-batches are then groups of prompts, so
+    ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    precision: Precision = Precision()
+    task: str = "chain_sum_2x1"
+    task_options: dict = dataclasses.field(default_factory=lambda: {
+        "size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
+        "instruction": "Answer with just the number.", "extraction": "last_number"})
+    system_prompt: str | None = None  # None: the task's own
+    instruction: str | None = None  # None: the task's own
+    prompts_per_step: int = 2
+    num_steps: int = 3
+    rollout: TreeConfig = TreeConfig(num_leaves=8, max_depth=3, segment_length=16, branch_factor=2,
+                                     strategy=Temperature(1.0), repetition_ngram=4, repetition_count=4)
+    estimator: str = "treepo"
+    estimator_options: Any = None  # None: the estimator's defaults
+    leaf_weighting: str = "count"  # "mass": each leaf's advantages x Forest.leaf_weight (LEAF_WEIGHTINGS)
+    reward_style: str = "pm1"
+    overlong_buffer: int = 0  # DAPO soft overlong penalty buffer (0 = off)
+    overlong_factor: float = 1.0
+    dynamic_sampling: bool = False
+    max_refills: int = 0
+    loss: LossConfig = LossConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=10.0, aggregation="token-mean")
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-5, warmup_steps=0, total_steps=3,
+                                                 weight_decay=0.1, max_grad_norm=1.0)
+    old_logp: str = "trainer"
+    clip_scale_fn: Callable | None = None
+    epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+    nonfinite: str = "skip"
+    attention_impl: str = "auto"  # training attention: cudnn flash on GPU (bf16), XLA elsewhere
+    packed_update: bool = False  # tree-packed update: each shared prompt/segment token computed once
+    packing: PackingConfig = PackingConfig()  # the packed batch's settings (used when packed_update is True)
+    remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
+    eval: EvalConfig = EvalConfig(num_problems=32, max_new_tokens=48)
+    eval_every: int = 0
+    max_prompt_length: int = 1024  # prompts longer than this (tokens, chat template included) are filtered
+    overlong_prompts: str = "filter"  # or "error": refuse the task's data before training
+    log_dir: str = "runs/quickstart"
+    log_dir_mode: str = "new"  # "new" | "resume" | "overwrite" (treejax.run_dir)
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    tree_picture_every: int = 1
+    tree_picture_text: bool = True  # the picture shows the prompt and each leaf's answer text
+    export_hf: bool = True
+    seed: int = 0
+    mesh: MeshConfig = MeshConfig()
+    compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
+
+    def __post_init__(self):
+        check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
+        if self.prompts_per_step < 1 or self.num_steps < 0:
+            raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
+        rows = self.prompts_per_step * self.rollout.num_leaves
+        if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
+            raise ValueError(f"RunConfig: {rows} rollout rows (prompts_per_step x num_leaves) must split into "
+                             f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
+        self._check_choices()
+        if self.max_prompt_length < 1:
+            raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        if self.eval_every < 0:
+            raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
+        if self.packed_update and self.prompts_per_step % self.mini_batches:
+            raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
+                             f"{self.prompts_per_step} does not split into mini_batches={self.mini_batches}")
+        if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
+            raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
+                              "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
+                              "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
+        self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
+        self._check_schedule()
+
+    def _check_choices(self) -> None:
+        """Every enumerated field, one line each naming the valid choices (:func:`treejax.choices.check_choice`)."""
+        check_choice("RunConfig.estimator", self.estimator, list_estimators())
+        check_choice("RunConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("RunConfig.remat", self.remat, (False, True, *REMAT_POLICIES))
+        check_choice("RunConfig.attention_impl", self.attention_impl, TRAIN_ATTENTION_IMPLS)
+        check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
+        check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
+        check_choice("RunConfig.overlong_prompts", self.overlong_prompts, ("filter", "error"))
+        check_choice("RunConfig.log_dir_mode", self.log_dir_mode, LOG_DIR_MODES)
+        check_choice("RunConfig.leaf_weighting", self.leaf_weighting, LEAF_WEIGHTINGS)
+
+    def _check_schedule(self) -> None:
+        """A decaying learning-rate schedule that ends before the run does trains its last steps at the final
+        rate (0 with the default ``end_lr_factor``): warned, once per config, not changed (the schedule is
+        ``OptimizerConfig.total_steps``, never silently rescaled to ``num_steps``)."""
+        opt = self.optimizer
+        if opt.decay != "constant" and opt.total_steps < self.num_steps:
+            warnings.warn(f"OptimizerConfig.total_steps={opt.total_steps} < RunConfig.num_steps={self.num_steps} "
+                          f"with decay={opt.decay!r}: steps {opt.total_steps + 1}..{self.num_steps} train at "
+                          f"learning rate {opt.learning_rate * opt.end_lr_factor:g} (end_lr_factor="
+                          f"{opt.end_lr_factor:g}); set OptimizerConfig.total_steps = {self.num_steps}",
+                          ScheduleWarning, stacklevel=2)
+
+    def step_config(self, pad_id: int = 0, batch_devices: int = 1) -> StepConfig:
+        """The step's settings; ``batch_devices``: devices the batch is sharded over (packed row multiple)."""
+        return StepConfig(estimator=self.estimator, estimator_options=self.estimator_options, loss=self.loss,
+                          old_logp=self.old_logp, epochs=self.epochs, mini_batches=self.mini_batches,
+                          micro_batches=self.micro_batches, pad_id=pad_id, attention_impl=self.attention_impl,
+                          clip_scale_fn=self.clip_scale_fn, packing=self.packing if self.packed_update else None,
+                          row_multiple=self.micro_batches * batch_devices, leaf_weighting=self.leaf_weighting)
+
+
+def prompt_cap(cfg: RunConfig) -> int:
+    """The longest prompt a run accepts: ``RunConfig.max_prompt_length``, and ``TreeConfig.max_prompt_length``
+    when that is set and smaller."""
+    limit = cfg.rollout.max_prompt_length
+    return cfg.max_prompt_length if limit is None else min(limit, cfg.max_prompt_length)
+
+

@@ -1,0 +1,238 @@
+"""Layouts: how a step's rollouts become mini-batches, and how a batch's (leaf, token)-pair log-probs are computed.
+
+A :class:`Layout` is the one seam between the rollout forest and the loss. Both layouts train the same pairs with
+the same loss and gradient (``tests/rl/test_packing.py``); they differ in the rows the model runs on:
+
+* :class:`Expanded`: one row per leaf, prompt + response (:func:`treejax.rl.batch.forest_to_batch`); a pair is a
+  sequence position, ``[B, L]``; mini-batches are random groups of rows;
+* :class:`Packed`: each prompt and each shared node segment once, with a tree attention mask
+  (:mod:`treejax.rl.packing`); a pair is (leaf slot, response token), ``[R, Wr, T]``, read from the unique tokens
+  through a gather map; mini-batches are random groups of prompts (whole trees).
+
+The learner (:func:`treejax.rl.step.learn`) only calls the protocol:
+
+    pool = layout.pool(rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW)   every pair of the step, full layout
+    plan = layout.plan(pool, units)          one mini-batch of ``units`` (rows or prompts) of ``range(pool.units)``
+    batch = layout.assemble(pool, plan)      its :class:`~treejax.rl.batch.Batch`
+    pool_x = layout.scatter(pool_x, plan, x) per-pair values of a mini-batch back into the pool's layout
+    logp, entropy = layout.pair_logprobs(params, batch.inputs, with_entropy=True)   [rows, *pairs]
+
+and the update (:func:`treejax.rl.update.make_update_fn`) differentiates ``policy_loss . pair_logprobs``. A new
+layout (e.g. a sequence-parallel one) implements these five.
+
+Log-probabilities (both layouts): ``logp = log pi(token | prefix)`` from the training forward in vocabulary chunks
+(:func:`treejax.models.transformer.token_logprobs`); token ``i`` is scored from the hidden state of its predictor
+(the previous position in a row; the parent's last token at a packed node's first token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treejax.models import transformer
+from treejax.models.config import ModelConfig
+from treejax.rl import packing as packing_lib
+from treejax.rl.batch import Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch
+
+
+@dataclasses.dataclass
+class Pool:
+    """Every (leaf, token) pair of one step in a layout's full form, before mini-batching.
+
+    ``batch``: the per-pair arrays (Expanded: the whole batch, every row; Packed: the leaf layout ``[P * W, T]``
+    with ``inputs = None``); ``units``: how many things mini-batches split (rows / prompts); ``host``: the layout's
+    host data for planning (Packed: the forest's arrays on this process)."""
+
+    batch: Batch
+    units: int
+    host: Any = None
+
+
+class Layout(Protocol):
+    def pool(self, rollouts, adv_PxWxT: jax.Array, adv_mask_PxWxT: jax.Array, eps_scale_PxW: jax.Array) -> Pool:
+        """Every pair of ``rollouts`` with the estimator's advantages and the per-leaf clip scale."""
+
+    def plan(self, pool: Pool, units: jax.Array) -> Any:
+        """One mini-batch's plan: the units (rows or prompts) it holds."""
+
+    def assemble(self, pool: Pool, plan: Any) -> Batch:
+        """The mini-batch of ``plan``, per-pair arrays read from ``pool.batch``."""
+
+    def scatter(self, pool_x: jax.Array, plan: Any, x: jax.Array) -> jax.Array:
+        """Writes a mini-batch's per-pair values ``x`` into ``pool_x`` (the pool's layout)."""
+
+    def pair_logprobs(self, params: Any, inputs: Any, *, with_entropy: bool = False, remat: bool | str = False):
+        """``logp [rows, *pairs]`` (and the entropy of each pair's next-token distribution)."""
+
+    def describe(self, plans: list) -> dict[str, int]:
+        """Host metrics of one epoch's plans (``packing/...``)."""
+
+
+# ----------------------------------------------------------------------------------------------- forwards
+def sequence_logprobs(params: Any, model_config: ModelConfig, tokens_BxL: jax.Array, positions_BxL: jax.Array,
+                      segment_ids_BxL: jax.Array | None = None, *, chunk_size: int = 8192, with_entropy: bool = False,
+                      remat: bool | str = False, attention_impl: str = "xla"):
+    """``logp[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` aligned with ``tokens`` (``logp[:, 0] = 0``).
+
+    Runs the training forward once and scores each next token in vocabulary chunks. With ``with_entropy`` also
+    returns the entropy of the next-token distribution that produced ``tokens[b, t]`` (0 at ``t = 0``).
+    """
+    hidden = transformer.forward(params, model_config, tokens_BxL, positions_BxL, segment_ids_BxL, remat=remat,
+                                 attention_impl=attention_impl)
+    next_BxL = jnp.roll(tokens_BxL, -1, axis=1)  # targets of hidden[:, t] are tokens[:, t + 1]
+    out = transformer.token_logprobs(params, model_config, hidden, next_BxL, chunk_size=chunk_size,
+                                     with_entropy=with_entropy)
+    shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)  # noqa: E731
+    if with_entropy:
+        return shift(out[0]), shift(out[1])
+    return shift(out)
+
+
+def packed_logprobs(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
+                    with_entropy: bool = False, remat: bool | str = False, attention_impl: str = "xla"):
+    """Log-probs (and entropies) of every unique token of packed rows, ``[R, L]``, computed once.
+
+    ``hidden = forward_tree(tokens)``; token ``i`` is scored from the hidden state of its predictor
+    ``prev[i]`` (the previous token of its node, or its parent's last token at a node's first token)::
+
+        logp[r, i] = log_softmax(h[r, prev[r, i]] W)[tokens[r, i]],   H[r, i] = entropy of that distribution
+
+    (values at tokens without a predecessor, ``prev = -1``, are meaningless and never gathered as trained pairs).
+    """
+    hidden = transformer.forward_tree(params, model_config, inputs.tokens, inputs.positions, inputs.node_lo,
+                                      inputs.node_hi, remat=remat, attention_impl=attention_impl)
+    h_prev = jnp.take_along_axis(hidden, jnp.maximum(inputs.prev, 0)[:, :, None], axis=1)
+    return transformer.token_logprobs(params, model_config, h_prev, inputs.tokens, chunk_size=chunk_size,
+                                      with_entropy=with_entropy)
+
+
+def gather_pairs(x_RxL: jax.Array, pair_index_RxWxT: jax.Array) -> jax.Array:
+    """Per unique token ``[R, L]`` -> per (leaf slot, response token) pair ``[R, Wr, T]`` (the gather map of the
+    packed batch; its transpose in the backward pass sums each pair's gradient into its unique token)."""
+    R, Wr, T = pair_index_RxWxT.shape
+    return jnp.take_along_axis(x_RxL, pair_index_RxWxT.reshape(R, Wr * T), axis=1).reshape(R, Wr, T)
+
+
+# ----------------------------------------------------------------------------------------------- layouts
+@dataclasses.dataclass(frozen=True, eq=False)
+class Expanded:
+    """One row per leaf (module docstring). ``attention_impl``: the training attention
+    (:data:`treejax.models.transformer.TRAIN_ATTENTION_IMPLS`)."""
+
+    model_config: ModelConfig
+    pad_id: int = 0
+    attention_impl: str = "auto"
+    chunk_size: int = 8192
+
+    def __post_init__(self):
+        object.__setattr__(self, "_pool", jax.jit(self._pool_body))
+        object.__setattr__(self, "_take", jax.jit(Batch.take_rows))
+
+    def _pool_body(self, prompts, lens, forest, adv_tokens, adv_mask, eps_scale_PxW) -> Batch:
+        return expanded_batch(forest_to_batch(prompts, lens, forest, adv_tokens, adv_mask, self.pad_id,
+                                              eps_scale_PxW=eps_scale_PxW))
+
+    def pool(self, rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW) -> Pool:
+        batch = self._pool(jnp.asarray(rollouts.prompts_PxLp), jnp.asarray(rollouts.lengths_P), rollouts.forest,
+                           adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW)
+        return Pool(batch, batch.num_rows)
+
+    def plan(self, pool: Pool, units: jax.Array) -> jax.Array:
+        return units
+
+    def assemble(self, pool: Pool, plan: jax.Array) -> Batch:
+        return self._take(pool.batch, plan)
+
+    def scatter(self, pool_x: jax.Array, plan: jax.Array, x: jax.Array) -> jax.Array:
+        return pool_x.at[plan].set(x)
+
+    def pair_logprobs(self, params, inputs: SequenceInputs, *, with_entropy: bool = False, remat: bool | str = False):
+        return sequence_logprobs(params, self.model_config, inputs.tokens, inputs.positions, inputs.segment_ids,
+                                 chunk_size=self.chunk_size, with_entropy=with_entropy, remat=remat,
+                                 attention_impl=self.attention_impl)
+
+    def describe(self, plans: list) -> dict[str, int]:
+        return {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packed:
+    """Tree-packed rows (module docstring; :mod:`treejax.rl.packing`). ``row_multiple``: the packed row count is a
+    multiple of it (micro-batches x batch-sharded devices). With ``packing.sticky`` the layout keeps the largest
+    packed shape met so far (host state, :class:`~treejax.rl.packing.LayoutFloor`) and packs later mini-batches
+    into it, so the update compiles once per growth."""
+
+    model_config: ModelConfig
+    packing: packing_lib.PackingConfig = packing_lib.PackingConfig()
+    pad_id: int = 0
+    row_multiple: int = 1
+    chunk_size: int = 8192
+    floor: packing_lib.LayoutFloor | None = None
+
+    def __post_init__(self):
+        if self.floor is None and self.packing.sticky:
+            object.__setattr__(self, "floor", packing_lib.LayoutFloor())
+        object.__setattr__(self, "_pairs", jax.jit(packing_lib.forest_pairs))
+
+    def pool(self, rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW) -> Pool:
+        forest = rollouts.forest
+        P, W, T = forest.tokens.shape
+        pairs = self._pairs(forest, adv_PxWxT, adv_mask_PxWxT)
+        host = packing_lib.host_forest(rollouts.prompts_PxLp, rollouts.lengths_P, forest, pairs["loss_mask"])
+        host["segment_length"] = forest.segment_length
+        batch = Batch(inputs=None, eps_scale=eps_scale_PxW.reshape(P * W), num_sequences=P * W,
+                      sequence_length=rollouts.prompts_PxLp.shape[1] + T, **pairs)
+        return Pool(batch, P, host)
+
+    def plan(self, pool: Pool, units) -> packing_lib.PackingPlan:
+        h = pool.host
+        pl = packing_lib.plan_packing(h["prompts"], h["lengths"], h["path"], h["length"], h["tokens"],
+                                      h["segment_length"], self.packing, prompts=np.asarray(units),
+                                      trained_PxW=h["trained"], row_multiple=self.row_multiple, pad_id=self.pad_id,
+                                      floor=None if self.floor is None else self.floor.shape)
+        if self.floor is not None:
+            self.floor.grow(pl.shape)
+        return pl
+
+    def assemble(self, pool: Pool, plan: packing_lib.PackingPlan) -> Batch:
+        b = pool.batch
+        pairs = {k: getattr(b, k) for k in ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
+                 if getattr(b, k) is not None}
+        return packing_lib.packed_batch(plan, pairs, b.eps_scale)
+
+    def scatter(self, pool_x: jax.Array, plan: packing_lib.PackingPlan, x: jax.Array) -> jax.Array:
+        return packing_lib.unpack_pairs(plan, x, pool_x.shape[0], out=pool_x)
+
+    def pair_logprobs(self, params, inputs: TreeInputs, *, with_entropy: bool = False, remat: bool | str = False):
+        out = packed_logprobs(params, self.model_config, inputs, chunk_size=self.chunk_size,
+                              with_entropy=with_entropy, remat=remat, attention_impl=self.packing.attention_impl)
+        if with_entropy:
+            return gather_pairs(out[0], inputs.pair_index), gather_pairs(out[1], inputs.pair_index)
+        return gather_pairs(out, inputs.pair_index)
+
+    def describe(self, plans: list) -> dict[str, int]:
+        """Real tokens in the packed rows, tokens the expanded rows would hold and packed row slots (padding
+        included), summed over ``plans``; with sticky layouts the distinct layouts so far (one compile each)."""
+        info = {"packing/unique_tokens": sum(pl.unique_tokens for pl in plans),
+                "packing/expanded_tokens": sum(pl.expanded_tokens for pl in plans),
+                "packing/row_tokens": sum(pl.shape[0] * pl.shape[1] for pl in plans)}
+        if self.floor is not None:
+            info["packing/layouts"] = len(self.floor.layouts)
+        return info
+
+
+def make_layout(model_config: ModelConfig, packing: packing_lib.PackingConfig | None = None, *, pad_id: int = 0,
+                attention_impl: str = "auto", row_multiple: int = 1, chunk_size: int = 8192) -> Expanded | Packed:
+    """:class:`Packed` with ``packing`` (its own tree attention), else :class:`Expanded` with ``attention_impl``."""
+    if packing is None:
+        return Expanded(model_config, pad_id=pad_id, attention_impl=attention_impl, chunk_size=chunk_size)
+    return Packed(model_config, packing, pad_id=pad_id, row_multiple=row_multiple, chunk_size=chunk_size)
+
+
+__all__ = ["Layout", "Pool", "Expanded", "Packed", "make_layout", "sequence_logprobs", "packed_logprobs",
+           "gather_pairs"]

@@ -1,0 +1,218 @@
+"""Collect: what a step learns from, and where it comes from.
+
+:class:`Rollouts` is the one hand-off between collecting and learning (``rollouts = source.sample(params, key,
+step)``, then :func:`treejax.rl.step.learn`): the rollout forest, the rewards the estimator sees, the verifier
+scores, the prompts, the estimator's extra inputs (ReMax's greedy rewards) and typed :class:`RolloutCounters`.
+
+A :class:`RolloutSource` is anything with ``sample``. :class:`TaskRollouts` is the training loop's: prompts from
+the grain pipeline through the chat template, the tree sampler (a jitted program), the task's verifier on every
+leaf (:mod:`treejax.rl.scoring`), DAPO's dynamic sampling with refills, and the estimator's declared inputs.
+``treejax.testing.sources.FixedPromptRollouts`` is the one for tests and benchmarks (fixed prompts, a reward
+function of the forest). A new source (multi-turn tool use, asynchronous rollouts) implements ``sample``.
+
+Dynamic sampling (DAPO): prompts whose ``W`` rewards are all equal are dropped and up to ``max_refills`` extra
+rollout batches refill the ``P`` slots; slots still empty take the last batch's first prompts with their loss
+mask zeroed (they train on nothing; counted as ``rollout/filler_prompts``).
+
+Several processes: every process draws the same prompts, all-gathers the leaves' tokens once per rollout
+(``multihost.host_tree``) and scores every leaf, so rewards, dynamic sampling and the refills agree everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treejax.data.prompts import encode_prompts, pad_token_lists
+from treejax.forest import Forest
+from treejax.parallel import multihost
+from treejax.rl import rewards as rewards_lib
+from treejax.rl import scoring
+from treejax.rl.health import check_sampled_ids
+from treejax.sampling.decode import generate
+from treejax.sampling.strategies import Greedy
+
+#: Host counters of the sampler's ``info`` (scalars; summed over a step's rollout calls).
+SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "segments",
+                    "complete")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCounters:
+    """What one step's rollouts cost and how they ended, as host ints (summed over dynamic sampling's calls).
+
+    ``stops``: leaves per end status (``NodeStatus`` names); ``rollout_calls``: sampler calls this step (1 +
+    refills); ``filler_prompts``: prompt slots dynamic sampling could not fill; ``scoring_s``: host seconds spent
+    decoding and verifying."""
+
+    decoded_tokens: int = 0
+    prefilled_tokens: int = 0
+    forks: int = 0
+    fallbacks: int = 0
+    fallback_from_root: int = 0
+    segments: int = 0
+    complete: int = 0
+    stops: dict = dataclasses.field(default_factory=dict)
+    rollout_calls: int = 1
+    filler_prompts: int = 0
+    scoring_s: float = 0.0
+
+    @classmethod
+    def from_sampler(cls, info: dict, **extra) -> "RolloutCounters":
+        """The counters of one sampler call's ``info`` (device scalars, read once)."""
+        host = {k: int(v) for k, v in info.items() if k in SAMPLER_COUNTERS}
+        stops = {k: int(v) for k, v in info.get("stops", {}).items()}
+        return cls(**host, stops=stops, **extra)
+
+    def __add__(self, other: "RolloutCounters") -> "RolloutCounters":
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("stops", "rollout_calls", "filler_prompts")}
+        stops = {k: self.stops.get(k, 0) + other.stops.get(k, 0) for k in {**self.stops, **other.stops}}
+        return dataclasses.replace(self, **summed, stops=stops)
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/...`` metrics (``filler_prompts`` only when dynamic sampling left slots empty)."""
+        out = {f"rollout/{k}": getattr(self, k) for k in SAMPLER_COUNTERS}
+        out.update({f"rollout/stops/{k}": v for k, v in self.stops.items()})
+        out["rollout/rollout_calls"] = self.rollout_calls
+        if self.filler_prompts:
+            out["rollout/filler_prompts"] = self.filler_prompts
+        return out
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One step's rollouts of ``P`` prompts, ``W`` leaves each: everything the learner reads.
+
+    ``rewards_PxW``: the shaped rewards the estimator sees; ``scores_PxW``: verifier scores in [0, 1] (``None``
+    without a verifier: accuracy is then not reported); ``prompts_PxLp`` / ``lengths_P``: the right-padded prompt
+    tokens; ``estimator_inputs``: the estimator's declared extra inputs by name (``greedy_reward_P [P]``);
+    ``examples``: the task's examples of the ``P`` prompts (for pictures and texts), when the source has them.
+    """
+
+    forest: Forest
+    rewards_PxW: jax.Array
+    scores_PxW: np.ndarray | None
+    prompts_PxLp: np.ndarray
+    lengths_P: np.ndarray
+    counters: RolloutCounters = RolloutCounters()
+    estimator_inputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    examples: list | None = None
+
+
+class RolloutSource(Protocol):
+    def sample(self, params: Any, key: jax.Array, step: int) -> Rollouts:
+        """Rollouts of ``P`` prompts from the sampler's ``params``, with the estimator inputs it was built for."""
+
+
+def check_inputs(inputs: tuple[str, ...], supplied: tuple[str, ...], source: str) -> None:
+    """Raises ``ValueError`` when an estimator needs inputs a rollout source cannot supply."""
+    missing = [i for i in inputs if i not in supplied]
+    if missing:
+        raise ValueError(f"the estimator needs inputs {missing} that {source} cannot supply (supplied: {supplied})")
+
+
+class TaskRollouts:
+    """The loop's :class:`RolloutSource` (module docstring). ``estimator_inputs``: the names the estimator declares
+    (``EstimatorSpec.inputs``); ``greedy_reward_P`` decodes one greedy completion per prompt (ReMax)."""
+
+    def __init__(self, cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int, pad_id: int,
+                 estimator_inputs: tuple[str, ...] = ()):
+        check_inputs(estimator_inputs, ("greedy_reward_P",), "TaskRollouts")
+        self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
+        self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
+        self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
+
+    def rewards(self, scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        return scoring.shaped_rewards(scores, lengths, cfg.reward_style, cfg.rollout.max_length, cfg.overlong_buffer,
+                                      cfg.overlong_factor)
+
+    def _one_call(self, params, key, step):
+        """One batch of prompts, rolled out and scored: (forest, rewards, scores, examples, prompts, lengths,
+        counters)."""
+        records = next(self.pipeline)
+        records = [dict(zip(records, vals)) for vals in zip(*records.values())]
+        examples, toks = encode_prompts(self.tokenizer, self.task, records, self.cfg.system_prompt,
+                                        self.cfg.instruction)
+        prompts, lens = pad_token_lists(toks, self.prompt_width, self.pad_id)
+        forest, info = self.rollout(params, prompts, lens, key, step)
+        check_sampled_ids(forest, self.sampler_fns.sampling_vocab_size, step)
+        t = time.perf_counter()
+        # one explicit all-gather of the leaves (a no-op copy with one process); every process then scores
+        # every leaf, so rewards, dynamic sampling and the refills agree on all processes
+        tokens, leaf_lengths = multihost.host_tree((forest.tokens, forest.leaf_length))
+        scores = scoring.score_texts(self.task, examples, scoring.decode_texts(self.tokenizer, tokens, leaf_lengths))
+        counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
+        return forest, self.rewards(scores, leaf_lengths), scores, examples, prompts, lens, counters
+
+    def sample(self, params, key, step) -> Rollouts:
+        cfg, P = self.cfg, self.cfg.prompts_per_step
+        kept: list[tuple] = []
+        counters = None
+        for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
+            forest, rewards, scores, examples, prompts, lens, c = self._one_call(
+                params, jax.random.fold_in(key, attempt), step)
+            counters = c if counters is None else counters + c
+            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(rewards))) if cfg.dynamic_sampling
+                    else np.ones(P, bool))
+            have = sum(len(k[1]) for k in kept)
+            idx = np.nonzero(keep)[0][: P - have]
+            kept.append((take_prompts(forest, idx), rewards[idx], scores[idx], [examples[i] for i in idx],
+                         prompts[idx], lens[idx]))
+            if have + len(idx) >= P:
+                break
+        missing = P - sum(len(k[1]) for k in kept)
+        if missing:
+            # Not enough informative prompts after the refills: fill the remaining slots with the last rollout's
+            # first prompts, masked out of the loss (they carry no gradient and no whitening weight).
+            idx = np.arange(missing)
+            filler = take_prompts(forest, idx)
+            kept.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
+                         [examples[i] for i in idx], prompts[idx], lens[idx]))
+        counters = dataclasses.replace(counters, rollout_calls=attempt + 1, filler_prompts=missing)
+        forests, rewards, scores, examples, prompts, lens = zip(*kept)
+        # rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs
+        ro = Rollouts(forest=concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
+                      scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
+                      lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex])
+        if "greedy_reward_P" in self.estimator_inputs:
+            t = time.perf_counter()
+            ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)
+            ro.counters = dataclasses.replace(ro.counters, scoring_s=ro.counters.scoring_s + time.perf_counter() - t)
+        return ro
+
+    def greedy_rewards(self, params, ro: Rollouts) -> np.ndarray:
+        """ReMax's baseline: the shaped reward of one greedy completion per prompt (same length budget)."""
+        out = generate(params, self.sampler_fns, ro.prompts_PxLp, ro.lengths_P, jax.random.key(0),
+                       self.cfg.rollout.max_length, Greedy(), stop_ids=self.cfg.rollout.stop_ids)
+        tokens, lengths = multihost.host_tree((out.tokens, out.lengths))
+        texts = scoring.decode_texts(self.tokenizer, tokens, lengths)
+        scores = np.array([self.task.score(t, ex) for t, ex in zip(texts, ro.examples)], np.float32)
+        return self.rewards(scores, lengths)
+
+
+def concat_forests(forests: list[Forest]) -> Forest:
+    """Forests of disjoint prompt batches as one (prompts in order)."""
+    return forests[0] if len(forests) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *forests)
+
+
+def take_prompts(forest: Forest, idx: np.ndarray) -> Forest:
+    """The trees of prompts ``idx`` (no gather when that is every prompt in order)."""
+    if len(idx) == forest.num_prompts and np.array_equal(idx, np.arange(len(idx))):
+        return forest
+    return jax.tree.map(lambda x: x[jnp.asarray(idx)], forest)
+
+
+def first_prompt(forest: Forest) -> Forest:
+    """Prompt 0's tree as host (NumPy) arrays, all-gathered where it spans other processes (a collective)."""
+    return multihost.host_tree(jax.tree.map(lambda x: x[:1], forest))
+
+
+__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "TaskRollouts", "concat_forests", "take_prompts",
+           "first_prompt", "check_inputs"]

@@ -1,0 +1,62 @@
+"""Decode, then score: response texts from token arrays, the task's verifier scores, and the shaped rewards.
+
+The one place where token ids become text for a verifier (the rollout source's leaves, ReMax's greedy answers and
+the held-out evaluation all go through :func:`decode_texts`):
+
+    text[i]    = tokenizer.decode(tokens[i, :length[i]], skip_special_tokens=True)
+    score[i]   = task.score(text[i], example[i])                       in [0, 1], correct iff >= 1
+    reward[i]  = verifier_reward(score[i] >= 1, style) + overlong_penalty(length[i])    (DAPO, when buffer > 0)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treejax.forest import Forest
+from treejax.parallel import multihost
+from treejax.rl import rewards as rewards_lib
+
+
+def decode_texts(tokenizer, tokens_NxT: np.ndarray, lengths_N: np.ndarray) -> list:
+    """Texts of host token rows cut at their lengths; any leading shape (``[P, W, T]`` gives ``[P][W]`` lists)."""
+    tokens, lengths = np.asarray(tokens_NxT), np.asarray(lengths_N)
+    if tokens.ndim > 2:
+        return [decode_texts(tokenizer, t, n) for t, n in zip(tokens, lengths)]
+    return [tokenizer.decode(tokens[i, : lengths[i]].tolist(), skip_special_tokens=True) for i in range(len(tokens))]
+
+
+def leaf_texts(tokenizer, forest: Forest) -> list[list[str]]:
+    """Every leaf's response text (the forest's tokens are all-gathered in a multi-process run: call it on every
+    process)."""
+    return decode_texts(tokenizer, *multihost.host_tree((forest.tokens, forest.leaf_length)))
+
+
+def score_texts(task, examples, texts_PxW: list[list[str]]) -> np.ndarray:
+    """[P, W] verifier scores in [0, 1] of response texts (row ``p`` answers ``examples[p]``)."""
+    return np.array([[task.score(t, ex) for t in row] for row, ex in zip(texts_PxW, examples)], np.float32)
+
+
+def score_forest(tokenizer, task, examples, forest: Forest) -> np.ndarray:
+    """[P, W] verifier scores in [0, 1] of every leaf's decoded text."""
+    return score_texts(task, examples, leaf_texts(tokenizer, forest))
+
+
+def shaped_rewards(scores: np.ndarray, lengths: np.ndarray, style: str, max_length: int, overlong_buffer: int = 0,
+                   overlong_factor: float = 1.0) -> np.ndarray:
+    """Verifier reward (``style``: ``"pm1"`` or ``"01"``) of scores in [0, 1] plus DAPO's overlong penalty on the
+    response lengths when ``overlong_buffer > 0`` (any matching shapes: ``[P, W]`` leaves, ``[P]`` greedy answers)."""
+    r = rewards_lib.verifier_reward(jnp.asarray(scores >= 1.0), style)
+    if overlong_buffer > 0:
+        r = r + rewards_lib.overlong_penalty(jnp.asarray(lengths), max_length, overlong_buffer, overlong_factor)
+    return np.asarray(r)
+
+
+def reward_range(style: str, overlong_buffer: int = 0, overlong_factor: float = 1.0) -> tuple[float, float]:
+    """The possible reward range (verifier reward plus the overlong penalty): a fixed colour scale for pictures."""
+    lo, hi = (-1.0, 1.0) if style == "pm1" else (0.0, 1.0)
+    return (lo - (overlong_factor if overlong_buffer > 0 else 0.0), hi)
+
+
+__all__ = ["decode_texts", "leaf_texts", "score_texts", "score_forest", "shaped_rewards", "reward_range"]

@@ -1,0 +1,185 @@
+"""Set-up of a run: the task's data (checked before any weights load), the model, the mesh, the sampler, the
+learner and the rollout source, the metrics writer and the checkpointer (restored when the log folder holds a
+checkpoint): everything :mod:`treejax.rl.loop` needs, as one :class:`Run`.
+
+Sharding: params are placed by their logical axes; the train state is created under jit with explicit out
+shardings; the update is jitted with explicit in/out shardings and donates the state. The sampler keeps its KV
+cache and per-row state sharded by the cache's logical axes on the same mesh, and reads a copy of the weights in
+its own dtype (gathered over ``fsdp`` once per step on a mesh, ``SAMPLER_RULES``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from treejax import checkpoint as ckpt_lib
+from treejax import metrics as metrics_lib
+from treejax.data import get_task, make_prompt_pipeline
+from treejax.data.prompts import encode_examples, encode_prompts
+from treejax.errors import DataError
+from treejax.models import transformer
+from treejax.models.registry import load_model, load_tokenizer
+from treejax.parallel import multihost
+from treejax.parallel.axis_rules import SAMPLER_RULES
+from treejax.parallel.mesh import batch_placer, logical_to_sharding, make_mesh, place_train_state, sharded_update
+from treejax.precision import warn_if_updates_round_away
+from treejax.rl.config import RunConfig, prompt_cap
+from treejax.rl.layouts import make_layout
+from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
+from treejax.rl.rollouts import TaskRollouts
+from treejax.rl.step import Learner, initial_reference, make_learner
+from treejax.rl.train_state import TrainState
+from treejax.rl.update import make_update_fn
+from treejax.sampling.decode import bucket_length, make_model_fns
+from treejax.sampling.tree import make_tree_rollout
+
+log = logging.getLogger("treejax.rl.loop")
+
+#: Metrics the console line shows, in order (all of them go to TensorBoard).
+CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "rollout/decoded_tokens", "update/loss", "update/grad_norm",
+                "mismatch/abs_max", "time/rollout_s", "time/update_s", "eval/accuracy")
+
+
+@dataclasses.dataclass
+class Run:
+    """What set-up builds and the step loop uses (host-side objects; no hidden globals)."""
+
+    cfg: RunConfig
+    precision: Any
+    model_config: Any
+    tokenizer: Any
+    task: Any
+    sampler_fns: Any
+    source: TaskRollouts
+    learner: Learner
+    state: Any
+    ref_params: Any
+    eval_examples: list
+    prompt_width: int
+    writer: Any
+    checkpointer: Any
+    start_step: int
+    data_state: dict
+    t_start: float
+    mesh: Any = None  # the run's mesh; its programs are traced under mesh_context(mesh)
+    stopped_by: str | None = None  # the signal that stopped the step loop early (SIGTERM, SIGINT)
+
+
+def load_task_data(cfg: RunConfig) -> tuple[Any, list[dict[str, str]], list]:
+    """``(task, train records, eval examples)`` of the run's task, checked before any model is loaded.
+
+    Raises :class:`~treejax.errors.DataError` when the task has no training problems, or no held-out problems
+    (the run evaluates ``EvalConfig.num_problems`` of them before and after training; the message names the task
+    options that give it an eval split, e.g. ``eval_path`` / ``eval_fraction`` for a file task)."""
+    task = get_task(cfg.task, **dict(cfg.task_options))
+    train_records = task.records("train")
+    if not train_records:
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no training problems")
+    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    if not eval_examples:
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no held-out (eval) problems, and the run evaluates "
+                        f"EvalConfig.num_problems={cfg.eval.num_problems} of them before and after training: "
+                        f"{task.eval_options}")
+    return task, train_records, eval_examples
+
+
+def filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
+    """Measures every train and eval prompt once (chat template included) and applies ``overlong_prompts``.
+
+    Returns ``(train_records, eval_examples, prompt_width)``: the width is the power-of-two bucket of the longest
+    kept prompt, so one over-long question can no longer blow up the batch (a 291-token question among ~57-token
+    ones made the width 512 and step 1's update ask for 28.6 GB)."""
+    cap = prompt_cap(cfg)
+    _, toks = encode_prompts(tokenizer, task, list(train_records), cfg.system_prompt, cfg.instruction)
+    etoks = encode_examples(tokenizer, eval_examples, cfg.system_prompt, cfg.instruction)
+    lens, elens = np.array([len(t) for t in toks]), np.array([len(t) for t in etoks], int)
+    over, eover = int(np.sum(lens > cap)), int(np.sum(elens > cap))
+    if over or eover:
+        msg = (f"{over} of {len(lens)} training and {eover} of {len(elens)} evaluation prompts of task "
+               f"{cfg.task!r} are longer than max_prompt_length={cap} tokens (longest: {max(lens.max(), elens.max(initial=0))})")
+        if cfg.overlong_prompts == "error":
+            raise DataError(msg + "; raise RunConfig.max_prompt_length or set RunConfig.overlong_prompts='filter'")
+        log.warning("%s: filtered out", msg)
+        train_records = [r for r, n in zip(train_records, lens) if n <= cap]
+        eval_examples = [e for e, n in zip(eval_examples, elens) if n <= cap]
+    if len(train_records) < cfg.prompts_per_step:
+        raise DataError(f"task {cfg.task!r} has {len(train_records)} usable training prompts, fewer than "
+                        f"prompts_per_step={cfg.prompts_per_step}")
+    if eover and eover == len(elens):
+        raise DataError(f"every evaluation prompt of task {cfg.task!r} is longer than max_prompt_length={cap} "
+                        "tokens; raise RunConfig.max_prompt_length")
+    kept = [n for n in lens if n <= cap] + [n for n in elens if n <= cap]
+    return train_records, eval_examples, bucket_length(max(kept))
+
+
+def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
+    """Everything the step loop needs (module docstring); restores the newest checkpoint of ``cfg.log_dir``."""
+    t_start = time.perf_counter()
+    prec = cfg.precision.resolve()
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    if operative_config is not None and multihost.is_primary():
+        with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
+            f.write(operative_config)
+    # The task's data is read, validated and measured before the weights load: a data problem is reported in
+    # seconds, not after minutes of loading and compiling.
+    task, train_records, eval_examples = load_task_data(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
+    log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
+             prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
+    model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
+                                                 compute_dtype=prec.compute_dtype, tokenizer=tokenizer)
+    warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids)))
+    mesh = make_mesh(cfg.mesh)
+    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype, mesh=mesh if mesh.size > 1 else None)
+    learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)
+    del params
+    pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
+    source = TaskRollouts(cfg, make_tree_rollout(sampler_fns, cfg.rollout), sampler_fns, tokenizer, task, pipeline,
+                          prompt_width, pad_id, estimator_inputs=learner.estimator_inputs)
+    writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
+                                        console_keys=CONSOLE_KEYS)
+              if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files
+    checkpointer = ckpt_lib.Checkpointer(os.path.join(os.path.abspath(cfg.log_dir), "checkpoints"),
+                                         max_to_keep=cfg.keep_checkpoints)
+    data_state: dict = {"rl_step": 0}
+    if checkpointer.latest_step() is not None:
+        state, data_state = checkpointer.restore(state)
+        pipeline.set_state(data_state["pipeline"])
+        log.info("resumed from step %d", int(data_state["rl_step"]))
+    else:
+        log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))
+    return Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, learner, state, ref_params,
+               eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
+               mesh)
+
+
+def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
+    """The sharded train state, the frozen reference (KL) and the :class:`~treejax.rl.step.Learner` whose update is
+    jitted with the state's shardings and donates it."""
+    optimizer = make_optimizer(cfg.optimizer)
+    axes = transformer.param_logical_axes(model_config)
+    state, state_sh = place_train_state(params, axes, lambda p: TrainState.create(p, optimizer), optimizer, mesh)
+    step_cfg = cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"])
+    layout = make_layout(model_config, step_cfg.packing, pad_id=pad_id, attention_impl=cfg.attention_impl,
+                         row_multiple=step_cfg.row_multiple, chunk_size=step_cfg.logprob_chunk_size)
+    update_fn = make_update_fn(layout, cfg.loss, optimizer, num_micro_batches=cfg.micro_batches,
+                               nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer),
+                               remat=cfg.remat)
+    update = sharded_update(update_fn, state_sh, mesh)  # jitted per mini-batch layout (packed shapes bucket)
+    sampler_sh = None  # on a mesh the sampler's copy is gathered over fsdp once per step (SAMPLER_RULES)
+    if mesh.size > 1:
+        sampler_sh = logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params)
+    learner = make_learner(model_config, step_cfg, prec, update, layout, batch_sharding=batch_placer(mesh),
+                           sampler_shardings=sampler_sh)
+    return learner, state, initial_reference(state.params, cfg.loss)

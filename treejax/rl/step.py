@@ -47,7 +47,7 @@ from treejax.rl.config import StepConfig
 from treejax.rl.layouts import Layout, make_layout
 from treejax.rl.losses import LossConfig
 from treejax.rl.rollouts import RolloutSource, Rollouts
-from treejax.rl.update import split_micro
+from treejax.rl.update import reduce_metrics, split_micro
 
 SHUFFLE_STREAM = 0xE70C  # fold_in stream of the mini-batch shuffle keys
 
@@ -141,7 +141,8 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     if missing:
         raise ValueError(f"estimator {cfg.estimator!r} needs inputs {missing} that the rollout source did not supply "
                          f"(Rollouts.estimator_inputs has {sorted(ro.estimator_inputs)})")
-    adv = learner.estimator(ro.forest, ro.rewards_PxW, ro.estimator_inputs)
+    inputs = {name: ro.estimator_inputs[name] for name in learner.estimator_inputs}
+    adv = learner.estimator(ro.forest, ro.rewards_PxW, inputs)
     if cfg.leaf_weighting == "mass":
         adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
     P, W = ro.rewards_PxW.shape
@@ -244,11 +245,7 @@ def tree_metrics(forest: Forest, rewards_PxW) -> dict:
 
 def mean_metrics(metrics: list[dict]) -> dict:
     """Means over mini-batches (extremes: max / min), computed on the device."""
-    out = {}
-    for k in metrics[0]:
-        vals = jnp.stack([jnp.asarray(m[k], jnp.float32) for m in metrics])
-        out[k] = jnp.max(vals) if k.endswith("_max") else jnp.min(vals) if k.endswith("_min") else jnp.mean(vals)
-    return out
+    return reduce_metrics({k: jnp.stack([jnp.asarray(m[k], jnp.float32) for m in metrics]) for k in metrics[0]})
 
 
 def initial_reference(params: Any, loss: LossConfig) -> Any:

@@ -56,19 +56,22 @@ def split_micro(x: jax.Array, num_micro: int) -> jax.Array:
     return jnp.swapaxes(x.reshape((b // num_micro, num_micro) + x.shape[1:]), 0, 1)
 
 
-def _merge_metrics(stacked: dict[str, jax.Array], weights_M: jax.Array) -> dict[str, jax.Array]:
-    """Combine per-micro-batch metrics: sums for additive ones, max/min for extremes, token-weighted means."""
+def reduce_metrics(stacked: dict[str, jax.Array], weights: jax.Array | None = None,
+                   additive: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+    """Combines metrics stacked over parts (micro-batches, mini-batches) by their names: ``*_max`` -> max,
+    ``*_min`` -> min, names in ``additive`` -> sum, the rest -> mean (weighted by ``weights`` when given)."""
     out = {}
-    total = jnp.maximum(jnp.sum(weights_M), 1.0)
     for k, v in stacked.items():
-        if k in _ADDITIVE:
+        if k in additive:
             out[k] = jnp.sum(v)
         elif k.endswith("_max"):
             out[k] = jnp.max(v)
         elif k.endswith("_min"):
             out[k] = jnp.min(v)
+        elif weights is None:
+            out[k] = jnp.mean(v)
         else:
-            out[k] = jnp.sum(v * weights_M) / total
+            out[k] = jnp.sum(v * weights) / jnp.maximum(jnp.sum(weights), 1.0)
     return out
 
 
@@ -125,7 +128,7 @@ def make_grad_fn(
 
         grads, (loss_M, metrics_M) = jax.lax.scan(body, zeros, micro)
         metrics_M["loss"] = loss_M
-        metrics = _merge_metrics(metrics_M, metrics_M["num_tokens"])
+        metrics = reduce_metrics(metrics_M, metrics_M["num_tokens"], additive=_ADDITIVE)
         return metrics.pop("loss"), metrics, grads
 
     return grads_fn
@@ -186,4 +189,5 @@ def make_update_fn(
     return update
 
 
-__all__ = ["make_update_fn", "make_grad_fn", "batch_denominator", "split_micro", "NONFINITE_POLICIES"]
+__all__ = ["make_update_fn", "make_grad_fn", "batch_denominator", "split_micro", "reduce_metrics",
+           "NONFINITE_POLICIES"]

@@ -194,7 +194,8 @@ class Packed:
         pl = packing_lib.plan_packing(h["prompts"], h["lengths"], h["path"], h["length"], h["tokens"],
                                       h["segment_length"], self.packing, prompts=np.asarray(units),
                                       trained_PxW=h["trained"], row_multiple=self.row_multiple, pad_id=self.pad_id,
-                                      floor=None if self.floor is None else self.floor.shape)
+                                      floor=None if self.floor is None else self.floor.shape,
+                                      node_parent_PxN=h["node_parent"], node_depth_PxN=h["node_depth"])
         if self.floor is not None:
             self.floor.grow(pl.shape)
         return pl

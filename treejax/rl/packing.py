@@ -55,8 +55,10 @@ Trees without any trained token (dynamic sampling's filler prompts, ``skip_untra
 they carry no loss and no gradient, but still count as sequences in the Dr.GRPO denominator
 (``num_sequences``) exactly as in the expanded batch.
 
-The plan (:func:`plan_packing`) is built on the host with NumPy from the forest's node paths (fast: one Python
-step per node, NumPy per token); placing the per-pair arrays into it (:func:`pack_pairs`) is a jittable gather.
+The plan (:func:`plan_packing`) is built on the host with NumPy from the forest's own tree (``node_parent`` /
+``node_depth``) and its leaves' node paths, one tree at a time (:func:`treejax.rl.pack_tree.build_tree`: one
+Python step per node, NumPy per token); placing the per-pair arrays into it (:func:`pack_pairs`) is a jittable
+gather.
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ from treejax.forest import Forest
 from treejax.models.tree_attention import TREE_ATTENTION_IMPLS
 from treejax.parallel.multihost import host_tree
 from treejax.rl.batch import PAIR_KEYS, Batch, TreeInputs
-
-PAD_NODE = 1 << 30  # node_lo / node_hi of padding tokens (above every real preorder number)
+from treejax.rl.pack_tree import PAD_NODE, PackedTree, build_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,135 +161,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-# ----------------------------------------------------------------------------------------------- one tree
-@dataclasses.dataclass
-class _Tree:
-    tokens: np.ndarray  # [n]
-    positions: np.ndarray
-    node_lo: np.ndarray  # tree-local preorder numbers (root 0)
-    node_hi: np.ndarray
-    prev: np.ndarray  # tree-local indices, -1 none
-    real: np.ndarray  # [n] bool (False: alignment padding)
-    pair_index: np.ndarray  # [W, T] tree-local
-    pair_valid: np.ndarray  # [W, T] bool
-    num_nodes: int
-
-
-def _build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: np.ndarray, tokens: np.ndarray,
-                S: int, align: int, pad_id: int) -> _Tree:
-    """One prompt's tree: prompt + node segments (preorder), each stored once. ``leaf_path [W, D+1]``,
-    ``leaf_length [W]``, ``tokens [W, T]`` are the prompt's leaves."""
-    W, D1 = leaf_path.shape
-    T = tokens.shape[1]
-    n_p = int(prompt.shape[0])
-    if W and np.any(leaf_path[:, 0] != 0):
-        raise ValueError(f"prompt {p}: leaf_path[:, 0] must be the root 0")
-    # Per node: parent, depth, covered length (max over the leaves through it) and a leaf that covers it all.
-    num_ids = int(leaf_path.max()) + 1
-    parent = np.full(num_ids, -1, np.int64)
-    depth = np.full(num_ids, -1, np.int64)
-    length = np.zeros(num_ids, np.int64)
-    rep = np.full(num_ids, -1, np.int64)
-    depth[0] = 0
-    for d in range(1, D1):
-        ids = leaf_path[:, d]
-        on = ids >= 0
-        if not np.any(on):
-            continue
-        cov = np.clip(leaf_length - (d - 1) * S, 0, S)
-        if np.any(on & (cov <= 0)):
-            w = int(np.argmax(on & (cov <= 0)))
-            raise ValueError(f"prompt {p}, leaf {w}: node {ids[w]} at depth {d} holds no token "
-                             f"(leaf_length {leaf_length[w]}, segment length {S})")
-        if np.any(leaf_path[~on, d:] >= 0):
-            raise ValueError(f"prompt {p}: a leaf path has a gap at depth {d}")
-        w_on = np.nonzero(on)[0]
-        order = w_on[np.argsort(cov[w_on], kind="stable")]  # the last write per node is its longest cover
-        rep[ids[order]] = order
-        np.maximum.at(length, ids[w_on], cov[w_on])
-        par = leaf_path[w_on, d - 1]
-        known = parent[ids[w_on]]
-        if np.any((known >= 0) & (known != par)) or np.any((depth[ids[w_on]] >= 0) & (depth[ids[w_on]] != d)):
-            raise ValueError(f"prompt {p}: a node has two parents or two depths in leaf_path")
-        parent[ids[w_on]] = par
-        depth[ids[w_on]] = d
-    # Every node with children is a full segment (only a leaf's last segment may be shorter).
-    has_child = np.zeros(num_ids, bool)
-    has_child[parent[parent >= 0]] = True
-    bad = has_child & (depth >= 1) & (length < S)
-    if np.any(bad):
-        raise ValueError(f"prompt {p}: node {int(np.argmax(bad))} has children but only "
-                         f"{int(length[np.argmax(bad)])} < S={S} tokens")
-    children: list[list[int]] = [[] for _ in range(num_ids)]
-    for n in np.nonzero(depth >= 1)[0]:
-        children[parent[n]].append(int(n))
-    # Preorder numbering and row placement (the root = the prompt first).
-    order, stack = [], [0]
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        stack.extend(reversed(children[n]))
-    pre = np.full(num_ids, -1, np.int64)
-    pre[order] = np.arange(len(order))
-    hi = pre.copy()
-    for n in reversed(order):  # children after parents in preorder: reversed order finishes subtrees first
-        if parent[n] >= 0:
-            hi[parent[n]] = max(hi[parent[n]], hi[n])
-    seg_len = np.where(np.arange(num_ids) == 0, n_p, length)
-    stored = np.where(seg_len > 0, -(-seg_len // align) * align, 0)
-    start = np.zeros(num_ids, np.int64)
-    cursor = 0
-    for n in order:
-        start[n] = cursor
-        cursor += stored[n]
-    n_tok = cursor
-    toks = np.full(n_tok, pad_id, np.int32)
-    pos = np.zeros(n_tok, np.int32)
-    lo = np.full(n_tok, PAD_NODE, np.int64)
-    hi_t = np.full(n_tok, PAD_NODE, np.int64)
-    prev = np.full(n_tok, -1, np.int64)
-    real = np.zeros(n_tok, bool)
-    for n in order:
-        a, m = start[n], seg_len[n]
-        if m == 0:
-            continue
-        sl = slice(a, a + m)
-        if n == 0:
-            toks[sl] = prompt
-            pos[sl] = np.arange(n_p)
-        else:
-            off = (depth[n] - 1) * S
-            toks[sl] = tokens[rep[n], off: off + m]
-            pos[sl] = n_p + off + np.arange(m)
-        lo[sl], hi_t[sl], real[sl] = pre[n], hi[n], True
-        prev[sl] = np.arange(a - 1, a + m - 1)
-        if n == 0:
-            prev[a] = -1
-        elif depth[n] == 1:
-            prev[a] = n_p - 1 if n_p > 0 else -1
-        else:
-            prev[a] = start[parent[n]] + S - 1
-    # Gather map: response token t of leaf w sits at start[node at depth t // S + 1] + t % S.
-    t = np.arange(T)
-    valid = t[None, :] < leaf_length[:, None]
-    col = np.minimum(t // S + 1, D1 - 1)
-    node_wt = np.take_along_axis(leaf_path, np.broadcast_to(col, (W, T)), axis=1)
-    valid &= node_wt >= 0
-    node_c = np.where(valid, node_wt, 0)
-    idx = np.where(valid, start[node_c] + t[None, :] % S, 0)
-    if np.any(valid & (toks[idx] != tokens)):
-        w, tt = np.argwhere(valid & (toks[idx] != tokens))[0]
-        raise ValueError(f"prompt {p}: leaves sharing node {node_wt[w, tt]} disagree on its token {tt % S} "
-                         f"(leaf {w} has {tokens[w, tt]}, the node {toks[idx[w, tt]]})")
-    pair_valid = valid & (prev[idx] >= 0)
-    return _Tree(toks, pos, lo, hi_t, prev, real, idx, pair_valid, len(order))
-
-
 # ----------------------------------------------------------------------------------------------- the plan
 def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_length_PxW, tokens_PxWxT,
                  segment_length: int, config: PackingConfig = PackingConfig(), *, prompts=None,
                  trained_PxW=None, row_multiple: int = 1, pad_id: int = 0,
-                 floor: tuple[int, int, int] | None = None) -> PackingPlan:
+                 floor: tuple[int, int, int] | None = None, node_parent_PxN=None,
+                 node_depth_PxN=None) -> PackingPlan:
     """Host-side packing plan of the trees of ``prompts`` (default: all ``P``); arrays are NumPy (or fetched).
 
     ``trained_PxW`` (optional, bool): leaves with at least one trained token; with
@@ -299,6 +177,8 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     shorter than a segment) or a tree longer than ``config.row_length``. ``floor`` ``(R, L, Wr)``: the smallest
     layout to use (a sticky run's :class:`LayoutFloor`): ``L`` and ``R`` at least the floor's, at most ``Wr / W``
     trees per row (one tree per row always fits, so only ``L`` or ``R`` can grow past the floor).
+    ``node_parent_PxN`` / ``node_depth_PxN`` (optional, the forest's): each tree's parents and depths are read from
+    them instead of rebuilt from the leaf paths (which must agree with them).
     """
     prompt_tokens = np.asarray(prompt_tokens_PxLp)
     lens = np.asarray(prompt_lengths_P).astype(np.int64)
@@ -317,12 +197,13 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
         raise ValueError(f"plan_packing: row_multiple must be >= 1, got {row_multiple}")
     prompts = np.arange(P) if prompts is None else np.asarray(prompts, np.int64)
     trained = None if trained_PxW is None else np.asarray(trained_PxW, bool)
-    trees: list[tuple[int, _Tree]] = []
+    trees: list[tuple[int, PackedTree]] = []
     for p in prompts:
         if config.skip_untrained and trained is not None and not trained[p].any():
             continue
-        trees.append((int(p), _build_tree(int(p), prompt_tokens[p, : lens[p]], leaf_path[p], leaf_length[p],
-                                          tokens[p], S, config.align, pad_id)))
+        nodes = {} if node_parent_PxN is None else dict(node_parent=node_parent_PxN[p], node_depth=node_depth_PxN[p])
+        trees.append((int(p), build_tree(int(p), prompt_tokens[p, : lens[p]], leaf_path[p], leaf_length[p],
+                                          tokens[p], S, config.align, pad_id, **nodes)))
     sizes = [len(tr.tokens) for _, tr in trees]
     longest = max(sizes, default=1)
     if config.row_length is not None:
@@ -478,14 +359,16 @@ def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: j
 
 def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_BxT) -> dict[str, np.ndarray]:
     """What :func:`plan_packing` reads, as NumPy on this process: ``prompts``, ``lengths``, the leaves' ``path``,
-    ``length`` and ``tokens``, and ``trained [P, W]`` (a leaf with any token in the loss).
+    ``length`` and ``tokens``, the forest's ``node_parent`` / ``node_depth``, and ``trained [P, W]`` (a leaf with
+    any token in the loss).
 
     The plan is host code over the whole forest, so in a multi-process run every process gathers the global
     arrays (one all-gather, :func:`treejax.parallel.multihost.host_tree`): ``np.asarray`` / ``jax.device_get``
     refuse arrays that span other processes' devices (on 2 GPUs the sampler's forest is sharded over the rows)."""
     P, W = forest.leaf_length.shape
     host = host_tree({"mask": loss_mask_BxT, "path": forest.leaf_path, "length": forest.leaf_length,
-                      "tokens": forest.tokens, "prompts": prompt_tokens_PxLp, "lengths": prompt_lengths_P})
+                      "tokens": forest.tokens, "prompts": prompt_tokens_PxLp, "lengths": prompt_lengths_P,
+                      "node_parent": forest.node_parent, "node_depth": forest.node_depth})
     host["trained"] = host.pop("mask").reshape(P, W, -1).max(-1) > 0
     return host
 
@@ -502,7 +385,8 @@ def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advan
     host = host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest, pairs["loss_mask"])
     plan = plan_packing(host["prompts"], host["lengths"], host["path"], host["length"], host["tokens"],
                         forest.segment_length, config, prompts=prompts, trained_PxW=host["trained"],
-                        row_multiple=row_multiple, pad_id=pad_id)
+                        row_multiple=row_multiple, pad_id=pad_id, node_parent_PxN=host["node_parent"],
+                        node_depth_PxN=host["node_depth"])
     eps = None if eps_scale_PxW is None else jnp.asarray(eps_scale_PxW, jnp.float32).reshape(P * W)
     return packed_batch(plan, pairs, eps)
 

@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 import numpy as np
+from tqdm import tqdm
 
 from treejax import viz
 from treejax.parallel import multihost
@@ -55,8 +56,6 @@ def step_line(done: int, total: int, host: dict, step_s: float) -> str:
     """The line printed as soon as step ``done`` ends: its host-side results, its time and an ETA (the remaining
     steps at this step's time; the first step also compiles, so its ETA is an upper bound). The update's metrics
     (loss, gradient norm, ...) are read one step later and follow in the step's full line."""
-    from tqdm import tqdm
-
     parts = [f"reward {host['reward/mean']:+.3f}"]
     if "reward/accuracy" in host:
         parts.append(f"accuracy {100 * host['reward/accuracy']:.1f}%")

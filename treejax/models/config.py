@@ -77,10 +77,6 @@ class ModelConfig:
     def activation_dtype(self) -> Any:
         return _DTYPES[self.compute_dtype]
 
-    @property
-    def queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

@@ -157,11 +157,6 @@ def batch_sharding(mesh: Mesh, batch: Any, rules: Rules = DEFAULT_RULES) -> Any:
                                                       tuple(x.shape))), batch)
 
 
-def sharded_init(init_fn: Callable[[], Any], shardings: Any) -> Any:
-    """``jax.jit(init_fn, out_shardings=shardings)()``: each device materialises only its shards."""
-    return jax.jit(init_fn, out_shardings=shardings)()
-
-
 def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: optax.GradientTransformation,
                           mesh: Mesh) -> Any:
     """Shardings for a ``TrainState``: params as given, optimizer leaves that mirror params (Adam moments) like
@@ -172,15 +167,6 @@ def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: 
     )
     return abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh),
                                   key=replicated(mesh))
-
-
-def init_train_state(init_state_fn: Callable[[], Any], param_logical_axes: Any, optimizer: optax.GradientTransformation,
-                     mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[Any, Any]:
-    """Sharded ``TrainState`` init: eval_shape -> shardings -> jit(out_shardings). Returns (state, shardings)."""
-    abstract = jax.eval_shape(init_state_fn)
-    param_sh = logical_to_sharding(param_logical_axes, mesh, rules, abstract.params)
-    shardings = train_state_shardings(abstract, param_sh, optimizer, mesh)
-    return sharded_init(init_state_fn, shardings), shardings
 
 
 def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, mesh: Mesh) -> Callable:

@@ -202,10 +202,7 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     """
     fns = decode.as_model_fns(model, mesh, rules)
     tc = tree_config
-    stop_ids = tc.stop_ids
-    if stop_ids is None:
-        stop_ids = tuple(model.eos_token_ids) if isinstance(model, ModelConfig) else ()
-    stop_ids = tuple(int(x) for x in stop_ids)
+    stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
     core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids),
                    compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
 

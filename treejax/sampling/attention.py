@@ -80,6 +80,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from treejax.models.dense_attention import windowed_decode_attention
+
 ATTENTION_IMPLS = ("ragged", "pallas", "dense", "auto")
 #: Head sizes and cache dtypes the Pallas kernel takes, and its K/V tile cap in bytes (module docstring).
 PALLAS_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -197,8 +199,6 @@ def _pallas_tiling(L: int, block_size: int, k_splits: int) -> tuple[int, int]:
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
     """Reference: masked attention over the whole cache (reads all ``L`` slots every step)."""
-    from treejax.models.transformer import windowed_decode_attention
-
     _check(q, k_cache)
     return windowed_decode_attention(q, k_cache, v_cache, positions)
 

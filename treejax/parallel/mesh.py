@@ -13,6 +13,7 @@ directly on its device. The update is jitted with the same shardings in and out,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable
@@ -75,8 +76,6 @@ def mesh_context(mesh: Mesh | None):
     """``jax.set_mesh(mesh)`` on a multi-device mesh, a no-op context otherwise. The training loop traces its
     programs inside it, so model code that must name mesh axes (operands of kernels GSPMD cannot partition, or
     whose partitioner needs one layout) reads them from ``jax.sharding.get_abstract_mesh()``."""
-    import contextlib
-
     return jax.set_mesh(mesh) if mesh is not None and mesh.size > 1 else contextlib.nullcontext()
 
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 from treejax.choices import check_choice
 from treejax.errors import ConfigError
-from treejax.sampling.branching import BranchingRule, FixedAverage
+from treejax.sampling.branching import BranchingRule, FixedAverage, rule_classes
 from treejax.sampling.strategies import Strategy, Temperature
 
 #: ``TreeConfig.allocation`` values (see :class:`TreeConfig`).
@@ -96,8 +96,6 @@ class TreeConfig:
             raise ValueError(f"TreeConfig.max_response_length must be in (0, D*S={self.max_depth * self.segment_length}]"
                              f", got {self.max_response_length}")
         if self.branching is not None and not isinstance(self.branching, BranchingRule):
-            from treejax.sampling.branching import rule_classes
-
             raise ConfigError(f"TreeConfig.branching must be a branching rule, got {self.branching!r}; valid: "
                               f"{', '.join(f'@{c.__name__}()' for c in rule_classes().values())}")
         check_choice("TreeConfig.allocation", self.allocation, ALLOCATIONS)

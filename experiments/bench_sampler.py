@@ -43,6 +43,7 @@ import numpy as np
 
 from treejax.models import presets
 from treejax.models import transformer as T
+from treejax.models.config import HF_MODEL_CLASSES
 from treejax.sampling import decode, tree
 from treejax.sampling.strategies import Temperature
 
@@ -222,7 +223,7 @@ def bench_hf(preset: str, rows: int, context: int, steps: int):
     import transformers
 
     cfg = get_model_config(preset, "bfloat16")
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.architecture]
+    name = HF_MODEL_CLASSES[cfg.architecture].removesuffix("ForCausalLM")
     hc = getattr(transformers, name + "Config")(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,

@@ -27,12 +27,14 @@ Usage in a loop::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import logging
 import os
 import shutil
 import signal
+import threading
 from typing import Any
 
 import jax
@@ -40,6 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from treejax.errors import UserError
+from treejax.parallel.multihost import any_process
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +170,6 @@ class Checkpointer:
     def _failures(self, step: int | None, nbytes: int | None):
         """Turns an ``OSError`` of a save (raised here or by orbax's background thread) into one
         :class:`CheckpointSaveError` line, after removing the partial ``*.orbax-checkpoint-tmp`` folders."""
-        import contextlib
-
         @contextlib.contextmanager
         def guard():
             try:
@@ -199,8 +200,6 @@ class Checkpointer:
     def remove_partial(self) -> list[str]:
         """Removes the ``*.orbax-checkpoint-tmp*`` folders a failed save left (after orbax's other save threads
         have stopped writing into them); returns their paths."""
-        import threading
-
         for t in threading.enumerate():
             if t is not threading.current_thread() and type(t).__module__.startswith("orbax"):
                 t.join(timeout=60)
@@ -258,8 +257,6 @@ class PreemptionHandler:
         so does JAX's preemption sync point (orbax ``reached_preemption``)."""
         if jax.process_count() == 1:
             return self.requested
-        from treejax.parallel.multihost import any_process
-
         if any_process(self.requested):
             return True
         return checkpointer is not None and checkpointer.reached_preemption(step)

@@ -21,6 +21,7 @@ import types
 import typing
 from typing import Any
 
+from treejax.choices import check_choice
 from treejax.errors import ConfigError
 
 __all__ = ["check_field", "check_types", "conforms", "field_types", "type_name"]
@@ -98,8 +99,6 @@ def check_field(cls: type, name: str, value) -> None:
         literal = [a for t in (typing.get_args(tp) if _is_union(tp) else (tp,))
                    if typing.get_origin(t) is typing.Literal for a in typing.get_args(t)]
         if literal and isinstance(value, str):  # an enumerated string: the choices, closest first, and the fix
-            from treejax.choices import check_choice
-
             check_choice(f"{cls.__name__}.{name}", value, literal)
         raise ConfigError(f"{cls.__name__}.{name} must be {type_name(tp)}, got {value!r} ({type(value).__name__})")
 

@@ -27,7 +27,7 @@ far) and that never gives a node children after its subtree has ended (no fallba
 sample when its leaves are weighted by ``leaf_weight``; leaves counted equally (TreePO's estimators) are not.
 
 Per-token arrays, per prompt, leaf and response position ``t = 0..T-1`` with ``T = D * S``:
-  * ``tokens[p, w, t]``      sampled token ids (pad id past ``leaf_length``);
+  * ``tokens[p, w, t]``      sampled token ids (0 past ``leaf_length``, whatever the tokenizer's pad id);
   * ``logprobs[p, w, t]``    log pi(token | prefix) under the policy at temperature 1 (0 past the end);
   * ``segment_index[p, w, t]`` the 0-based segment (depth - 1) that token ``t`` belongs to, ``t // S``,
     ``-1`` past the end;

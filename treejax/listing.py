@@ -1,15 +1,17 @@
 """What ``treejax-train --list KIND`` prints: one line per registered name, with the gin binding that selects it.
 
-Kinds: ``tasks``, ``estimators``, ``branching``, ``strategies``, ``configs``. Everything listed comes from the
+Kinds: ``tasks``, ``estimators``, ``branching``, ``strategies``, ``configs`` (the gin files of
+:func:`default_config_dir`, the shipped configs folder). Everything listed comes from the
 registries the trainer itself reads (tasks, estimators, branching rules, sampling strategies) and from the
 shipped gin files, so a name registered in a notebook or an imported module shows up too.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 
-__all__ = ["LIST_KINDS", "list_lines"]
+__all__ = ["LIST_KINDS", "default_config_dir", "list_lines"]
 
 LIST_KINDS = ("tasks", "estimators", "branching", "strategies", "configs")
 
@@ -72,9 +74,25 @@ def _strategies() -> list[str]:
                    for name, cls in strategies._REGISTRY.items()])
 
 
-def _configs() -> list[str]:
-    from treejax.train import default_config_dir
+def _packaged_config_dir() -> str | None:
+    try:
+        quickstart = importlib.resources.files("treejax.configs").joinpath("quickstart.gin")
+    except ModuleNotFoundError:
+        return None
+    return os.path.dirname(os.fspath(quickstart)) if isinstance(quickstart, os.PathLike) else None
 
+
+def default_config_dir() -> str | None:
+    """The folder of the shipped gin configs: the installed package data ``treejax/configs`` (a wheel), else the
+    repository's ``configs/`` next to the package (a source checkout); None if neither holds ``quickstart.gin``."""
+    repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    for folder in (_packaged_config_dir(), repo):
+        if folder and os.path.isfile(os.path.join(folder, "quickstart.gin")):
+            return folder
+    return None
+
+
+def _configs() -> list[str]:
     folder = default_config_dir()
     if folder is None:
         return []

@@ -25,6 +25,7 @@ with both numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -32,6 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from treejax.choices import check_choice
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,6 @@ class Precision:
     matmul_precision: str = "auto"
 
     def __post_init__(self):
-        from treejax.choices import check_choice
-
         check_choice("Precision.param_dtype", self.param_dtype, DTYPES)
         for name in ("compute_dtype", "sampler_dtype", "cache_dtype"):
             check_choice(f"Precision.{name}", getattr(self, name), ("auto", *DTYPES))
@@ -109,8 +110,6 @@ def apply_policy(fn):
     """Decorates a public model entry point ``fn(params, config, ...)`` (forward, prefill, decode step, logits,
     log-prob head) so its matmuls follow :func:`policy_matmul_precision` of ``config.compute_dtype``, also when
     called directly from Python or a notebook (and so inside ``generate`` and the tree rollout, which call them)."""
-    import functools
-
     @functools.wraps(fn)
     def wrapped(params, config, *args, **kwargs):
         precision = policy_matmul_precision(config.compute_dtype)

@@ -35,6 +35,7 @@ import shutil
 import socket
 from typing import Iterator
 
+from treejax.choices import closest_first
 from treejax.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ def run_files(log_dir: str) -> tuple[list[str], list[str]]:
 
 def _runs_next_to(log_dir: str) -> list[str]:
     """The run folders beside ``log_dir`` (same parent), closest name first."""
-    from treejax.choices import closest_first
-
     parent = os.path.dirname(os.path.abspath(log_dir))
     try:
         names = [n for n in os.listdir(parent) if os.path.isdir(os.path.join(parent, n))

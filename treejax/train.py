@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import difflib
 import importlib
-import importlib.resources
 import logging
 import os
 import re
@@ -38,6 +37,7 @@ from gin import config_parser
 from treejax.choices import closest_first
 from treejax.config_types import check_field, check_types, field_types
 from treejax.errors import ConfigError, UserError, UserFileError
+from treejax.listing import LIST_KINDS, default_config_dir, list_lines
 from treejax.log import configure_logging
 
 _REGISTERED = False
@@ -294,24 +294,6 @@ def check_config(gin_files: list[str], gin_params: list[str], classes: dict[str,
 
 
 # ----------------------------------------------------------------------------------------------- parsing
-def _packaged_config_dir() -> str | None:
-    try:
-        quickstart = importlib.resources.files("treejax.configs").joinpath("quickstart.gin")
-    except ModuleNotFoundError:
-        return None
-    return os.path.dirname(os.fspath(quickstart)) if isinstance(quickstart, os.PathLike) else None
-
-
-def default_config_dir() -> str | None:
-    """The folder of the shipped gin configs: the installed package data ``treejax/configs`` (a wheel), else the
-    repository's ``configs/`` next to the package (a source checkout); None if neither holds ``quickstart.gin``."""
-    repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-    for folder in (_packaged_config_dir(), repo):
-        if folder and os.path.isfile(os.path.join(folder, "quickstart.gin")):
-            return folder
-    return None
-
-
 class _GinSearchNoise(logging.Filter):
     """gin logs an ERROR for every include it first looks up relative to the working directory."""
 
@@ -423,8 +405,6 @@ command to resume. A second Ctrl-C, or one before the first step starts, stops a
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from treejax.listing import LIST_KINDS
-
     parser = argparse.ArgumentParser(prog="treejax-train", description=__doc__.split("\n\n")[0],
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("gin_files", nargs="*", metavar="FILE.gin", help="gin config file(s), as --gin_file")
@@ -453,8 +433,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        from treejax.listing import list_lines
-
         print("\n".join(list_lines(args.list)))
         return {}
     for path in args.gin_files:

@@ -16,6 +16,8 @@ drawing never changes the global backend (safe in notebooks and headless servers
 from __future__ import annotations
 
 import os
+import textwrap
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -192,12 +194,8 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     heading = title or (f"prompt {prompt}: {forest.num_leaves} leaves, segment length {forest.segment_length}"
                         + (f", {n_pruned} pruned" if n_pruned else ""))
     if prompt_text:
-        import textwrap
-
         heading += "\n" + "\n".join(textwrap.wrap("prompt: " + _one_line(prompt_text, 240, tail=False), 100))
     ax.set_title(heading, fontsize=9)
-    import warnings
-
     with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
         fig.tight_layout()

@@ -129,10 +129,3 @@ def test_reward_is_jittable():
 )
 def test_format_score(text, style, expected):
     assert V.format_score(text, style) == expected
-
-
-def test_shaped_reward_adds_weighted_format_term():
-    text = "reasoning <answer>4</answer>"
-    assert V.shaped_reward(0.0, text, scale="pm1") == -1.0
-    assert V.shaped_reward(0.0, text, scale="pm1", format_style="answer_tags", format_weight=0.2) == pytest.approx(-0.8)
-    assert V.shaped_reward(1.0, "4", scale="01", format_style="answer_tags", format_weight=0.2) == 1.0

@@ -9,8 +9,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from treejax.models import presets, transformer
 from treejax.parallel.axis_rules import DEFAULT_RULES, rules_dict
-from treejax.parallel.mesh import (MeshConfig, batch_sharding, init_train_state, jit_update, logical_to_sharding,
-                                   logical_to_spec, make_mesh)
+from treejax.parallel.mesh import (MeshConfig, batch_sharding, jit_update, logical_to_sharding, logical_to_spec,
+                                   make_mesh, place_train_state)
 from treejax.rl import losses
 from treejax.rl.optimizer import OptimizerConfig, make_optimizer
 from treejax.rl.train_state import TrainState
@@ -51,11 +51,11 @@ def test_logical_to_spec_rules():
 
 
 def _setup(mesh, tx, params_host):
-    """Sharded init of a TrainState holding ``params_host`` (same values on every mesh)."""
-    def init_fn():
-        return TrainState.create(params_host, tx)
+    """Sharded TrainState holding ``params_host`` (same values on every mesh)."""
+    def create(params):
+        return TrainState.create(params, tx)
 
-    return init_train_state(init_fn, transformer.param_logical_axes(CFG), tx, mesh)
+    return place_train_state(params_host, transformer.param_logical_axes(CFG), create, tx, mesh)
 
 
 def _batch(B=8, L=16, seed=0):

@@ -305,6 +305,4 @@ def test_windowed_mean_and_rule_errors():
         B.FixedAverage(remainder="middle")
     with pytest.raises(KeyError, match="valid"):
         B.get_rule("vibes")
-    with pytest.raises(ValueError, match="not both"):
-        tree.TreeConfig(branching=B.FixedAverage(), divergence="logprob_path")
     assert isinstance(B.get_rule("latr", max_new=1), B.LATR)

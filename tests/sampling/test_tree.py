@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from treejax.forest import NodeStatus, forest_from_paths
 from treejax.models import presets
 from treejax.models import transformer as T
-from treejax.sampling import decode, tree
+from treejax.sampling import branching, decode, tree
 from treejax.sampling import strategies as S
 
 # ----------------------------------------------------------------------------------------------- scripted toy policy
@@ -203,10 +203,12 @@ def test_row_compaction_gives_the_same_forest():
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("divergence", ["fixed_average_official", "logprob_segment", "logprob_path"])
-def test_divergence_policies_keep_invariants(divergence):
-    tc = dataclasses.replace(TOY_TREE, divergence=divergence, divergence_sign=-1.0,
-                             divergence_schedule=(5.0, 1.0, 100) if divergence == "logprob_path" else None)
+@pytest.mark.parametrize("rule", [branching.FixedAverage(remainder="last"),
+                                  branching.LogProbWeighted(scope="segment", sign=-1.0),
+                                  branching.LogProbWeighted(scope="path", sign=-1.0, schedule=(5.0, 1.0, 100))],
+                         ids=["fixed_average_official", "logprob_segment", "logprob_path"])
+def test_branching_rules_keep_invariants(rule):
+    tc = dataclasses.replace(TOY_TREE, branching=rule)
     rollout = tree.make_tree_rollout(TOY, tc)
     for seed in range(3):
         prompts, lengths = _prompts(seed)
@@ -298,8 +300,6 @@ def test_bad_input_errors():
         tree.TreeConfig(segment_length=0)
     with pytest.raises(ValueError, match="init_divergence_range"):
         tree.TreeConfig(num_leaves=4, init_divergence_range=(3, 9))
-    with pytest.raises(ValueError, match="divergence policy"):
-        tree.TreeConfig(divergence="vibes")
     rollout = tree.make_tree_rollout(TOY, dataclasses.replace(TOY_TREE, max_prompt_length=4))
     params = {"eos_bias": jnp.float32(0.0)}
     with pytest.raises(ValueError, match="exceed max_prompt_length=4"):

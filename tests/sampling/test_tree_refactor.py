@@ -6,7 +6,6 @@ scripted toy policy over configs that exercise every stage (row buckets, forks, 
 fallbacks from leaves and from the root, each old divergence policy and its temperature schedule, random initial
 divergence, no budget transfer, answer predicate) and on a tiny transformer with forks and fallbacks."""
 
-import contextlib
 import dataclasses
 
 import jax
@@ -40,12 +39,20 @@ def _answer_even(tokens_T, length):
 CASES = {
     "toy": dict(),
     "no_buckets": dict(row_buckets=1),
-    "official": dict(divergence="fixed_average_official", branch_factor=3),
-    "logprob_segment": dict(divergence="logprob_segment", divergence_sign=-1.0, divergence_temperature=0.7),
-    "logprob_path_schedule": dict(divergence="logprob_path", divergence_schedule=(5.0, 1.0, 100)),
+    "official": dict(branching=branching.FixedAverage(remainder="last"), branch_factor=3),
+    "logprob_segment": dict(branching=branching.LogProbWeighted(scope="segment", sign=-1.0, temperature=0.7)),
+    "logprob_path_schedule": dict(branching=branching.LogProbWeighted(scope="path", schedule=(5.0, 1.0, 100))),
     "init_range_response_rep": dict(num_leaves=8, init_divergence_range=(1, 5), repetition_scope="response",
                                     repetition_ngram=1, repetition_count=3, budget_transfer=False),
     "answer_entropy": dict(answer_fn=_answer_even, finish_on_answer=True, with_entropy=True, row_buckets=2),
+}
+
+
+#: The legacy rollout's string policy for each case's rule (the legacy code predates ``TreeConfig.branching``).
+LEGACY_DIVERGENCE = {
+    "official": dict(divergence="fixed_average_official"),
+    "logprob_segment": dict(divergence="logprob_segment", divergence_sign=-1.0, divergence_temperature=0.7),
+    "logprob_path_schedule": dict(divergence="logprob_path", divergence_schedule=(5.0, 1.0, 100)),
 }
 
 
@@ -55,9 +62,9 @@ _DEFAULT_CASES = ("toy", "answer_entropy")  # the rest are slow: two compiles ea
 @pytest.mark.parametrize("case", [c if c in _DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
                                   for c in sorted(CASES)])
 def test_toy_rollout_bit_exact(case):
-    with pytest.warns(DeprecationWarning) if "divergence" in CASES[case] else contextlib.nullcontext():
-        tc = dataclasses.replace(TOY_TREE, **CASES[case])
-    old_tc = legacy.TreeConfig(**{k: getattr(tc, k) for k in _FIELDS})
+    tc = dataclasses.replace(TOY_TREE, **CASES[case])
+    old_tc = legacy.TreeConfig(**{k: getattr(tc, k) for k in _FIELDS if not k.startswith("divergence")},
+                               **LEGACY_DIVERGENCE.get(case, {}))
     new_ro, old_ro = tree.make_tree_rollout(TOY, tc), legacy.make_tree_rollout(TOY, old_tc)
     for seed, bias in [(0, 0.0), (1, 2.0), (2, -30.0), (3, 0.5)]:
         prompts, lengths = _prompts(seed, P=4 if seed % 2 else 3)

@@ -9,7 +9,7 @@ disk) -> ``pipeline.make_prompt_pipeline`` (sharded, shuffled, resumable prompt 
 from treejax.data.pipeline import make_prompt_dataset, make_prompt_pipeline
 from treejax.data.prompts import format_prompt
 from treejax.data.tasks import Example, Task, decode_record, get_task, register_task, task_names
-from treejax.data.verifiers import answers_match, extract_answer, format_score, math_score, reward, shaped_reward
+from treejax.data.verifiers import answers_match, extract_answer, format_score, math_score, reward
 
 __all__ = [
     "Example",
@@ -25,6 +25,5 @@ __all__ = [
     "math_score",
     "register_task",
     "reward",
-    "shaped_reward",
     "task_names",
 ]

@@ -35,7 +35,7 @@ from typing import Iterator, Optional
 from treejax.choices import closest_first
 from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
-from treejax.data.tasks import Example, Task, register_task
+from treejax.data.task_base import Example, Task, register_task
 from treejax.errors import DataError, UserFileError
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import grain
 
-from treejax.data.tasks import decode_record
+from treejax.data.task_base import decode_record
 
 __all__ = ["collate", "ensure_absl_flags_parsed", "make_prompt_dataset", "make_prompt_pipeline"]
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from treejax.choices import closest_first
 from treejax.data import verifiers
 from treejax.data.splits import check_split, question_uid, split_of
-from treejax.data.tasks import Example, Task, register_task
+from treejax.data.task_base import Example, Task, register_task
 from treejax.errors import DataError
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "EASY_PRESETS", "ReasoningGymTask", "reasoning_gym_seed"]

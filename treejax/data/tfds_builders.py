@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from treejax.data.tasks import RECORD_FIELDS, Task
+from treejax.data.task_base import RECORD_FIELDS, Task
 
 __all__ = ["build_task_dataset", "open_task_source"]
 

@@ -19,13 +19,11 @@ Pipeline for a model response ``y`` and a ground truth ``g`` (both strings):
    Units are stripped, not converted: ``5 cm`` equals ``5`` and also ``5 m`` (documented approximation).
    A percentage is compared as its number: ``50%`` equals ``50``, not ``0.5``.
 3. **Score** ``s in {0, 1}`` (1 = correct) and **reward** ``reward(s, "pm1") = 2 s - 1 in [-1, 1]`` or
-   ``reward(s, "01") = s``. An optional format term ``format_weight * format_score(y, style)`` is added by
-   ``shaped_reward``.
+   ``reward(s, "01") = s``. ``format_score(y, style)`` checks the answer layout separately.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from fractions import Fraction
@@ -47,7 +45,6 @@ __all__ = [
     "math_score",
     "parse_number",
     "reward",
-    "shaped_reward",
 ]
 
 # --------------------------------------------------------------------------------------------------------------
@@ -399,19 +396,3 @@ def format_score(text: str, style: str) -> float:
     except KeyError:
         raise ValueError(f"unknown format style {style!r}; valid styles: {sorted(FORMAT_STYLES)}") from None
     return float(fn(text))
-
-
-def shaped_reward(
-    score: float, response: str, *, scale: str = "pm1", format_style: Optional[str] = None, format_weight: float = 0.0
-) -> float:
-    """``reward(score, scale) + format_weight * format_score(response, format_style)``.
-
-    With ``format_style=None`` or ``format_weight=0`` this is just ``reward(score, scale)``. The format term rewards
-    the answer layout only; correctness is carried by ``score``.
-    """
-    r = float(reward(score, scale))
-    if format_style is None or format_weight == 0.0:
-        return r
-    if not math.isfinite(format_weight):
-        raise ValueError(f"format_weight must be finite, got {format_weight!r}")
-    return r + format_weight * format_score(response, format_style)

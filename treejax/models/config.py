@@ -10,7 +10,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+#: The supported architectures, each with its transformers model class. A name is at once
+#: ``ModelConfig.architecture``, the HF config's ``model_type`` and the GGUF ``general.architecture``.
+HF_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = tuple(HF_MODEL_CLASSES)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -76,10 +79,6 @@ class ModelConfig:
     @property
     def activation_dtype(self) -> Any:
         return _DTYPES[self.compute_dtype]
-
-    @property
-    def queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -19,10 +19,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from treejax.models.config import ModelConfig
+from treejax.models.config import HF_MODEL_CLASSES, ModelConfig
 from treejax.models.hf_checkpoint import tensor_specs
 
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ST_DTYPE = {"float32": ("F32", np.float32), "bfloat16": ("BF16", ml_dtypes.bfloat16),
              "float16": ("F16", np.float16)}
 
@@ -32,7 +31,7 @@ def hf_config_dict(config: ModelConfig, dtype: str | None = None) -> dict:
     c = config
     eos = list(c.eos_token_ids)
     out = {
-        "architectures": [_HF_CLASS[c.architecture]], "model_type": c.architecture,
+        "architectures": [HF_MODEL_CLASSES[c.architecture]], "model_type": c.architecture,
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",

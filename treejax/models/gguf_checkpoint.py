@@ -30,10 +30,9 @@ import os
 
 import numpy as np
 
-from treejax.models.config import ModelConfig
+from treejax.models.config import ARCHITECTURES, ModelConfig
 from treejax.models.hf_checkpoint import CheckpointError, TensorSpec, load_stacked_params, tensor_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 #: Tensor types whose dequantization ``tests/models/test_gguf.py`` verifies independently.
 VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
@@ -85,9 +84,9 @@ def config_from_gguf(reader, path: str = "<gguf>", param_dtype: str = "float32",
                      compute_dtype: str | None = None) -> ModelConfig:
     """Hyper-parameters from the ``{arch}.*`` metadata keys; tied embeddings iff ``output.weight`` is absent."""
     arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: unsupported architecture general.architecture={arch!r}; "
-                              f"supported: {SUPPORTED_ARCHITECTURES}")
+                              f"supported: {ARCHITECTURES}")
 
     def get(key, default=None, required=True):
         value = field_value(reader, f"{arch}.{key}", default)

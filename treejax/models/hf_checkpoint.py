@@ -39,10 +39,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from treejax.errors import UserError
-from treejax.models.config import ModelConfig
+from treejax.models.config import ARCHITECTURES, ModelConfig
 from treejax.models.transformer import param_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -81,9 +80,9 @@ def config_from_hf(hf: dict, param_dtype: str = "float32", compute_dtype: str | 
     non-SiLU activation, an o_proj / MLP bias, or quantized weights.
     """
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in ARCHITECTURES:
         raise CheckpointError(f"{source}: unsupported architecture model_type={model_type!r} "
-                              f"(architectures={hf.get('architectures')}); supported: {SUPPORTED_MODEL_TYPES}")
+                              f"(architectures={hf.get('architectures')}); supported: {ARCHITECTURES}")
     if hf.get("quantization_config"):
         raise CheckpointError(f"{source}: quantized checkpoints are not supported "
                               f"(quantization_config={hf['quantization_config']!r})")

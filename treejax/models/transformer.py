@@ -7,8 +7,8 @@ Per layer ``l`` (pre-norm residual block, HF ``LlamaDecoderLayer`` semantics):
 
 ``RMSNorm(x) = w ⊙ x / sqrt(mean(x²) + eps)`` computed in fp32. RoPE is the non-interleaved ("rotate half")
 form with ``inv_freq_i = theta^(-2i/H)``. Attention is grouped-query: query head ``j`` reads KV head
-``j // (Q / K)``; scores are ``q·k / sqrt(H)`` and the softmax runs in fp32. Qwen2 adds q/k/v biases; Qwen3
-RMS-normalizes every query and key head over ``head_dim`` before RoPE.
+``j // (Q / K)``; scores are ``q·k / sqrt(H)`` and the softmax runs in fp32 (:mod:`treejax.models.dense_attention`).
+Qwen2 adds q/k/v biases; Qwen3 RMS-normalizes every query and key head over ``head_dim`` before RoPE.
 
 Layers are stacked on a leading ``layers`` axis and run under ``lax.scan``. Parameters carry logical axis
 names (:func:`param_logical_axes`) that ``treejax.parallel`` maps onto a device mesh.
@@ -21,17 +21,19 @@ position``. Forking a branch is a plain row copy (``buf[dst] = buf[src]`` in eve
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
+from treejax.models import tree_attention
 from treejax.models.config import ModelConfig
+from treejax.models.dense_attention import attention, segment_mask, windowed_decode_attention
+from treejax.parallel.mesh import rows_and_heads
 from treejax.precision import apply_policy
 
 Params = dict
-_NEG = -1e30  # finite "minus infinity": keeps fully-masked (padding) rows NaN-free
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -125,19 +127,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. ``q: [B, Lq, Q, H]``, ``k, v: [B, Lk, K, H]``, ``mask: [B, Lq, Lk]`` (True =
-    attend). Scores and softmax in fp32; returns ``[B, Lq, Q, H]`` in ``q``'s dtype."""
-    B, Lq, Q, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, Lq, K, Q // K, H)
-    scores = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(H)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgqs,bskh->bqkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(B, Lq, Q, H).astype(q.dtype)
-
-
 def _project_qkv(config: ModelConfig, lp: dict, h: jax.Array, positions: jax.Array):
     dt = h.dtype
     if "wqkv" in lp:  # fused layout of fuse_projections: one matmul, then split
@@ -206,12 +195,8 @@ def same_attention_sharding(q: jax.Array, k: jax.Array, v: jax.Array):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return q, k, v
-    from jax.sharding import PartitionSpec as P
-
-    from treejax.parallel.mesh import rows_and_heads
-
     rows, heads = rows_and_heads(mesh, q.shape[0], q.shape[2], k.shape[2])
-    spec = P(rows, None, heads, None)
+    spec = PartitionSpec(rows, None, heads, None)
     return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
 
 
@@ -225,7 +210,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     ``seg[j] == seg[i] != 0``. This covers right/left padding and packed sequences. ``positions`` are the
     RoPE positions (restart at 0 for each packed sequence).
 
-    ``attention_impl``: ``"xla"`` (the general masked attention above; materialises ``[L, L]`` scores) or
+    ``attention_impl``: ``"xla"`` (the masked :func:`attention`; materialises ``[L, L]`` scores) or
     ``"cudnn"`` (``jax.nn.dot_product_attention``'s fused flash kernel, GPU, bf16/fp16): causal with per-row
     key lengths ``sum(segment_ids != 0)``, so it is only valid for **right-padded, unpacked** rows (what
     ``treejax.rl.batch.forest_to_batch`` builds); ``"auto"`` picks cudnn on GPU with a 16-bit compute dtype.
@@ -246,7 +231,6 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
                           and config.compute_dtype in ("bfloat16", "float16") else "xla")
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens)
-    L = tokens.shape[1]
     if attention_impl == "cudnn":
         kv_lengths = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
 
@@ -256,9 +240,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
                                                key_value_seq_lengths=kv_lengths, implementation="cudnn")
             return out.astype(q.dtype), None
     else:
-        causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
-        same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
-        mask = causal[None] & same
+        mask = segment_mask(segment_ids)
 
         def attend(q, k, v):
             return attention(q, k, v, mask), None
@@ -296,8 +278,6 @@ def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positio
     runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"auto"`` picks pallas on
     a GPU and xla elsewhere. ``remat`` as in :func:`forward`.
     """
-    from treejax.models import tree_attention
-
     _check_tokens(tokens, positions)
     if node_lo.shape != tokens.shape or node_hi.shape != tokens.shape:
         raise ValueError(f"node_lo / node_hi must be [B, L] like tokens {tokens.shape}; got {node_lo.shape}, "
@@ -513,11 +493,9 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     Layers are unrolled (each writes its own cache buffer in place).
     """
     _check_tokens(tokens, positions)
-    Bp, Lp = tokens.shape
+    Bp = tokens.shape[0]
     rows = jnp.arange(Bp) if rows is None else rows
-    causal = jnp.arange(Lp)[:, None] >= jnp.arange(Lp)[None, :]
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
-    mask = causal[None] & same
+    mask = segment_mask(segment_ids)
     # Padding tokens are written out of bounds and dropped.
     slots = jnp.where(segment_ids != 0, positions, cache_length(cache))
     x = embed(params, config, tokens)
@@ -535,24 +513,6 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         ks.append(ck)
         vs.append(cv)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}
-
-
-def windowed_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                              window: int | None = None) -> jax.Array:
-    """Masked decode attention of ``q: [B, 1, Q, H]`` over the first ``window`` slots of ``k/v_cache:
-    [B, K, L, H]`` (slot ``t`` visible to row ``b`` iff ``t <= positions[b]``). Scores/softmax in fp32."""
-    B, _, Q, H = q.shape
-    K, L = k_cache.shape[1], k_cache.shape[2]
-    window = L if window is None else min(window, L)
-    kw = lax.slice_in_dim(k_cache, 0, window, axis=2)
-    vw = lax.slice_in_dim(v_cache, 0, window, axis=2)
-    qg = q[:, 0].reshape(B, K, Q // K, H)
-    scores = jnp.einsum("bkgh,bksh->bkgs", qg.astype(kw.dtype), kw, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(H)
-    visible = (jnp.arange(window)[None, :] <= positions[:, None])[:, None, None, :]
-    probs = jax.nn.softmax(jnp.where(visible, scores, _NEG), axis=-1)
-    out = jnp.einsum("bkgs,bksh->bkgh", probs.astype(vw.dtype), vw, preferred_element_type=jnp.float32)
-    return out.reshape(B, 1, Q, H).astype(q.dtype)
 
 
 @functools.partial(jax.named_call, name="decode_step")

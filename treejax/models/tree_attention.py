@@ -8,7 +8,7 @@ the node's subtree). With the row laid out in preorder (ancestors before descend
 
 Implementations (``attention_impl``):
 
-* ``"xla"``: the dense mask ``[B, L, L]`` and fp32 scores, with :func:`treejax.models.transformer.attention`.
+* ``"xla"``: the dense mask ``[B, L, L]`` and fp32 scores, with :func:`treejax.models.dense_attention.attention`.
   Exact on every backend; memory ``O(L^2)`` per row and head, so meant for CPU/TPU tests and short rows.
 * ``"pallas"``: a block-sparse flash-attention kernel (Pallas, Triton on GPU): queries in blocks, keys in
   blocks, the mask computed per tile from the two interval vectors, tiles without any visible key skipped, online
@@ -29,6 +29,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from treejax.models import tree_flash
+from treejax.models.dense_attention import attention, causal_mask
+from treejax.parallel.mesh import rows_and_heads
 
 TREE_ATTENTION_IMPLS = ("xla", "pallas", "auto")
 
@@ -36,10 +41,8 @@ TREE_ATTENTION_IMPLS = ("xla", "pallas", "auto")
 def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
     """Dense ``[B, L, L]`` attention mask of packed rows (True = attend):
     ``(j <= i) & (node_lo[j] <= node_lo[i] <= node_hi[j])``."""
-    L = node_lo_BxL.shape[1]
-    causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
     q = node_lo_BxL[:, :, None]
-    return causal[None] & (node_lo_BxL[:, None, :] <= q) & (q <= node_hi_BxL[:, None, :])
+    return causal_mask(node_lo_BxL.shape[1])[None] & (node_lo_BxL[:, None, :] <= q) & (q <= node_hi_BxL[:, None, :])
 
 
 def resolve_impl(attention_impl: str) -> str:
@@ -57,12 +60,8 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     Whatever depends only on the intervals (the dense mask) is built once here, outside the layer loop."""
     impl = resolve_impl(attention_impl)
     if impl == "xla":
-        from treejax.models.transformer import attention
-
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
         return lambda q, k, v: attention(q, k, v, mask)
-    from treejax.models import tree_flash
-
     interpret = jax.default_backend() != "gpu"
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
@@ -72,11 +71,6 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
 
 def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool):
     """The Pallas tree attention inside ``jax.shard_map`` over rows and heads of the context ``mesh``."""
-    from jax.sharding import PartitionSpec as P
-
-    from treejax.models import tree_flash
-    from treejax.parallel.mesh import rows_and_heads
-
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
 

@@ -93,13 +93,6 @@ def _any(mask):
     return jnp.max(jnp.max(mask.astype(jnp.int32), axis=1), axis=0) > 0
 
 
-def _load(ref, head_dim):
-    from jax.experimental.pallas import triton as plgpu
-
-    head_mask = (jnp.arange(ref.shape[-1]) < head_dim)[None, :]
-    return plgpu.load(ref, mask=head_mask, other=0.0)
-
-
 def block_tables(lo_BxL: jax.Array, hi_BxL: jax.Array, block_q: int, block_k: int):
     """Tile tables of packed rows (module docstring).
 

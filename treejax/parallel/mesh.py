@@ -13,6 +13,7 @@ directly on its device. The update is jitted with the same shardings in and out,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable
@@ -75,8 +76,6 @@ def mesh_context(mesh: Mesh | None):
     """``jax.set_mesh(mesh)`` on a multi-device mesh, a no-op context otherwise. The training loop traces its
     programs inside it, so model code that must name mesh axes (operands of kernels GSPMD cannot partition, or
     whose partitioner needs one layout) reads them from ``jax.sharding.get_abstract_mesh()``."""
-    import contextlib
-
     return jax.set_mesh(mesh) if mesh is not None and mesh.size > 1 else contextlib.nullcontext()
 
 
@@ -157,11 +156,6 @@ def batch_sharding(mesh: Mesh, batch: Any, rules: Rules = DEFAULT_RULES) -> Any:
                                                       tuple(x.shape))), batch)
 
 
-def sharded_init(init_fn: Callable[[], Any], shardings: Any) -> Any:
-    """``jax.jit(init_fn, out_shardings=shardings)()``: each device materialises only its shards."""
-    return jax.jit(init_fn, out_shardings=shardings)()
-
-
 def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: optax.GradientTransformation,
                           mesh: Mesh) -> Any:
     """Shardings for a ``TrainState``: params as given, optimizer leaves that mirror params (Adam moments) like
@@ -171,15 +165,6 @@ def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: 
         transform_non_params=lambda _: replicated(mesh),
     )
     return abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh))
-
-
-def init_train_state(init_state_fn: Callable[[], Any], param_logical_axes: Any, optimizer: optax.GradientTransformation,
-                     mesh: Mesh, rules: Rules = DEFAULT_RULES) -> tuple[Any, Any]:
-    """Sharded ``TrainState`` init: eval_shape -> shardings -> jit(out_shardings). Returns (state, shardings)."""
-    abstract = jax.eval_shape(init_state_fn)
-    param_sh = logical_to_sharding(param_logical_axes, mesh, rules, abstract.params)
-    shardings = train_state_shardings(abstract, param_sh, optimizer, mesh)
-    return sharded_init(init_state_fn, shardings), shardings
 
 
 def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, mesh: Mesh) -> Callable:

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from treejax.errors import ConfigError
 
@@ -146,8 +147,6 @@ def host_tree(tree: Any) -> Any:
     remote = [i for i, x in enumerate(leaves) if not _local(x)]
     out = [np.asarray(x) if i not in remote else None for i, x in enumerate(leaves)]
     if remote:
-        from jax.experimental import multihost_utils
-
         gathered = multihost_utils.process_allgather([leaves[i] for i in remote], tiled=True)
         for i, g in zip(remote, gathered):
             out[i] = np.asarray(g)
@@ -158,8 +157,6 @@ def any_process(flag: bool) -> bool:
     """Whether ``flag`` is true on any process (a collective in multi-process runs; local otherwise)."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.asarray([bool(flag)]))))
 
 
@@ -167,8 +164,6 @@ def broadcast_text(text: str | None) -> str | None:
     """Process 0's ``text`` on every process (``None`` stays ``None``; at most :data:`MESSAGE_BYTES` bytes)."""
     if jax.process_count() == 1:
         return text
-    from jax.experimental import multihost_utils
-
     buf = np.zeros(MESSAGE_BYTES + 1, np.uint8)
     if text is not None:
         data = text.encode()[:MESSAGE_BYTES]
@@ -183,6 +178,4 @@ def broadcast_text(text: str | None) -> str | None:
 def sync(name: str) -> None:
     """A barrier of every process (no-op with one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

@@ -54,6 +54,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from treejax.choices import check_choice
+
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k3")
@@ -89,8 +91,6 @@ class LossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self):
-        from treejax.choices import check_choice
-
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
         if self.eps_high < 0.0:

@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from treejax.choices import check_choice
+from treejax.config_types import check_types
+
 DECAY_SCHEDULES = ("cosine", "linear", "constant")
 _NO_DECAY_NAME = re.compile(r"(norm|bias|scale)|^b[qkvo]$")
 
@@ -50,11 +53,7 @@ class OptimizerConfig:
     moments_dtype: str | None = None  # None: same dtype as the params; "bfloat16" to halve m's memory
 
     def __post_init__(self):
-        from treejax.config_types import check_types
-
         check_types(self)  # OptimizerConfig(learning_rate="1e-5") names the field, not a failed comparison
-        from treejax.choices import check_choice
-
         check_choice("OptimizerConfig.decay", self.decay, DECAY_SCHEDULES)
         check_choice("OptimizerConfig.moments_dtype", self.moments_dtype, (None, "float32", "bfloat16", "float16"))
         if self.learning_rate < 0 or self.weight_decay < 0:

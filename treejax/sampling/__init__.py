@@ -7,12 +7,11 @@ from treejax.sampling.cache import fork_rows, init_kv_cache
 from treejax.sampling.decode import FinishReason, GenerateOutput, ModelFns, generate, make_model_fns
 from treejax.sampling.predicates import BoxedAnswer
 from treejax.sampling.strategies import Greedy, MinP, Strategy, Temperature, TopK, TopP, get_strategy
-from treejax.sampling.tree import (DIVERGENCE_POLICIES, TreeConfig, independent_config, make_independent_rollout,
-                                   make_tree_rollout)
+from treejax.sampling.tree import TreeConfig, independent_config, make_independent_rollout, make_tree_rollout
 
 __all__ = [
     "BranchingRule", "ECHO", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
-    "BoxedAnswer", "DIVERGENCE_POLICIES", "FinishReason", "GenerateOutput", "Greedy", "MinP", "ModelFns", "Strategy",
+    "BoxedAnswer", "FinishReason", "GenerateOutput", "Greedy", "MinP", "ModelFns", "Strategy",
     "Temperature", "TopK", "TopP", "TreeConfig", "dense_decode_attention", "fork_rows", "generate", "get_strategy",
     "independent_config", "init_kv_cache", "make_independent_rollout", "make_model_fns", "make_tree_rollout",
     "ragged_decode_attention",

@@ -79,6 +79,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from treejax.models.dense_attention import windowed_decode_attention
+from treejax.parallel.axis_rules import DEFAULT_RULES
+from treejax.parallel.mesh import rows_and_heads
 
 ATTENTION_IMPLS = ("ragged", "pallas", "dense", "auto")
 #: Head sizes and cache dtypes the Pallas kernel takes, and its K/V tile cap in bytes (module docstring).
@@ -197,8 +202,6 @@ def _pallas_tiling(L: int, block_size: int, k_splits: int) -> tuple[int, int]:
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
     """Reference: masked attention over the whole cache (reads all ``L`` slots every step)."""
-    from treejax.models.transformer import windowed_decode_attention
-
     _check(q, k_cache)
     return windowed_decode_attention(q, k_cache, v_cache, positions)
 
@@ -242,11 +245,6 @@ def shard_decode_attention(attention_fn, mesh, rules=None):
     reads KV head ``h // G``, and contiguous blocks of ``Q = K G`` heads line up with blocks of ``K``). A mesh
     axis that does not divide a dimension is dropped for it (replicated), as everywhere else.
     """
-    from jax.sharding import PartitionSpec as P
-
-    from treejax.parallel.axis_rules import DEFAULT_RULES
-    from treejax.parallel.mesh import rows_and_heads
-
     rules = DEFAULT_RULES if rules is None else rules
 
     def sharded(q, k_cache, v_cache, positions):

@@ -62,11 +62,6 @@ def shard_rows(tree, mesh, rules: Rules = DEFAULT_RULES):
                         tree)
 
 
-def cache_bytes(config: ModelConfig, rows: int, length: int, dtype=jnp.bfloat16) -> int:
-    """Bytes of a cache of ``rows x length`` slots."""
-    return 2 * config.num_layers * rows * length * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
-
-
 def fork_rows(cache, src_R: jax.Array, any_copy: jax.Array | None = None):
     """Row ``r`` of the result is row ``src_R[r]`` of ``cache`` (identity where ``src_R[r] == r``).
 

@@ -161,6 +161,14 @@ def bucket_length(length: int, minimum: int = 16) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def resolve_stop_ids(stop_ids, model) -> tuple[int, ...]:
+    """``stop_ids`` as a tuple of ints; ``None``: the model config's ``eos_token_ids`` (none for a plain
+    :class:`ModelFns`)."""
+    if stop_ids is None:
+        stop_ids = model.eos_token_ids if isinstance(model, ModelConfig) else ()
+    return tuple(int(s) for s in stop_ids)
+
+
 def validate_prompts(prompt_tokens, prompt_lengths) -> tuple[np.ndarray, np.ndarray]:
     """Host-side checks with clear errors; returns int32 numpy arrays (right-padded tokens, lengths)."""
     tokens = np.asarray(prompt_tokens)
@@ -349,10 +357,9 @@ def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.A
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     fns = as_model_fns(model, mesh, rules)
-    if stop_ids is None:
-        stop_ids = tuple(model.eos_token_ids) if isinstance(model, ModelConfig) else ()
+    stop_ids = resolve_stop_ids(stop_ids, model)
     tokens, lens = validate_prompts(prompts, lengths)
     bucket = bucket_length(tokens.shape[1])
     return _generate_core(params, jnp.asarray(pad_prompts(tokens, bucket)), jnp.asarray(lens), key, model=fns,
-                          max_new_tokens=int(max_new_tokens), strategy=strategy, stop_ids=tuple(int(s) for s in stop_ids),
+                          max_new_tokens=int(max_new_tokens), strategy=strategy, stop_ids=stop_ids,
                           with_entropy=bool(with_entropy))

@@ -1,10 +1,18 @@
-"""Jitted kernels the tree sampler runs at segment boundaries: repetition detection, budget allocation,
-divergence weights (TreePO §2.2 / official ``vllm_rollout_spmd.py``). All are pure, fixed-shape and masked."""
+"""Jitted kernels the tree sampler runs at segment boundaries: ranks within a row, repetition detection,
+budget allocation, divergence weights (TreePO §2.2 / official ``vllm_rollout_spmd.py``). All are pure,
+fixed-shape and masked."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def rank_within(mask_PxW: jax.Array) -> jax.Array:
+    """int32[P, W]: exclusive rank of each True entry among the True entries of its row (its count of True
+    entries before it)."""
+    m = mask_PxW.astype(jnp.int32)
+    return jnp.cumsum(m, axis=-1) - m
 
 
 def ngram_repetition(tokens_BxS: jax.Array, lengths_B: jax.Array, n: int, count: int) -> jax.Array:

@@ -90,12 +90,11 @@ from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode
-from treejax.sampling.tree_config import DIVERGENCE_POLICIES, TreeConfig, independent_config
+from treejax.sampling.tree_config import TreeConfig, independent_config
 from treejax.sampling.tree_stages import INIT_STREAM, RolloutInputs, segment_step
 from treejax.sampling.tree_state import Counters, Leaves, Nodes, Paths, Rows, TreeState, shard_state
 
-__all__ = ["DIVERGENCE_POLICIES", "TreeConfig", "independent_config", "make_independent_rollout",
-           "make_tree_rollout"]
+__all__ = ["TreeConfig", "independent_config", "make_independent_rollout", "make_tree_rollout"]
 
 
 # ----------------------------------------------------------------------------------------------- the rollout
@@ -197,16 +196,13 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     :class:`decode.ModelFns`. ``mesh`` (a ``jax.sharding.Mesh``, e.g. ``treejax.parallel.mesh.make_mesh``) with
     ``rules``: run sharded (module docstring); ``params`` should then be placed by ``transformer.
     param_logical_axes`` (``logical_to_sharding(..., mesh, shapes=params)``). Prompts are right-padded; the padded width is bucketed (powers of two) so a new
-    prompt length recompiles only when it crosses a bucket. ``step`` (the training step) drives the divergence
-    temperature schedule. ``info`` holds the counters (see module docstring), ``sampling_logprobs`` and
+    prompt length recompiles only when it crosses a bucket. ``step`` (the training step) drives the branching
+    rule's temperature schedule. ``info`` holds the counters (see module docstring), ``sampling_logprobs`` and
     ``entropy`` ``[P, W, T]``, and ``complete`` (every prompt has W leaves).
     """
     fns = decode.as_model_fns(model, mesh, rules)
     tc = tree_config
-    stop_ids = tc.stop_ids
-    if stop_ids is None:
-        stop_ids = tuple(model.eos_token_ids) if isinstance(model, ModelConfig) else ()
-    stop_ids = tuple(int(x) for x in stop_ids)
+    stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
     core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids),
                    compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
 

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable
 
 from treejax.choices import check_choice
 from treejax.errors import ConfigError
-from treejax.sampling.branching import BranchingRule, FixedAverage, LogProbWeighted
+from treejax.sampling.branching import BranchingRule, FixedAverage, rule_classes
 from treejax.sampling.strategies import Strategy, Temperature
 
 #: ``TreeConfig.allocation`` values (see :class:`TreeConfig`).
 ALLOCATIONS = ("transfer", "slots")
-#: Deprecated string names of TreePO's branching rules (``TreeConfig.divergence``), mapped to rules.
-DIVERGENCE_POLICIES = ("fixed_average", "fixed_average_official", "logprob_segment", "logprob_path")
-_DIVERGENCE_DEFAULTS = dict(divergence="fixed_average", divergence_sign=1.0, divergence_temperature=2.0,
-                            divergence_schedule=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +45,6 @@ class TreeConfig:
       ``k = W`` is GRPO's independent sampling. Only rules that can split a path's own slots
       (:attr:`BranchingRule.splits_slots`, e.g. ``FixedAverage``) and that do not prune are allowed.
 
-    Deprecated: ``divergence`` (one of :data:`DIVERGENCE_POLICIES`) with ``divergence_sign``,
-    ``divergence_temperature`` and ``divergence_schedule`` still work, mapped to the rule they name
-    (:attr:`rule`), and warn; setting them together with ``branching`` is an error.
     ``with_entropy``: record per-token entropy in ``info["entropy"]`` (also computed whenever the rule needs it);
     ``max_prompt_length``: prompts longer than this are rejected (the cache is sized from it when given).
     ``row_buckets``: the decode step runs on the smallest of ``R, R/2, ..., R/2^(row_buckets-1)`` rows that
@@ -75,10 +67,6 @@ class TreeConfig:
     repetition_count: int = 0
     repetition_scope: str = "segment"
     branching: BranchingRule | None = None
-    divergence: str = "fixed_average"
-    divergence_sign: float = 1.0
-    divergence_temperature: float = 2.0
-    divergence_schedule: tuple[float, float, int] | None = None
     budget_transfer: bool = True
     fallback: bool = True
     allocation: str = "transfer"
@@ -107,21 +95,7 @@ class TreeConfig:
         if self.max_response_length is not None and not 0 < self.max_response_length <= self.max_depth * self.segment_length:
             raise ValueError(f"TreeConfig.max_response_length must be in (0, D*S={self.max_depth * self.segment_length}]"
                              f", got {self.max_response_length}")
-        try:
-            check_choice("TreeConfig.divergence", self.divergence, DIVERGENCE_POLICIES)
-        except ConfigError as e:
-            raise ConfigError(f"unknown divergence policy (deprecated: set TreeConfig.branching to a rule "
-                              f"instead): {e}") from None
-        legacy = [k for k, v in _DIVERGENCE_DEFAULTS.items() if getattr(self, k) != v]
-        if legacy and self.branching is not None:
-            raise ValueError(f"TreeConfig: set either branching={self.branching!r} or the deprecated {legacy}, "
-                             "not both")
-        if legacy:
-            warnings.warn(f"TreeConfig.{legacy[0]} is deprecated: use TreeConfig.branching={self.rule!r}",
-                          DeprecationWarning, stacklevel=3)
         if self.branching is not None and not isinstance(self.branching, BranchingRule):
-            from treejax.sampling.branching import rule_classes
-
             raise ConfigError(f"TreeConfig.branching must be a branching rule, got {self.branching!r}; valid: "
                               f"{', '.join(f'@{c.__name__}()' for c in rule_classes().values())}")
         check_choice("TreeConfig.allocation", self.allocation, ALLOCATIONS)
@@ -145,15 +119,8 @@ class TreeConfig:
 
     @property
     def rule(self) -> BranchingRule:
-        """The branching rule: ``branching``, or the one the deprecated ``divergence`` fields name."""
-        if self.branching is not None:
-            return self.branching
-        if self.divergence == "fixed_average":
-            return FixedAverage()
-        if self.divergence == "fixed_average_official":
-            return FixedAverage(remainder="last")
-        return LogProbWeighted(scope=self.divergence.removeprefix("logprob_"), sign=self.divergence_sign,
-                               temperature=self.divergence_temperature, schedule=self.divergence_schedule)
+        """The branching rule: ``branching``, or :class:`~treejax.sampling.branching.FixedAverage` by default."""
+        return FixedAverage() if self.branching is None else self.branching
 
     @property
     def slots(self) -> bool:

@@ -54,12 +54,6 @@ class RolloutInputs:
     prompt_position_P: jax.Array
 
 
-def rank_within(mask_PxW: jax.Array) -> jax.Array:
-    """Exclusive rank of each True entry among the True entries of its prompt row."""
-    m = mask_PxW.astype(jnp.int32)
-    return jnp.cumsum(m, axis=-1) - m
-
-
 def bucket_sizes(R: int, buckets: int) -> tuple[int, ...]:
     """Static row counts the decode step may run on: ``R, R/2, ..., R/2^(buckets-1)`` (ascending, >= 1)."""
     return tuple(sorted({max(1, -(-R // (2 ** i))) for i in range(max(1, buckets))}))
@@ -82,7 +76,7 @@ def open_nodes(rows: Rows, nodes: Nodes) -> tuple[Rows, Nodes]:
     W = R // P
     alive, depth, path = rows.alive_R, rows.depth_R, rows.paths.path_RxD1
     alive_PxW = alive.reshape(P, W)
-    new_id = (nodes.next_P[:, None] + rank_within(alive_PxW)).reshape(R)
+    new_id = (nodes.next_P[:, None] + kernels.rank_within(alive_PxW)).reshape(R)
     parent_id = jnp.take_along_axis(path, depth[:, None], axis=1)[:, 0]
     flat = jnp.where(alive, _row_prompt(R, W) * N + new_id, P * N)
 
@@ -307,7 +301,7 @@ def _children_rows(counts_PxW: jax.Array, live_PxW: jax.Array):
     extra = jnp.maximum(counts_PxW - 1, 0)
     cum = jnp.cumsum(extra, axis=-1)  # inclusive
     free = ~live_PxW
-    free_rank = rank_within(free)
+    free_rank = kernels.rank_within(free)
     parent_local = jax.vmap(lambda cm, j: jnp.searchsorted(cm, j, side="right"))(cum, free_rank)
     takes = free & (free_rank < cum[:, -1:])
     first_extra = jnp.take_along_axis(cum - extra, jnp.minimum(parent_local, W - 1), axis=-1)
@@ -362,7 +356,7 @@ def fall_back(leaves: Leaves, nodes: Nodes, n_live_P: jax.Array, key: jax.Array,
     copies = jnp.minimum(tc.branch_factor, W - leaves_P)
     base_local = (base_row - jnp.arange(P) * W)[:, None]
     local = jnp.arange(W)[None, :]
-    others_rank = rank_within(local != base_local)
+    others_rank = kernels.rank_within(local != base_local)
     fb = need[:, None] & ((local == base_local) | ((local != base_local) & (others_rank < (copies - 1)[:, None])))
     return Fallback(need_P=need, has_leaf_P=has_leaf, leaf_P=leaf, cut_P=cut, base_row_P=base_row,
                     rows_R=fb.reshape(P * W))

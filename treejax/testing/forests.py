@@ -8,6 +8,7 @@ leaf — as in TreePO's sampler. Node ids (1..) are shuffled so code can't rely 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from treejax.forest import Forest, NodeStatus, forest_from_paths
@@ -66,8 +67,6 @@ def random_forest(rng: np.random.Generator, num_prompts: int, num_leaves: int, m
 
 def pad_nodes(forest: Forest, num_nodes: int) -> Forest:
     """Pads the node arrays to ``num_nodes`` slots (unused: parent -1, depth -1, status UNUSED)."""
-    import jax.numpy as jnp
-
     have = forest.node_parent.shape[1]
     if have > num_nodes:
         raise ValueError(f"forest has {have} node slots, more than the requested capacity {num_nodes}")

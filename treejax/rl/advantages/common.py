@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.forest import subgroup_masks
 
 
 def materialize(x: jax.Array) -> jax.Array:
@@ -107,11 +106,6 @@ def other_subtrees_deviation(leaf_path_WxD1: jax.Array, rewards_W: jax.Array) ->
     return jnp.where(n > 0, pairwise_sum(jnp.where(other, diff, 0.0), axis=-1) / jnp.maximum(n, 1.0), 0.0)
 
 
-def leaf_groups(leaf_path_WxD1: jax.Array) -> jax.Array:
-    """[W, D+1] -> [D+1, W, W] subgroup membership of one prompt (see :func:`treejax.forest.subgroup_masks`)."""
-    return subgroup_masks(leaf_path_WxD1)
-
-
 def broadcast_leaves(leaf_PxW: jax.Array, loss_mask_PxWxT: jax.Array) -> jax.Array:
     """Per-leaf scalars -> per-token values, 0 where the loss mask is 0."""
     return jnp.where(loss_mask_PxWxT > 0, leaf_PxW[:, :, None], 0.0).astype(jnp.float32)
@@ -161,12 +155,6 @@ def masked_whiten(x_PxWxT: jax.Array, mask_PxWxT: jax.Array, eps: float = 1e-8, 
     """
     mu, inv = whiten_stats(x_PxWxT, mask_PxWxT, eps, unbiased)
     return jnp.where(mask_PxWxT > 0, (x_PxWxT - mu) * inv, 0.0)
-
-
-def whiten_or_mask(tokens_PxWxT: jax.Array, mask_PxWxT: jax.Array, whiten: bool, eps: float) -> jax.Array:
-    if whiten:
-        return masked_whiten(tokens_PxWxT, mask_PxWxT, eps=eps)
-    return jnp.where(mask_PxWxT > 0, tokens_PxWxT, 0.0)
 
 
 def check_rewards(forest, rewards_PxW: jax.Array) -> jax.Array:

@@ -13,11 +13,6 @@ from treejax.sampling import kernels
 from treejax.sampling.branching.base import BranchingRule, PathStats, register
 
 
-def _rank_within(mask_PxW: jax.Array) -> jax.Array:
-    m = mask_PxW.astype(jnp.int32)
-    return jnp.cumsum(m, axis=-1) - m
-
-
 @register("fixed_average")
 @dataclasses.dataclass(frozen=True)
 class FixedAverage(BranchingRule):
@@ -45,7 +40,7 @@ class FixedAverage(BranchingRule):
         n = jnp.sum(live, axis=-1)
         base = jnp.where(n > 0, total_P // jnp.maximum(n, 1), 0)
         rem = jnp.where(n > 0, total_P - base * n, 0)
-        last = live & (_rank_within(live) == (n - 1)[:, None])
+        last = live & (kernels.rank_within(live) == (n - 1)[:, None])
         return jnp.where(live, base[:, None] + jnp.where(last, rem[:, None], 0), 0).astype(jnp.int32)
 
 

@@ -116,7 +116,8 @@ def run_layout(name, cfg, loss, batch, micro, args):
     """Compile, warm up and time one layout; returns a result dict (or the error)."""
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, warmup_steps=0, total_steps=100))
     layout = (Expanded(cfg, attention_impl=args.attention, chunk_size=args.logprob_chunk) if name == "expanded" else
-              Packed(cfg, packing.PackingConfig(attention_impl=args.tree_attention), chunk_size=args.logprob_chunk))
+              Packed(cfg, packing.PackingConfig(attention_impl=args.tree_attention), chunk_size=args.logprob_chunk,
+                     blocks=args.blocks))
     update_fn = make_update_fn(layout, loss, optimizer, num_micro_batches=micro, remat=args.remat)
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(jax.random.key(0))
     state = jax.jit(lambda p: TrainState.create(p, optimizer))(params)
@@ -217,12 +218,11 @@ def main(argv=None):
         args.micro_packed = args.micro
     from treejax.models import tree_flash
 
-    if args.tree_blocks:
-        try:
-            tree_flash.DEFAULT_BLOCKS = tree_flash.TreeFlashBlocks.parse(args.tree_blocks)
-        except ValueError as e:
-            raise SystemExit(f"--tree-blocks: {e}") from None
-    args.tree_blocks = str(tree_flash.DEFAULT_BLOCKS)
+    try:
+        args.blocks = tree_flash.TreeFlashBlocks.parse(args.tree_blocks) if args.tree_blocks else None
+    except ValueError as e:
+        raise SystemExit(f"--tree-blocks: {e}") from None
+    args.tree_blocks = str(args.blocks or tree_flash.DEFAULT_BLOCKS)
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; remat {args.remat}; "
           f"expanded attention {args.attention}; tree attention {args.tree_attention} (tiles {args.tree_blocks}); "

@@ -97,6 +97,7 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
     from treejax.data.prompts import encode_prompts, pad_token_lists
     from treejax.rl.scoring import score_forest
     from treejax.rl.setup import filter_prompts
+    from treejax.sampling.decode import resolve_stop_ids
     from treejax.sampling.decode import make_model_fns
     from treejax.sampling.tree import make_tree_rollout
 
@@ -110,7 +111,7 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
         params, _ = restore_params(checkpoint, params)
     params = prec.sampler_params(params)
     fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
-    tc = dataclasses.replace(cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids))
+    tc = dataclasses.replace(cfg.rollout, stop_ids=resolve_stop_ids(cfg.rollout.stop_ids, tokenizer=tokenizer))
     arms = rollout_arms(tc, list(slots), include_config)
     rollouts = {name: make_tree_rollout(fns, arm) for name, arm in arms.items()}
     records, _, width = filter_prompts(tokenizer, task, task.records("train"), [], cfg)

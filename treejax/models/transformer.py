@@ -265,7 +265,7 @@ def _run_layers(params: Params, config: ModelConfig, tokens: jax.Array, position
 @apply_policy
 def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
                  node_lo: jax.Array, node_hi: jax.Array, remat: bool | str = False,
-                 attention_impl: str = "xla") -> jax.Array:
+                 attention_impl: str = "xla", blocks=None) -> jax.Array:
     """Forward of tree-packed rows (``treejax.rl.packing``); returns the final-normed hidden states ``[B, L, E]``.
 
     ``tokens, positions, node_lo, node_hi: [B, L]``. Token ``i`` attends to token ``j`` iff ``j <= i`` and
@@ -276,13 +276,14 @@ def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positio
     ``attention_impl`` (:data:`treejax.models.tree_attention.TREE_ATTENTION_IMPLS`): ``"xla"`` materialises the
     dense ``[L, L]`` mask and scores (exact on every backend; memory ``O(L^2)`` per row and head), ``"pallas"``
     runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"auto"`` picks pallas on
-    a GPU and xla elsewhere. ``remat`` as in :func:`forward`.
+    a GPU and xla elsewhere; ``blocks`` the Pallas kernel's tiles (``tree_flash.TreeFlashBlocks``; default
+    ``tree_flash.DEFAULT_BLOCKS``). ``remat`` as in :func:`forward`.
     """
     _check_tokens(tokens, positions)
     if node_lo.shape != tokens.shape or node_hi.shape != tokens.shape:
         raise ValueError(f"node_lo / node_hi must be [B, L] like tokens {tokens.shape}; got {node_lo.shape}, "
                          f"{node_hi.shape}")
-    attend_fn = tree_attention.make_tree_attention(node_lo, node_hi, attention_impl)
+    attend_fn = tree_attention.make_tree_attention(node_lo, node_hi, attention_impl, blocks)
 
     def attend(q, k, v):
         return attend_fn(q, k, v), None

@@ -53,11 +53,13 @@ def resolve_impl(attention_impl: str) -> str:
     return attention_impl
 
 
-def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attention_impl: str = "xla"
+def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attention_impl: str = "xla",
+                        blocks: tree_flash.TreeFlashBlocks | None = None
                         ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """``attend(q [B, L, Q, H], k [B, L, K, H], v [B, L, K, H]) -> [B, L, Q, H]`` for rows with these intervals.
 
-    Whatever depends only on the intervals (the dense mask) is built once here, outside the layer loop."""
+    Whatever depends only on the intervals (the dense mask) is built once here, outside the layer loop.
+    ``blocks``: the Pallas kernel's tiles (default :data:`treejax.models.tree_flash.DEFAULT_BLOCKS`)."""
     impl = resolve_impl(attention_impl)
     if impl == "xla":
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
@@ -65,11 +67,11 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     interpret = jax.default_backend() != "gpu"
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, interpret=interpret)
-    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret)
+        return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
+    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret, blocks or tree_flash.DEFAULT_BLOCKS)
 
 
-def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool):
+def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool, blocks):
     """The Pallas tree attention inside ``jax.shard_map`` over rows and heads of the context ``mesh``."""
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
@@ -78,7 +80,7 @@ def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool):
         rows, heads = rows_and_heads(mesh, lo.shape[0], q.shape[2], k.shape[2])
         qkv, pos = P(rows, None, heads, None), P(rows, None)
         fn = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
-            q, k, v, lo, hi, tree_flash.DEFAULT_BLOCKS, interpret)
+            q, k, v, lo, hi, blocks, interpret)
         return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, pos, pos), out_specs=qkv, check_vma=False)(q, k, v, lo, hi)
 
     return attend

@@ -33,7 +33,7 @@ from treejax.data import verifiers
 from treejax.data.prompts import encode_examples, pad_token_lists
 from treejax.parallel.multihost import host_tree
 from treejax.rl.scoring import decode_texts
-from treejax.sampling.decode import bucket_length, generate
+from treejax.sampling.decode import bucket_length, generate, resolve_stop_ids
 from treejax.sampling.strategies import Greedy, Temperature
 
 __all__ = [
@@ -182,7 +182,7 @@ def prompt_width_for(tokenizer, examples, system_prompt=None, instruction=None) 
 def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_tokens, batch_size, strategy, key):
     """Responses (texts, lengths) of ``token_lists`` in fixed batches of ``batch_size`` rows."""
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    stop_ids = tuple(tokenizer.eos_ids)
+    stop_ids = resolve_stop_ids(None, tokenizer=tokenizer)
     texts, lengths = [], []
     for b, start in enumerate(range(0, len(token_lists), batch_size)):
         chunk = list(token_lists[start: start + batch_size])

@@ -36,6 +36,7 @@ import numpy as np
 
 from treejax.models import transformer
 from treejax.models.config import ModelConfig
+from treejax.models.tree_flash import TreeFlashBlocks
 from treejax.rl import packing as packing_lib
 from treejax.rl.batch import Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch
 
@@ -94,7 +95,8 @@ def sequence_logprobs(params: Any, model_config: ModelConfig, tokens_BxL: jax.Ar
 
 
 def packed_logprobs(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
-                    with_entropy: bool = False, remat: bool | str = False, attention_impl: str = "xla"):
+                    with_entropy: bool = False, remat: bool | str = False, attention_impl: str = "xla",
+                    blocks=None):
     """Log-probs (and entropies) of every unique token of packed rows, ``[R, L]``, computed once.
 
     ``hidden = forward_tree(tokens)``; token ``i`` is scored from the hidden state of its predictor
@@ -105,7 +107,7 @@ def packed_logprobs(params: Any, model_config: ModelConfig, inputs: TreeInputs, 
     (values at tokens without a predecessor, ``prev = -1``, are meaningless and never gathered as trained pairs).
     """
     hidden = transformer.forward_tree(params, model_config, inputs.tokens, inputs.positions, inputs.node_lo,
-                                      inputs.node_hi, remat=remat, attention_impl=attention_impl)
+                                      inputs.node_hi, remat=remat, attention_impl=attention_impl, blocks=blocks)
     h_prev = jnp.take_along_axis(hidden, jnp.maximum(inputs.prev, 0)[:, :, None], axis=1)
     return transformer.token_logprobs(params, model_config, h_prev, inputs.tokens, chunk_size=chunk_size,
                                       with_entropy=with_entropy)
@@ -165,7 +167,8 @@ class Packed:
     """Tree-packed rows (module docstring; :mod:`treejax.rl.packing`). ``row_multiple``: the packed row count is a
     multiple of it (micro-batches x batch-sharded devices). With ``packing.sticky`` the layout keeps the largest
     packed shape met so far (host state, :class:`~treejax.rl.packing.LayoutFloor`) and packs later mini-batches
-    into it, so the update compiles once per growth."""
+    into it, so the update compiles once per growth. ``blocks``: the Pallas tree kernel's tiles
+    (``tree_flash.TreeFlashBlocks``; ``None``: ``tree_flash.DEFAULT_BLOCKS``)."""
 
     model_config: ModelConfig
     packing: packing_lib.PackingConfig = packing_lib.PackingConfig()
@@ -173,6 +176,7 @@ class Packed:
     row_multiple: int = 1
     chunk_size: int = 8192
     floor: packing_lib.LayoutFloor | None = None
+    blocks: TreeFlashBlocks | None = None
 
     def __post_init__(self):
         if self.floor is None and self.packing.sticky:
@@ -211,7 +215,8 @@ class Packed:
 
     def pair_logprobs(self, params, inputs: TreeInputs, *, with_entropy: bool = False, remat: bool | str = False):
         out = packed_logprobs(params, self.model_config, inputs, chunk_size=self.chunk_size,
-                              with_entropy=with_entropy, remat=remat, attention_impl=self.packing.attention_impl)
+                              with_entropy=with_entropy, remat=remat, attention_impl=self.packing.attention_impl,
+                              blocks=self.blocks)
         if with_entropy:
             return gather_pairs(out[0], inputs.pair_index), gather_pairs(out[1], inputs.pair_index)
         return gather_pairs(out, inputs.pair_index)

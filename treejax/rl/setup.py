@@ -37,7 +37,7 @@ from treejax.rl.rollouts import TaskRollouts
 from treejax.rl.step import Learner, initial_reference, make_learner
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
-from treejax.sampling.decode import bucket_length, make_model_fns
+from treejax.sampling.decode import bucket_length, make_model_fns, resolve_stop_ids
 from treejax.sampling.tree import make_tree_rollout
 
 log = logging.getLogger("treejax.rl.loop")
@@ -139,7 +139,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
-        cfg.rollout, stop_ids=cfg.rollout.stop_ids or tuple(tokenizer.eos_ids)))
+        cfg.rollout, stop_ids=resolve_stop_ids(cfg.rollout.stop_ids, tokenizer=tokenizer)))
     mesh = make_mesh(cfg.mesh)
     sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype, mesh=mesh if mesh.size > 1 else None)
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)

@@ -161,11 +161,15 @@ def bucket_length(length: int, minimum: int = 16) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def resolve_stop_ids(stop_ids, model) -> tuple[int, ...]:
-    """``stop_ids`` as a tuple of ints; ``None``: the model config's ``eos_token_ids`` (none for a plain
-    :class:`ModelFns`)."""
+def resolve_stop_ids(stop_ids, model=None, tokenizer=None) -> tuple[int, ...]:
+    """``stop_ids`` as a tuple of ints; ``None`` (unset): the ``tokenizer``'s end-of-sequence ids when one is given
+    (what a run with a real tokenizer stops on), else the model config's ``eos_token_ids`` (none for a plain
+    :class:`ModelFns`). An explicit empty tuple means no stop ids."""
     if stop_ids is None:
-        stop_ids = model.eos_token_ids if isinstance(model, ModelConfig) else ()
+        if tokenizer is not None:
+            stop_ids = tokenizer.eos_ids
+        else:
+            stop_ids = model.eos_token_ids if isinstance(model, ModelConfig) else ()
     return tuple(int(s) for s in stop_ids)
 
 
@@ -189,6 +193,8 @@ def validate_prompts(prompt_tokens, prompt_lengths) -> tuple[np.ndarray, np.ndar
 
 
 def pad_prompts(tokens: np.ndarray, bucket: int, pad_id: int = 0) -> np.ndarray:
+    """Right-pads a ``[P, Lp]`` prompt array to its width bucket ``[P, bucket]`` (token lists of different lengths:
+    :func:`treejax.data.prompts.pad_token_lists`)."""
     P, Lp = tokens.shape
     out = np.full((P, bucket), pad_id, np.int32)
     out[:, :Lp] = tokens

@@ -147,7 +147,7 @@ def bench_tree(cfg, params, prompts: int, prompt_len: int, W: int, b: int, D: in
             forest, info = ro(params, toks, lens, jax.random.key(r + 1))
             jax.block_until_ready(forest)
             times.append(time.perf_counter() - t0)
-        out[name] = (int(info["decoded_tokens"]), min(times), int(info["segments"]), int(info["forks"]))
+        out[name] = (int(info.decoded_tokens), min(times), int(info.segments), int(info.forks))
     return out
 
 

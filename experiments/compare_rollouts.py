@@ -137,8 +137,8 @@ def compare(cfg, batches: int, seed: int = 0, checkpoint: str | None = None, slo
                     "path": np.asarray(forest.leaf_path), "weight": np.asarray(forest.leaf_weights(), np.float64),
                     "length": np.asarray(forest.leaf_length), "status": np.asarray(forest.leaf_status),
                     "correct": (score_forest(tokenizer, task, examples, forest) >= 1).astype(np.float64),
-                    "first": np.asarray(forest.distinct_leaves()), "decoded": int(info["decoded_tokens"]),
-                    "rounds": int(info["segments"])})
+                    "first": np.asarray(forest.distinct_leaves()), "decoded": int(info.decoded_tokens),
+                    "rounds": int(info.segments)})
     out = {name: arm_report(got[name], seconds[name]) for name in rollouts}
     base = out["independent"]["ess_per_1k_tokens"]
     for r in out.values():

@@ -61,7 +61,7 @@ def sampled():
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, params)
     forest, info = tree.make_tree_rollout(CFG, TC)(params, PROMPTS, LENGTHS, TREE_KEY)
     status = np.asarray(forest.leaf_status)
-    assert int(info["forks"]) > 0 and int(info["fallbacks"]) > 0
+    assert int(info.forks) > 0 and int(info.fallbacks) > 0
     assert np.any(status == NodeStatus.EOS) and np.any(status == NodeStatus.TRUNCATED)
     filler = jax.tree.map(lambda x: x[:1], forest)
     filler = filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask))

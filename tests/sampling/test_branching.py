@@ -161,7 +161,7 @@ def _check_structure(forest, info, tc, P):
     W, S = tc.num_leaves, tc.segment_length
     path, llen = np.asarray(forest.leaf_path), np.asarray(forest.leaf_length)
     status, toks = np.asarray(forest.leaf_status), np.asarray(forest.tokens)
-    assert bool(info["complete"]) and path.shape[:2] == (P, W) and np.all(llen > 0)
+    assert bool(info.complete) and path.shape[:2] == (P, W) and np.all(llen > 0)
     assert set(np.unique(status).tolist()) <= {2, 3, 4, 5, 6}
     rebuilt = forest_from_paths(path, llen, S, leaf_status=status)
     n = rebuilt.node_parent.shape[1]
@@ -179,9 +179,9 @@ def _check_structure(forest, info, tc, P):
                 upto = min(llen[p, w], llen[p, v], shared * S)
                 np.testing.assert_array_equal(toks[p, w, :upto], toks[p, v, :upto])
         decoded += sum(seen.values())
-    assert int(info["decoded_tokens"]) == decoded
-    assert int(info["stops"]["pruned"]) == int(np.sum(status == NodeStatus.PRUNED))
-    assert sum(int(v) for v in info["stops"].values()) == P * W
+    assert int(info.decoded_tokens) == decoded
+    assert int(info.stops["pruned"]) == int(np.sum(status == NodeStatus.PRUNED))
+    assert sum(int(v) for v in info.stops.values()) == P * W
 
 
 def run_and_check(rule, params, seeds, tc=BASE, P=3):
@@ -213,8 +213,8 @@ def run_and_check(rule, params, seeds, tc=BASE, P=3):
             totals["uneven"] += int(np.any(want != even))
             totals["boundaries"] += 1
             extra += int(np.sum(np.maximum(want - 1, 0)))
-        assert int(info["forks"]) == extra  # the sampler forked exactly the extra children
-        assert int(info["stops"]["pruned"]) == sum(int(np.sum(r["out"] & r["s"]["live_PxW"]))
+        assert int(info.forks) == extra  # the sampler forked exactly the extra children
+        assert int(info.stops["pruned"]) == sum(int(np.sum(r["out"] & r["s"]["live_PxW"]))
                                                    for r in RECORDS[tag] if r["kind"] == "prune")
     assert decode.TRACE_COUNTS["tree_rollout"] - before <= 1  # one program for every step / key / batch
     assert totals["boundaries"] > 0

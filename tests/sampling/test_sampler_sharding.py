@@ -90,14 +90,14 @@ def test_tree_rollout_sharded_matches_one_device(shape, params_host, tree_refere
     forest, info = tree.make_tree_rollout(fns, TC)(_place(params_host, mesh), PROMPTS, LENGTHS, TREE_KEY)
     _check_cache_sharded(seen, shape)
     ref_forest, ref_info = tree_reference
-    assert int(ref_info["forks"]) > 0 and int(ref_info["fallbacks"]) > 0  # forks and fallbacks are exercised
+    assert int(ref_info.forks) > 0 and int(ref_info.fallbacks) > 0  # forks and fallbacks are exercised
     for k in ("decoded_tokens", "forks", "fallbacks", "segments"):
-        assert int(info[k]) == int(ref_info[k]), k
+        assert int(getattr(info, k)) == int(getattr(ref_info, k)), k
     np.testing.assert_array_equal(np.asarray(forest.tokens), ref_forest.tokens)
     np.testing.assert_array_equal(np.asarray(forest.leaf_path), ref_forest.leaf_path)
     np.testing.assert_array_equal(np.asarray(forest.leaf_status), ref_forest.leaf_status)
     np.testing.assert_allclose(np.asarray(forest.logprobs), ref_forest.logprobs, rtol=0, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(info["sampling_logprobs"]), ref_info["sampling_logprobs"], rtol=0,
+    np.testing.assert_allclose(np.asarray(info.sampling_logprobs_PxWxT), ref_info.sampling_logprobs_PxWxT, rtol=0,
                                atol=1e-4)
 
 

@@ -36,7 +36,7 @@ def _check_slots(forest, info, tc, k_P):
     P, W = forest.leaf_path.shape[:2]
     path = np.asarray(forest.leaf_path)
     np.testing.assert_array_equal(np.asarray(forest.leaf_weight), np.ones((P, W)))
-    assert int(info["segments"]) <= tc.max_depth
+    assert int(info.segments) <= tc.max_depth
     depth = np.asarray(forest.leaf_depth())
     first = np.asarray(forest.distinct_leaves())
     for p in range(P):
@@ -72,7 +72,7 @@ def test_slot_tree_invariants(init):
         forest, info = rollout({"eos_bias": jnp.float32(bias)}, prompts, lengths, jax.random.key(seed))
         check_forest(forest, info, tc, prompts, lengths, _toy_logprobs(bias))
         _check_slots(forest, info, tc, np.full(3, init))
-        assert int(info["fallbacks"]) == 0
+        assert int(info.fallbacks) == 0
 
 
 def test_slot_tree_random_init_divergence():
@@ -80,7 +80,7 @@ def test_slot_tree_random_init_divergence():
     forest, info = tree.make_tree_rollout(TOY, tc)({"eos_bias": jnp.float32(1.0)}, *_prompts(4, P=8),
                                                    jax.random.key(4))
     check_forest(forest, info, tc, *_prompts(4, P=8))
-    _check_slots(forest, info, tc, np.asarray(info["init_divergence"]))
+    _check_slots(forest, info, tc, np.asarray(info.init_divergence_P))
 
 
 def test_slot_tree_with_k_equal_w_is_independent_sampling():
@@ -230,4 +230,4 @@ def test_slot_tree_leaf_status_counts_are_slot_weighted():
                                                                np.full((16,), LP), jax.random.key(0))
     status = np.asarray(forest.leaf_status)
     for name, code in zip(NodeStatus.names(), NodeStatus):
-        assert int(info["stops"][name]) == int(np.sum(status == int(code)))
+        assert int(info.stops[name]) == int(np.sum(status == int(code)))

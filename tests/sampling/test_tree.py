@@ -83,7 +83,7 @@ def check_forest(forest, info, tc: tree.TreeConfig, prompts, lengths, logprob_re
     llen = np.asarray(forest.leaf_length)
     status = np.asarray(forest.leaf_status)
     toks = np.asarray(forest.tokens)
-    assert bool(info["complete"])
+    assert bool(info.complete)
     assert path.shape == (P, W, tc.max_depth + 1)
     assert np.all(path[:, :, 0] == 0)
     assert np.all(llen > 0) and np.all(llen <= tc.max_length)
@@ -97,7 +97,7 @@ def check_forest(forest, info, tc: tree.TreeConfig, prompts, lengths, logprob_re
     # every created node lies on some leaf's path (no orphans)
     for p in range(P):
         used = set(path[p][path[p] >= 0].tolist())
-        assert used == set(range(int(info["num_nodes"][p])))
+        assert used == set(range(int(info.num_nodes_P[p])))
     depth = np.asarray(forest.leaf_depth())
     decoded = 0
     for p in range(P):
@@ -122,9 +122,9 @@ def check_forest(forest, info, tc: tree.TreeConfig, prompts, lengths, logprob_re
                 ref_lp = logprob_ref(prompts[p, : lengths[p]], toks[p, w, :n])
                 np.testing.assert_allclose(np.asarray(forest.logprobs[p, w, :n]), ref_lp, atol=atol)
         decoded += sum(node_tokens.values())
-    assert int(info["decoded_tokens"]) == decoded  # decoded-token counter == unique tree tokens
-    assert int(info["prefilled_tokens"]) == int(np.sum(lengths - 1))
-    assert sum(int(v) for v in info["stops"].values()) == P * W
+    assert int(info.decoded_tokens) == decoded  # decoded-token counter == unique tree tokens
+    assert int(info.prefilled_tokens) == int(np.sum(lengths - 1))
+    assert sum(int(v) for v in info.stops.values()) == P * W
     np.testing.assert_array_equal(np.asarray(forest.segment_index)[forest.loss_mask > 0],
                                   (np.arange(tc.response_capacity)[None, None, :] // S
                                    * np.ones((P, W, 1), int))[np.asarray(forest.loss_mask) > 0])
@@ -159,7 +159,7 @@ def test_fallback_exercised_and_no_recompiles():
         forest, info = TOY_ROLLOUT({"eos_bias": jnp.float32(2.0)}, prompts, lengths, jax.random.key(seed))
         check_forest(forest, info, TOY_TREE, prompts, lengths, _toy_logprobs(2.0))
         for k in totals:
-            totals[k] += int(info[k])
+            totals[k] += int(getattr(info, k))
     assert totals["fallbacks"] > 0 and totals["fallback_from_root"] == 0
     # one compiled program for all calls (nothing recompiles between segments, steps or calls) ...
     assert decode.TRACE_COUNTS["tree_rollout"] - before <= 1
@@ -174,8 +174,8 @@ def test_fallback_exercised_and_no_recompiles():
         prompts, lengths = _prompts(seed)
         forest, info = rollout({"eos_bias": jnp.float32(-30.0)}, prompts, lengths, jax.random.key(seed))
         check_forest(forest, info, tc, prompts, lengths, _toy_logprobs(-30.0))
-        assert int(info["fallbacks"]) == int(info["fallback_from_root"])
-        from_root += int(info["fallback_from_root"])
+        assert int(info.fallbacks) == int(info.fallback_from_root)
+        from_root += int(info.fallback_from_root)
     assert from_root > 0
 
 
@@ -223,7 +223,7 @@ def test_random_initial_divergence():
     prompts, lengths = _prompts(0, P=16)
     forest, info = rollout({"eos_bias": jnp.float32(-30.0)}, prompts, lengths, jax.random.key(0))
     check_forest(forest, info, tc, prompts, lengths)
-    n_init = np.asarray(info["init_divergence"])
+    n_init = np.asarray(info.init_divergence_P)
     assert n_init.min() >= 1 and n_init.max() <= 5 and len(np.unique(n_init)) > 1
     # the first segment opens exactly n_init depth-1 nodes: ids 1..n_init
     depth = np.asarray(forest.node_depth)
@@ -263,9 +263,9 @@ def test_tree_b1_equals_linear_sampler():
     # identical sequences; log-probs agree to fp32 rounding (the tree prefills P rows, the linear sampler P*W)
     np.testing.assert_array_equal(np.asarray(forest.tokens).reshape(2 * W, -1), np.asarray(lin.tokens))
     np.testing.assert_allclose(np.asarray(forest.logprobs).reshape(2 * W, -1), np.asarray(lin.logprobs), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(info["sampling_logprobs"]).reshape(2 * W, -1),
+    np.testing.assert_allclose(np.asarray(info.sampling_logprobs_PxWxT).reshape(2 * W, -1),
                                np.asarray(lin.sampling_logprobs), atol=1e-4)
-    assert int(info["forks"]) == 0 and int(info["decoded_tokens"]) == int(lin.decoded_tokens)
+    assert int(info.forks) == 0 and int(info.decoded_tokens) == int(lin.decoded_tokens)
     # the independent-sampling API is this same tree
     ind = tree.make_independent_rollout(fns, W, D * S_, segment_length=S_, stop_ids=(), strategy=tc.strategy)
     f2, _ = ind(params, prompts, lengths, jax.random.key(5))
@@ -287,8 +287,8 @@ def test_transformer_tree_kv_reuse_matches_full_forward():
     for seed in range(2):
         forest, info = rollout(params, prompts, lengths, jax.random.key(seed))
         check_forest(forest, info, tc, prompts, lengths, _full_forward_ref(params, cfg), atol=1e-4)
-        fallbacks += int(info["fallbacks"])
-        ent = np.asarray(info["entropy"])[np.asarray(forest.loss_mask) > 0]
+        fallbacks += int(info.fallbacks)
+        ent = np.asarray(info.entropy_PxWxT)[np.asarray(forest.loss_mask) > 0]
         assert np.all(ent > 0)
     assert fallbacks > 0
 

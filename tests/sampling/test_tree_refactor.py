@@ -24,7 +24,7 @@ def _assert_same(new, old):
     """Every array of the legacy rollout's forest and info, bit for bit (the forest's ``leaf_weight``, added after
     the legacy code, is not part of the comparison)."""
     (fa, ia), (fb, ib) = new, old
-    fa = fa.replace(leaf_weight=None)
+    fa, ia = fa.replace(leaf_weight=None), ia.as_dict()
     assert sorted(ia) == sorted(ib)
     for name, x, y in [("forest", fa, fb)] + [(k, ia[k], ib[k]) for k in ia]:
         for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):

@@ -36,8 +36,9 @@ from treejax.rl import scoring
 from treejax.rl.health import check_sampled_ids
 from treejax.sampling.decode import generate
 from treejax.sampling.strategies import Greedy
+from treejax.sampling.tree_state import RolloutInfo
 
-#: Host counters of the sampler's ``info`` (scalars; summed over a step's rollout calls).
+#: Host counters of the sampler's :class:`RolloutInfo` (scalars; summed over a step's rollout calls).
 SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "segments",
                     "complete")
 
@@ -63,11 +64,11 @@ class RolloutCounters:
     scoring_s: float = 0.0
 
     @classmethod
-    def from_sampler(cls, info: dict, **extra) -> "RolloutCounters":
-        """The counters of one sampler call's ``info`` (device scalars, read once)."""
-        host = {k: int(v) for k, v in info.items() if k in SAMPLER_COUNTERS}
-        stops = {k: int(v) for k, v in info.get("stops", {}).items()}
-        return cls(**host, stops=stops, **extra)
+    def from_sampler(cls, info: RolloutInfo, **extra) -> "RolloutCounters":
+        """The counters of one sampler call's :class:`~treejax.sampling.tree_state.RolloutInfo` (one host read)."""
+        host = jax.device_get({k: getattr(info, k) for k in SAMPLER_COUNTERS} | {"stops": info.stops})
+        return cls(**{k: int(host[k]) for k in SAMPLER_COUNTERS}, stops={k: int(v) for k, v in host["stops"].items()},
+                   **extra)
 
     def __add__(self, other: "RolloutCounters") -> "RolloutCounters":
         summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)

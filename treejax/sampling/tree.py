@@ -84,7 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from treejax.forest import Forest, NodeStatus, path_mass
+from treejax.forest import Forest, path_mass
 from treejax.models.config import ModelConfig
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
@@ -92,7 +92,7 @@ from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode
 from treejax.sampling.tree_config import TreeConfig, independent_config
 from treejax.sampling.tree_stages import INIT_STREAM, RolloutInputs, segment_step
-from treejax.sampling.tree_state import Counters, Leaves, Nodes, Paths, Rows, TreeState, shard_state
+from treejax.sampling.tree_state import Counters, Leaves, Nodes, Paths, RolloutInfo, Rows, TreeState, shard_state
 
 __all__ = ["TreeConfig", "independent_config", "make_independent_rollout", "make_tree_rollout"]
 
@@ -136,7 +136,7 @@ def initial_state(cache, prompt_token_P: jax.Array, prompt_position_P: jax.Array
 
 
 def forest_and_info(s: TreeState, lengths: jax.Array, n_init_P: jax.Array, *, tc: TreeConfig):
-    """The :class:`Forest` of the leaf store and the ``info`` counters (module docstring)."""
+    """The :class:`Forest` of the leaf store and the :class:`RolloutInfo` (module docstring)."""
     P, W, D, T, S = n_init_P.shape[0], tc.num_leaves, tc.max_depth, tc.response_capacity, tc.segment_length
     lp = s.leaves.paths
     t = jnp.arange(T)
@@ -152,13 +152,12 @@ def forest_and_info(s: TreeState, lengths: jax.Array, n_init_P: jax.Array, *, tc
         leaf_weight=(jnp.where(lp.path_RxD1[:, 0].reshape(P, W) >= 0, 1.0, 0.0) if tc.slots
                      else W * path_mass(s.nodes.parent_PxN, lp.path_RxD1.reshape(P, W, D + 1))))
     c = s.counters
-    info = dict(
+    info = RolloutInfo(
         decoded_tokens=c.decoded, prefilled_tokens=jnp.sum(lengths - 1).astype(jnp.int32), forks=c.forks,
-        fallbacks=c.fallbacks, fallback_from_root=c.from_root, segments=c.segment,
-        stops={name: c.stops_K[int(code)] for name, code in zip(NodeStatus.names(), NodeStatus)},
-        complete=jnp.all(s.nodes.leaves_P == W), num_nodes=s.nodes.next_P, init_divergence=n_init_P,
-        sampling_logprobs=jnp.where(valid, lp.slogp_RxT.reshape(P, W, T), 0.0),
-        entropy=jnp.where(valid, lp.entropy_RxT.reshape(P, W, T), 0.0))
+        fallbacks=c.fallbacks, fallback_from_root=c.from_root, segments=c.segment, stops_K=c.stops_K,
+        complete=jnp.all(s.nodes.leaves_P == W), num_nodes_P=s.nodes.next_P, init_divergence_P=n_init_P,
+        sampling_logprobs_PxWxT=jnp.where(valid, lp.slogp_RxT.reshape(P, W, T), 0.0),
+        entropy_PxWxT=jnp.where(valid, lp.entropy_RxT.reshape(P, W, T), 0.0))
     return forest, info
 
 

@@ -164,3 +164,42 @@ def shard_state(model, state: TreeState) -> TreeState:
     """Per-row arrays (rows and leaf slots) constrained like the cache rows on ``model.mesh`` (identity without
     one); per-prompt and scalar arrays are left alone."""
     return state.replace(rows=model.shard_rows(state.rows), leaves=model.shard_rows(state.leaves))
+
+
+@struct.dataclass
+class RolloutInfo:
+    """What one tree rollout did (the second output of ``make_tree_rollout``'s ``rollout``), as device arrays.
+
+    Scalars: ``decoded_tokens`` (sampled tokens, each shared prefix once), ``prefilled_tokens``, ``forks`` (rows
+    copied at branch points), ``fallbacks`` / ``fallback_from_root`` (fallback events; from the root: no resident
+    leaf), ``segments`` (loop rounds), ``complete`` (every prompt has ``W`` leaves). ``stops_K``: leaves per
+    :class:`NodeStatus` code (:attr:`stops` by name). Per prompt: ``num_nodes_P``, ``init_divergence_P``. Per leaf
+    token ``[P, W, T]`` (0 past a leaf's end): ``sampling_logprobs_PxWxT`` (log q under the sampling strategy, e.g.
+    after top-p) and ``entropy_PxWxT`` (of the policy at temperature 1; zeros unless ``TreeConfig.with_entropy`` or
+    the branching rule needs it)."""
+
+    decoded_tokens: jax.Array
+    prefilled_tokens: jax.Array
+    forks: jax.Array
+    fallbacks: jax.Array
+    fallback_from_root: jax.Array
+    segments: jax.Array
+    stops_K: jax.Array
+    complete: jax.Array
+    num_nodes_P: jax.Array
+    init_divergence_P: jax.Array
+    sampling_logprobs_PxWxT: jax.Array
+    entropy_PxWxT: jax.Array
+
+    @property
+    def stops(self) -> dict[str, jax.Array]:
+        """Leaves per end status, by :class:`NodeStatus` name."""
+        return {name: self.stops_K[int(code)] for name, code in zip(NodeStatus.names(), NodeStatus)}
+
+    def as_dict(self) -> dict:
+        """The counters under the names the rollout's ``info`` dict had (``stops`` a dict by name)."""
+        return dict(decoded_tokens=self.decoded_tokens, prefilled_tokens=self.prefilled_tokens, forks=self.forks,
+                    fallbacks=self.fallbacks, fallback_from_root=self.fallback_from_root, segments=self.segments,
+                    stops=self.stops, complete=self.complete, num_nodes=self.num_nodes_P,
+                    init_divergence=self.init_divergence_P, sampling_logprobs=self.sampling_logprobs_PxWxT,
+                    entropy=self.entropy_PxWxT)

@@ -94,7 +94,7 @@ def test_slot_tree_with_k_equal_w_is_independent_sampling():
     b, ib = tree.make_tree_rollout(TOY, ind)(params, prompts, lengths, jax.random.key(3))
     for name in ("tokens", "logprobs", "leaf_length", "leaf_status", "leaf_path", "node_parent"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
-    assert int(ia["decoded_tokens"]) == int(ib["decoded_tokens"]) and int(ia["forks"]) == 0
+    assert int(ia.decoded_tokens) == int(ib.decoded_tokens) and int(ia.forks) == 0
 
 
 def test_slot_tree_config_errors():

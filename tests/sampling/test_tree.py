@@ -187,7 +187,7 @@ def test_same_key_same_forest_and_different_key_differs():
     c, _ = TOY_ROLLOUT(params, prompts, lengths, jax.random.key(12))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert int(ia["decoded_tokens"]) == int(ib["decoded_tokens"])
+    assert int(ia.decoded_tokens) == int(ib.decoded_tokens)
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
 
 

@@ -98,5 +98,5 @@ def test_transformer_rollout_bit_exact():
     for seed in range(2):
         new = new_ro(params, prompts, lengths, jax.random.key(seed))
         _assert_same(new, old_ro(params, prompts, lengths, jax.random.key(seed)))
-        fallbacks += int(new[1]["fallbacks"])
+        fallbacks += int(new[1].fallbacks)
     assert fallbacks > 0

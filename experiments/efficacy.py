@@ -228,7 +228,8 @@ def table(summary: dict, device: str) -> str:
             f"{'-' if m['tokens_to_target'] is None else format(m['tokens_to_target'] / 1e6, '.2f') + ' M'} | "
             f"{fmt(m['tokens_ratio'], '.2f')} |")
     lines += ["", "Median seconds per training step, first-step compilation (excluded above), decoded tokens per "
-              "step and mean leaf length (means over seeds):", "",
+              "step and mean leaf length (means over seeds; runs of the loop since the collect -> learn re-cut "
+              "count the old log-probs in the update's time and show - for them):", "",
               "| method |" + (" card |" if cards else "") + " rollout | scoring | old log-probs | update | compile | "
               "tokens / step | mean leaf tokens |", "|---|" + ("---|" if cards else "") + "---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():

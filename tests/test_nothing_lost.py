@@ -21,13 +21,13 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture
 def no_run(monkeypatch):
-    """No model may load: ``_setup`` (which loads it) fails the test if reached."""
+    """No model may load: ``build_run`` (which loads it) fails the test if reached."""
     from treejax.rl import loop
 
     def setup(*args, **kwargs):
         raise AssertionError("the run's set-up (model load) was reached")
 
-    monkeypatch.setattr(loop, "_setup", setup)
+    monkeypatch.setattr(loop, "build_run", setup)
 
 
 def _cli_error(capsys, argv, code=2) -> str:

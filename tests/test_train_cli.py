@@ -230,6 +230,7 @@ def _export_bytes(summary):
         return f.read()
 
 
+@pytest.mark.slow  # ~150 s on 2 cores; resume equality runs by default in test_checkpoint (SIGKILL) and the tiny run
 def test_sigterm_saves_and_resume_equals_uninterrupted(tiny_checkpoint, tmp_path, monkeypatch):
     """SIGTERM during step 1 -> the loop finishes the step, saves and returns; rerunning resumes, and the final
     params equal those of an uninterrupted run bit for bit (CPU)."""

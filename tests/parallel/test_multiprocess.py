@@ -165,7 +165,7 @@ def _train_args(model, log_dir, *extra):
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("packed", [False, True], ids=["expanded", "packed"])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["expanded", "packed"])
 def test_two_processes_train_like_one(tiny_checkpoint, tmp_path, packed):
     """2 RL steps on 2 processes x 4 devices == on 1 process x 8 devices (same mesh shape, same global batch),
     with the expanded and with the tree-packed update. (On CPU the loop's forest comes out replicated, so this

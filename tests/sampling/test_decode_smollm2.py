@@ -22,6 +22,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow  # ~115 s on 2 cores; greedy SmolLM2 vs transformers runs by default in tests/models/test_gguf.py
 def test_smollm2_sampler_greedy_matches_transformers_generate():
     path = registry.embedded_model_path("smollm2-135m-instruct")
     config, params, tok = registry.load_model("smollm2-135m-instruct", param_dtype="float32")

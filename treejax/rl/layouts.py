@@ -120,6 +120,11 @@ def gather_pairs(x_RxL: jax.Array, pair_index_RxWxT: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_RxL, pair_index_RxWxT.reshape(R, Wr * T), axis=1).reshape(R, Wr, T)
 
 
+@jax.jit
+def _set_rows(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    return x.at[rows].set(values)
+
+
 # ----------------------------------------------------------------------------------------------- layouts
 @dataclasses.dataclass(frozen=True, eq=False)
 class Expanded:
@@ -151,7 +156,7 @@ class Expanded:
         return self._take(pool.batch, plan)
 
     def scatter(self, pool_x: jax.Array, plan: jax.Array, x: jax.Array) -> jax.Array:
-        return pool_x.at[plan].set(x)
+        return _set_rows(pool_x, plan, x)
 
     def pair_logprobs(self, params, inputs: SequenceInputs, *, with_entropy: bool = False, remat: bool | str = False):
         return sequence_logprobs(params, self.model_config, inputs.tokens, inputs.positions, inputs.segment_ids,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treejax.data.prompts import encode_prompts, pad_token_lists
-from treejax.forest import Forest
+from treejax.forest import Forest, NodeStatus
 from treejax.parallel import multihost
 from treejax.rl import rewards as rewards_lib
 from treejax.rl import scoring
@@ -66,9 +66,9 @@ class RolloutCounters:
     @classmethod
     def from_sampler(cls, info: RolloutInfo, **extra) -> "RolloutCounters":
         """The counters of one sampler call's :class:`~treejax.sampling.tree_state.RolloutInfo` (one host read)."""
-        host = jax.device_get({k: getattr(info, k) for k in SAMPLER_COUNTERS} | {"stops": info.stops})
-        return cls(**{k: int(host[k]) for k in SAMPLER_COUNTERS}, stops={k: int(v) for k, v in host["stops"].items()},
-                   **extra)
+        host = jax.device_get({k: getattr(info, k) for k in SAMPLER_COUNTERS + ("stops_K",)})
+        stops = {name: int(host["stops_K"][int(code)]) for name, code in zip(NodeStatus.names(), NodeStatus)}
+        return cls(**{k: int(host[k]) for k in SAMPLER_COUNTERS}, stops=stops, **extra)
 
     def __add__(self, other: "RolloutCounters") -> "RolloutCounters":
         summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)

@@ -67,6 +67,7 @@ def make_logprob_fn(layout: Layout, num_micro_batches: int) -> Callable[[Any, Ba
     return fn
 
 
+@jax.jit
 def logp_mismatch(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict:
     """Mean and max ``|old_logp - sampler_logp|`` over trained pairs (0 when none)."""
     on = mask > 0

@@ -14,7 +14,7 @@ The learner (:func:`treejax.rl.step.learn`) only calls the protocol:
     pool = layout.pool(rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW)   every pair of the step, full layout
     plan = layout.plan(pool, units)          one mini-batch of ``units`` (rows or prompts) of ``range(pool.units)``
     batch = layout.assemble(pool, plan)      its :class:`~treejax.rl.batch.Batch`
-    pool_x = layout.scatter(pool_x, plan, x) per-pair values of a mini-batch back into the pool's layout
+    pool_x = layout.scatter(pool_x, plans, xs)  per-pair values of mini-batches back into the pool's layout
     logp, entropy = layout.pair_logprobs(params, batch.inputs, with_entropy=True)   [rows, *pairs]
 
 and the update (:func:`treejax.rl.update.make_update_fn`) differentiates ``policy_loss . pair_logprobs``. A new
@@ -64,8 +64,8 @@ class Layout(Protocol):
     def assemble(self, pool: Pool, plan: Any) -> Batch:
         """The mini-batch of ``plan``, per-pair arrays read from ``pool.batch``."""
 
-    def scatter(self, pool_x: jax.Array, plan: Any, x: jax.Array) -> jax.Array:
-        """Writes a mini-batch's per-pair values ``x`` into ``pool_x`` (the pool's layout)."""
+    def scatter(self, pool_x: jax.Array, plans: list, xs: list) -> jax.Array:
+        """Writes mini-batches' per-pair values ``xs`` (one per plan) into ``pool_x`` (the pool's layout)."""
 
     def pair_logprobs(self, params: Any, inputs: Any, *, with_entropy: bool = False, remat: bool | str = False):
         """``logp [rows, *pairs]`` (and the entropy of each pair's next-token distribution)."""
@@ -120,11 +120,6 @@ def gather_pairs(x_RxL: jax.Array, pair_index_RxWxT: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_RxL, pair_index_RxWxT.reshape(R, Wr * T), axis=1).reshape(R, Wr, T)
 
 
-@jax.jit
-def _set_rows(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    return x.at[rows].set(values)
-
-
 # ----------------------------------------------------------------------------------------------- layouts
 @dataclasses.dataclass(frozen=True, eq=False)
 class Expanded:
@@ -155,8 +150,8 @@ class Expanded:
     def assemble(self, pool: Pool, plan: jax.Array) -> Batch:
         return self._take(pool.batch, plan)
 
-    def scatter(self, pool_x: jax.Array, plan: jax.Array, x: jax.Array) -> jax.Array:
-        return _set_rows(pool_x, plan, x)
+    def scatter(self, pool_x: jax.Array, plans: list, xs: list) -> jax.Array:
+        return pool_x.at[jnp.concatenate(plans)].set(jnp.concatenate(xs))
 
     def pair_logprobs(self, params, inputs: SequenceInputs, *, with_entropy: bool = False, remat: bool | str = False):
         return sequence_logprobs(params, self.model_config, inputs.tokens, inputs.positions, inputs.segment_ids,
@@ -215,8 +210,10 @@ class Packed:
                  if getattr(b, k) is not None}
         return packing_lib.packed_batch(plan, pairs, b.eps_scale)
 
-    def scatter(self, pool_x: jax.Array, plan: packing_lib.PackingPlan, x: jax.Array) -> jax.Array:
-        return packing_lib.unpack_pairs(plan, x, pool_x.shape[0], out=pool_x)
+    def scatter(self, pool_x: jax.Array, plans: list, xs: list) -> jax.Array:
+        for plan, x in zip(plans, xs):
+            pool_x = packing_lib.unpack_pairs(plan, x, pool_x.shape[0], out=pool_x)
+        return pool_x
 
     def pair_logprobs(self, params, inputs: TreeInputs, *, with_entropy: bool = False, remat: bool | str = False):
         out = packed_logprobs(params, self.model_config, inputs, chunk_size=self.chunk_size,

@@ -68,6 +68,16 @@ def make_logprob_fn(layout: Layout, num_micro_batches: int) -> Callable[[Any, Ba
 
 
 @jax.jit
+def with_logprobs(batch: Batch, old_logp: jax.Array | None, ref_logp: jax.Array | None) -> tuple[Batch, dict]:
+    """The pool's batch with the trainer's old log-probs (``None``: the sampler's serve as pi_old and the sampler
+    copy is dropped) and the reference log-probs, and the sampler/trainer mismatch (one program: every process of
+    a multi-process run dispatches the same few programs, in the same order)."""
+    if old_logp is None:
+        return batch.replace(old_logp=batch.sampler_logp, sampler_logp=None, ref_logp=ref_logp), {}
+    return (batch.replace(old_logp=old_logp, ref_logp=ref_logp),
+            logp_mismatch(old_logp, batch.sampler_logp, batch.loss_mask))
+
+
 def logp_mismatch(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict:
     """Mean and max ``|old_logp - sampler_logp|`` over trained pairs (0 when none)."""
     on = mask > 0
@@ -160,19 +170,12 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     first = [layout.plan(pool, units) for units in chunks(perms[0])]
 
     def pool_logprobs(params):
-        out = jnp.zeros_like(pool.batch.sampler_logp)
-        for plan in first:
-            out = layout.scatter(out, plan, learner.logprobs(params, learner.place(layout.assemble(pool, plan))))
-        return out
+        parts = [learner.logprobs(params, learner.place(layout.assemble(pool, plan))) for plan in first]
+        return layout.scatter(jnp.zeros_like(pool.batch.sampler_logp), first, parts)
 
-    b, mismatch = pool.batch, {}
-    if cfg.old_logp == "trainer":
-        b = b.replace(old_logp=pool_logprobs(state.params))
-        mismatch = logp_mismatch(b.old_logp, b.sampler_logp, b.loss_mask)
-    else:
-        b = b.replace(old_logp=b.sampler_logp, sampler_logp=None)
-    if cfg.loss.kl_coef > 0:
-        b = b.replace(ref_logp=pool_logprobs(ref_params))
+    old = pool_logprobs(state.params) if cfg.old_logp == "trainer" else None
+    ref = pool_logprobs(ref_params) if cfg.loss.kl_coef > 0 else None
+    b, mismatch = with_logprobs(pool.batch, old, ref)
     pool = dataclasses.replace(pool, batch=b)
     t_logp = _wait(b.old_logp) if timed else None
     all_metrics = []

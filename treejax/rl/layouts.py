@@ -18,7 +18,7 @@ The learner (:func:`treejax.rl.step.learn`) only calls the protocol:
     logp, entropy = layout.pair_logprobs(params, batch.inputs, with_entropy=True)   [rows, *pairs]
 
 and the update (:func:`treejax.rl.update.make_update_fn`) differentiates ``policy_loss . pair_logprobs``. A new
-layout (e.g. a sequence-parallel one) implements these five.
+layout (e.g. a sequence-parallel one) implements these five and ``describe`` (its plan sizes for the logs).
 
 Log-probabilities (both layouts): ``logp = log pi(token | prefix)`` from the training forward in vocabulary chunks
 (:func:`treejax.models.transformer.token_logprobs`); token ``i`` is scored from the hidden state of its predictor

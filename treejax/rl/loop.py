@@ -107,11 +107,14 @@ def train(r: Run) -> int | None:
                          "update; later steps are faster)", step + 1)
             t_step = time.perf_counter()
             logger.wait_for_update(r.state)  # the previous step's update: the sampler needs its weights
+            t_collect = time.perf_counter()
             r.state, ro, device_metrics, host = rl_step(r.learner, r.state, r.source, jax.random.fold_in(key, step),
                                                         step, r.ref_params)
             done = step + 1
             log.info("%s", step_line(done, cfg.num_steps, host, time.perf_counter() - t_step))
-            logger.push(done, dict(host, **{"time/step_s": time.perf_counter() - r.t_start}), device_metrics)
+            learn_start = t_collect + host["time/rollout_s"] + host["time/scoring_s"]  # rl_step's collect ends here
+            logger.push(done, dict(host, **{"time/step_s": time.perf_counter() - r.t_start}), device_metrics,
+                        learn_start)
             r.data_state.update(rl_step=done, pipeline=r.source.pipeline.get_state())
             if cfg.tree_picture_every and done % cfg.tree_picture_every == 0:
                 r.data_state["tree_picture"] = write_tree_picture(cfg, r.tokenizer, r.writer, ro, done)
@@ -153,9 +156,11 @@ class StepLogger:
                           else float(optax.global_norm(r.state.params)))
         self.dispatched: tuple[int, float] | None = None  # (step, when its learning was dispatched)
 
-    def push(self, step: int, host: dict, device_metrics: dict) -> None:
+    def push(self, step: int, host: dict, device_metrics: dict, learn_start: float) -> None:
+        """Step ``step``'s host values now, its device metrics one step late; ``learn_start``: when its learning
+        was dispatched (``perf_counter``), the start of its ``time/update_s``."""
         self.pending[step] = host
-        self.dispatched = (step, time.perf_counter() - host["time/learn_dispatch_s"])
+        self.dispatched = (step, learn_start)
         self._write(self.deferred.push(step, device_metrics))
 
     def wait_for_update(self, state) -> None:

@@ -50,7 +50,7 @@ def register_configurables() -> dict[str, type]:
     from treejax.precision import Precision
     from treejax.rl.advantages import registry as adv_registry
     from treejax.rl.evaluation import EvalConfig
-    from treejax.rl.config import RunConfig
+    from treejax.rl.config import AsyncConfig, RunConfig
     from treejax.rl.losses import LossConfig
     from treejax.rl.optimizer import OptimizerConfig
     from treejax.rl.packing import PackingConfig
@@ -59,7 +59,7 @@ def register_configurables() -> dict[str, type]:
 
     classes = {"RunConfig": RunConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
                "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Precision": Precision,
-               "PackingConfig": PackingConfig,
+               "PackingConfig": PackingConfig, "AsyncConfig": AsyncConfig,
                "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,
                "Temperature": strategies.Temperature, "TopK": strategies.TopK, "TopP": strategies.TopP,
                "MinP": strategies.MinP}
@@ -366,9 +366,12 @@ def check_devices(cfg) -> None:
     :class:`ConfigError` of one line with the fix (``MeshConfig.data = 2`` on 1 device)."""
     import jax
 
+    from treejax.rl.collect import split_devices
+
     n = jax.device_count()
     try:
-        cfg.mesh.shape(n)
+        _, learner = split_devices(cfg.async_rollouts, jax.devices(), jax.process_count())
+        cfg.mesh.shape(len(learner))
     except ConfigError as e:
         raise ConfigError(f"{e} (this run has {n} {jax.devices()[0].platform} device{'s' if n > 1 else ''})") \
             from None

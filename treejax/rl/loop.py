@@ -55,8 +55,8 @@ from treejax.rl.config import RunConfig
 from treejax.rl.evaluation import evaluate
 from treejax.rl.health import divergence, nonfinite_update_error
 from treejax.rl.report import step_line, write_tree_picture
-from treejax.rl.setup import Run, build_run
-from treejax.rl.step import rl_step
+from treejax.rl.setup import Run, build_run, make_collector
+from treejax.rl.step import learn
 from treejax.run_dir import claim_log_dir
 
 log = logging.getLogger(__name__)
@@ -100,47 +100,65 @@ def train(r: Run) -> int | None:
     if threading.current_thread() is threading.main_thread():
         preemption.install()
     logger = StepLogger(r)
+    collector = make_collector(r, key)
     try:
         for step in range(r.start_step, cfg.num_steps):
             if step == r.start_step:
                 log.info("step %d: rollout, scoring and update (the first step compiles the tree sampler and the "
                          "update; later steps are faster)", step + 1)
             t_step = time.perf_counter()
-            logger.wait_for_update(r.state)  # the previous step's update: the sampler needs its weights
-            t_collect = time.perf_counter()
-            r.state, ro, device_metrics, host = rl_step(r.learner, r.state, r.source, jax.random.fold_in(key, step),
-                                                        step, r.ref_params)
+            logger.wait_for_update(r.state)  # the previous step's update (synchronous: the sampler needs it)
+            item = collector.collect(step, r.state)
+            t_learn = time.perf_counter()
+            r.state, device_metrics, layout_info = learn(r.learner, r.state, item.rollouts,
+                                                         jax.random.fold_in(key, step), r.ref_params,
+                                                         behaviour_params=item.behaviour_params)
             done = step + 1
+            collector.publish(done, r.state)
+            host = dict(item.host_metrics(), **layout_info, **{"time/learn_dispatch_s": time.perf_counter() - t_learn})
             log.info("%s", step_line(done, cfg.num_steps, host, time.perf_counter() - t_step))
-            learn_start = t_collect + host["time/rollout_s"] + host["time/scoring_s"]  # rl_step's collect ends here
             logger.push(done, dict(host, **{"time/step_s": time.perf_counter() - r.t_start}), device_metrics,
-                        learn_start)
-            r.data_state.update(rl_step=done, pipeline=r.source.pipeline.get_state())
+                        t_learn)
+            r.data_state["rl_step"] = done
             if cfg.tree_picture_every and done % cfg.tree_picture_every == 0:
-                r.data_state["tree_picture"] = write_tree_picture(cfg, r.tokenizer, r.writer, ro, done)
+                r.data_state["tree_picture"] = write_tree_picture(cfg, r.tokenizer, r.writer, item.rollouts, done)
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.num_steps:
                 logger.flush(r.state)
                 evals.append(evaluate_now(r, done))
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 logger.flush(r.state)
-                r.checkpointer.save(done, r.state, r.data_state)
+                save(r, collector, done)
             if preemption.should_stop(done, r.checkpointer):
                 logger.flush(r.state)
                 if r.checkpointer.latest_step() != done:
-                    r.checkpointer.save(done, r.state, r.data_state, force=True)
+                    save(r, collector, done, force=True)
                 r.stopped_by = signal.Signals(preemption.signal_received).name if preemption.signal_received else \
                     "a preemption notice"
                 log.warning("%s: saved step %d and stopping; rerun the same command to resume", r.stopped_by, done)
                 return done
         logger.flush(r.state)
+        record_collector(r, collector)  # what finish() saves
     except RuntimeError as e:
         diverged_error = nonfinite_update_error(e)
         if diverged_error is None:
             raise
         raise diverged_error from e
     finally:
+        collector.close()
         preemption.uninstall()
     return None
+
+
+def save(r: Run, collector, step: int, force: bool = False) -> None:
+    """A checkpoint of the state and the data state, with the collector's pipeline state and queued rollouts."""
+    record_collector(r, collector)
+    r.checkpointer.save(step, r.state, r.data_state, force=force)
+
+
+def record_collector(r: Run, collector) -> None:
+    """The collector's prompt-pipeline state and queued rollouts into the data state a checkpoint saves."""
+    r.data_state.pop("rollout_queue", None)
+    r.data_state.update(collector.checkpoint_state())
 
 
 class StepLogger:

@@ -10,6 +10,7 @@ its own dtype (gathered over ``fsdp`` once per step on a mesh, ``SAMPLER_RULES``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,8 +29,10 @@ from treejax.models import transformer
 from treejax.models.registry import load_model, load_tokenizer
 from treejax.parallel import multihost
 from treejax.parallel.axis_rules import SAMPLER_RULES
-from treejax.parallel.mesh import batch_placer, logical_to_sharding, make_mesh, place_train_state, sharded_update
+from treejax.parallel.mesh import (MeshConfig, batch_placer, logical_to_sharding, make_mesh, mesh_context,
+                                   place_train_state, replicated, sharded_update)
 from treejax.precision import warn_if_updates_round_away
+from treejax.rl import collect
 from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
@@ -68,7 +71,8 @@ class Run:
     start_step: int
     data_state: dict
     t_start: float
-    mesh: Any = None  # the run's mesh; its programs are traced under mesh_context(mesh)
+    mesh: Any = None  # the learner's mesh (all devices unless AsyncConfig splits them); programs trace under it
+    sampler_mesh: Any = None  # the rollout sampler's mesh (the learner's unless AsyncConfig.sampler_devices > 0)
     stopped_by: str | None = None  # the signal that stopped the step loop early (SIGTERM, SIGINT)
 
 
@@ -140,12 +144,22 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, stop_ids=resolve_stop_ids(cfg.rollout.stop_ids, tokenizer=tokenizer)))
-    mesh = make_mesh(cfg.mesh)
-    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype, mesh=mesh if mesh.size > 1 else None)
+    sampler_devices, learner_devices = collect.split_devices(cfg.async_rollouts, jax.devices(),
+                                                             jax.process_count())
+    mesh = make_mesh(cfg.mesh, learner_devices)
+    sampler_mesh = mesh if sampler_devices == learner_devices else make_mesh(
+        MeshConfig(data=1, fsdp=-1, tensor=cfg.mesh.tensor), sampler_devices)
+    if sampler_mesh is not mesh:
+        log.info("asynchronous rollouts: %d device(s) sample, %d learn (max_staleness %d)", len(sampler_devices),
+                 len(learner_devices), cfg.async_rollouts.max_staleness)
+    model_fns = lambda m: make_model_fns(model_config, cache_dtype=prec.cache_dtype,  # noqa: E731
+                                         mesh=m if m.size > 1 else None)
+    sampler_fns = model_fns(mesh)  # held-out evaluation: on the learner's devices, in the loop's thread
+    rollout_fns = sampler_fns if sampler_mesh is mesh else model_fns(sampler_mesh)
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)
     del params
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    source = TaskRollouts(cfg, make_tree_rollout(sampler_fns, cfg.rollout), sampler_fns, tokenizer, task, pipeline,
+    source = TaskRollouts(cfg, make_tree_rollout(rollout_fns, cfg.rollout), rollout_fns, tokenizer, task, pipeline,
                           prompt_width, pad_id, estimator_inputs=learner.estimator_inputs)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)
@@ -161,7 +175,36 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
         log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))
     return Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, learner, state, ref_params,
                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
-               mesh)
+               mesh, sampler_mesh)
+
+
+def make_collector(r: Run, key: jax.Array):
+    """The run's collector (:mod:`treejax.rl.collect`): synchronous, or the asynchronous sampler thread with its
+    weight copies (cast, moved to the sampler's devices, never aliasing the donated state), the rollouts' move to
+    the learner's devices and the queue a checkpoint saved."""
+    cfg, learner = r.cfg, r.learner
+    queued = collect.decode_queue(r.data_state.get("rollout_queue"))
+    if not cfg.async_rollouts.enabled:
+        return collect.SyncCollector(r.source, learner.sampler_params, key, queued)
+    a, split = cfg.async_rollouts, r.sampler_mesh is not r.mesh
+    if split:
+        axes = transformer.param_logical_axes(r.model_config)
+        target = logical_to_sharding(axes, r.sampler_mesh, SAMPLER_RULES, r.state.params)
+        sampler_weights = lambda p: jax.device_put(learner.sampler_params(p), target, may_alias=False)  # noqa: E731
+        on_learner = replicated(r.mesh)
+        to_learner = lambda ro: collect.rollouts_to(ro, on_learner)  # noqa: E731
+    else:
+        sampler_weights = lambda p: jax.device_put(learner.sampler_params(p), may_alias=False)  # noqa: E731
+        to_learner = lambda ro: ro  # noqa: E731
+
+    @contextlib.contextmanager
+    def thread_context():  # JAX's mesh and matmul-precision contexts are per thread
+        with r.precision.matmul_context(), mesh_context(r.sampler_mesh):
+            yield
+
+    keep = (lambda p: jax.device_put(p, may_alias=False)) if a.split_staleness else None  # noqa: E731
+    return collect.AsyncCollector(r.source, sampler_weights, key, r.start_step, cfg.num_steps, a.max_staleness,
+                                  thread_context, to_learner, queued, keep)
 
 
 def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):

@@ -68,14 +68,28 @@ def make_logprob_fn(layout: Layout, num_micro_batches: int) -> Callable[[Any, Ba
 
 
 @jax.jit
-def with_logprobs(batch: Batch, old_logp: jax.Array | None, ref_logp: jax.Array | None) -> tuple[Batch, dict]:
+def with_logprobs(batch: Batch, old_logp: jax.Array | None, ref_logp: jax.Array | None,
+                  behaviour_logp: jax.Array | None = None) -> tuple[Batch, dict]:
     """The pool's batch with the trainer's old log-probs (``None``: the sampler's serve as pi_old and the sampler
-    copy is dropped) and the reference log-probs, and the sampler/trainer mismatch (one program: every process of
-    a multi-process run dispatches the same few programs, in the same order)."""
+    copy is dropped) and the reference log-probs, and the off-policy metrics (one program: every process of a
+    multi-process run dispatches the same few programs, in the same order).
+
+    Metrics over trained pairs: the sampler/trainer mismatch ``old_logp - sampler_logp`` (``mismatch/...``) and
+    the behaviour importance weight ``w = exp(old_logp - sampler_logp)`` = pi_prox / q before any truncation
+    (``offpolicy/iw_mean|min|max``; TIS multiplies the loss by ``min(w, tis_cap)``). With ``behaviour_logp`` (the
+    trainer's forward under the parameters that *sampled* the rollout, :class:`treejax.rl.collect.AsyncCollector`
+    with ``split_staleness``) the weight splits exactly as ``w = w_stale * w_numerics``: ``offpolicy/stale_iw_...``
+    = ``exp(old_logp - behaviour_logp)`` (policy lag; exactly 1 when nothing is stale) and ``mismatch/numerics_...``
+    = ``|behaviour_logp - sampler_logp|`` (the sampler's numerics alone)."""
     if old_logp is None:
         return batch.replace(old_logp=batch.sampler_logp, sampler_logp=None, ref_logp=ref_logp), {}
-    return (batch.replace(old_logp=old_logp, ref_logp=ref_logp),
-            logp_mismatch(old_logp, batch.sampler_logp, batch.loss_mask))
+    metrics = logp_mismatch(old_logp, batch.sampler_logp, batch.loss_mask)
+    metrics.update(_weight_stats("offpolicy/iw", old_logp - batch.sampler_logp, batch.loss_mask))
+    if behaviour_logp is not None:
+        metrics.update(_weight_stats("offpolicy/stale_iw", old_logp - behaviour_logp, batch.loss_mask))
+        numerics = logp_mismatch(behaviour_logp, batch.sampler_logp, batch.loss_mask)
+        metrics.update({k.replace("mismatch/", "mismatch/numerics_"): v for k, v in numerics.items()})
+    return batch.replace(old_logp=old_logp, ref_logp=ref_logp), metrics
 
 
 def logp_mismatch(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array) -> dict:
@@ -83,6 +97,16 @@ def logp_mismatch(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array)
     on = mask > 0
     d = jnp.where(on, jnp.abs(old_logp - sampler_logp), 0.0)
     return {"mismatch/abs_mean": jnp.sum(d) / jnp.maximum(jnp.sum(on), 1), "mismatch/abs_max": jnp.max(d)}
+
+
+def _weight_stats(prefix: str, log_w: jax.Array, mask: jax.Array) -> dict:
+    """Mean / min / max of ``exp(log_w)`` over trained pairs (1 when there are none)."""
+    on = mask > 0
+    w = jnp.exp(jnp.where(on, log_w, 0.0))
+    any_on = jnp.any(on)
+    return {f"{prefix}_mean": jnp.where(any_on, jnp.sum(jnp.where(on, w, 0.0)) / jnp.maximum(jnp.sum(on), 1), 1.0),
+            f"{prefix}_min": jnp.where(any_on, jnp.min(jnp.where(on, w, jnp.inf)), 1.0),
+            f"{prefix}_max": jnp.where(any_on, jnp.max(jnp.where(on, w, 0.0)), 1.0)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,15 +161,17 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
                    lambda state, batch: update(state, place(batch)), place, sampler_params)
 
 
-def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False
-          ) -> tuple[Any, dict[str, jax.Array], dict[str, Any]]:
+def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False,
+          behaviour_params: Any = None) -> tuple[Any, dict[str, jax.Array], dict[str, Any]]:
     """One step's learning from ``ro`` (module docstring). Returns ``(state, device_metrics, host_info)``.
 
     ``device_metrics``: the update metrics (``update/...``: means over mini-batches, ratio extremes of the
     *first* mini-batch as ``update/first_ratio_min|max``) and the log-prob mismatch, still on the device.
     ``host_info``: the layout's plan sizes (packed: ``packing/...``); with ``timed`` (benchmarks) also
     ``time/logp_s`` and ``time/update_s``, each phase closed by waiting for its output (two device syncs the
-    loop does not make)."""
+    loop does not make). ``behaviour_params`` (asynchronous rollouts, optional): the trainer's parameters of the
+    policy version that sampled ``ro``; their log-probs split the importance weight into its staleness and
+    numerics parts (:func:`with_logprobs`; one more forward)."""
     cfg, layout = learner.config, learner.layout
     t0 = time.perf_counter()
     missing = [name for name in learner.estimator_inputs if name not in ro.estimator_inputs]
@@ -175,7 +201,8 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
 
     old = pool_logprobs(state.params) if cfg.old_logp == "trainer" else None
     ref = pool_logprobs(ref_params) if cfg.loss.kl_coef > 0 else None
-    b, mismatch = with_logprobs(pool.batch, old, ref)
+    behaviour = pool_logprobs(behaviour_params) if behaviour_params is not None and old is not None else None
+    b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
     pool = dataclasses.replace(pool, batch=b)
     t_logp = _wait(b.old_logp) if timed else None
     all_metrics = []
@@ -213,12 +240,19 @@ def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step
         t_rollout = time.perf_counter()
         state, device_metrics, layout_info = learn(learner, state, ro, key, ref_params, timed=timed)
     t_learn = time.perf_counter()
-    host = {"time/rollout_s": t_rollout - t0 - ro.counters.scoring_s, "time/scoring_s": ro.counters.scoring_s,
-            "time/learn_dispatch_s": t_learn - t_rollout, "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
-            **ro.counters.metrics(), **layout_info, **tree_metrics(ro.forest, ro.rewards_PxW)}
+    host = {"time/rollout_s": t_rollout - t0 - ro.counters.scoring_s, "time/learn_dispatch_s": t_learn - t_rollout,
+            **rollout_metrics(ro), **layout_info}
+    return state, ro, device_metrics, host
+
+
+def rollout_metrics(ro: Rollouts) -> dict:
+    """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (with
+    verifier scores), the rollout counters and the tree's shape (:func:`tree_metrics`)."""
+    host = {"time/scoring_s": ro.counters.scoring_s, "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
+            **ro.counters.metrics(), **tree_metrics(ro.forest, ro.rewards_PxW)}
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
-    return state, ro, device_metrics, host
+    return host
 
 
 def tree_metrics(forest: Forest, rewards_PxW) -> dict:
@@ -259,5 +293,6 @@ def initial_reference(params: Any, loss: LossConfig) -> Any:
     return jax.tree.map(jnp.copy, params)
 
 
-__all__ = ["Learner", "make_learner", "make_logprob_fn", "learn", "rl_step", "tree_metrics", "logp_mismatch",
+__all__ = ["Learner", "make_learner", "make_logprob_fn", "learn", "rl_step", "rollout_metrics", "tree_metrics",
+           "logp_mismatch",
            "initial_reference"]

@@ -9,7 +9,7 @@ The loop's step, for either collector::
 
 **Policy versions.** Version ``v`` is the parameters after ``v`` updates (the initial or restored weights are
 the start step's version). Step ``i``'s rollouts are sampled with key ``fold_in(key, i)`` (the key ``learn`` gets
-too) by version ``max(0, i - k)``:
+too) by version ``max(s, i - k)``, ``s`` the version the run (or its resumption) started from:
 
 * :class:`SyncCollector` (``k = 0``, today's loop): samples step ``i`` when the loop asks, with the newest weights;
 * :class:`AsyncCollector` (``AsyncConfig.max_staleness = k``): a worker thread samples step ``j`` as soon as
@@ -106,9 +106,10 @@ def split_devices(cfg: AsyncConfig, devices: list, process_count: int = 1) -> tu
     return list(devices[:n]), list(devices[n:])
 
 
-def sampled_version(step: int, max_staleness: int) -> int:
-    """The policy version that samples step ``step``'s rollouts."""
-    return max(0, step - max_staleness)
+def sampled_version(step: int, max_staleness: int, base: int = 0) -> int:
+    """The policy version that samples step ``step``'s rollouts: ``step - max_staleness``, but none older than
+    ``base``, the version a run starts from (a resumed run without a saved queue has no older weights)."""
+    return max(base, step - max_staleness)
 
 
 class SyncCollector:
@@ -171,6 +172,7 @@ class AsyncCollector:
         self._learner_params: dict[int, Any] = {}  # version -> the learner's copy (split_staleness)
         self._ready: dict[int, Collected] = {item.step: item for item in queued}
         self._next = max([start_step - 1] + list(self._ready)) + 1  # the next step the worker samples
+        self._version = lambda step: sampled_version(step, max_staleness, start_step)  # noqa: E731
         self._busy, self._stop, self._error = False, False, None
         self._thread = threading.Thread(target=self._run, name="treejax-sampler", daemon=True)
         self._thread.start()
@@ -197,7 +199,7 @@ class AsyncCollector:
             item = self._ready.pop(step)
             queued = len(self._ready)
             item.behaviour_params = self._learner_params.get(item.version)
-            floor = sampled_version(step, self.k)  # no later step needs an older version
+            floor = self._version(step)  # no later step needs an older version
             for v in [v for v in self._learner_params if v < floor]:
                 del self._learner_params[v]
         item.rollouts = self.to_learner(item.rollouts)
@@ -209,7 +211,7 @@ class AsyncCollector:
         """The prompt pipeline's state and the queued rollouts, once the worker can go no further."""
         with self._cv:
             self._cv.wait_for(lambda: self._error is not None or self._stop or not self._busy and (
-                self._next >= self.num_steps or sampled_version(self._next, self.k) not in self._weights))
+                self._next >= self.num_steps or self._version(self._next) not in self._weights))
             self._raise_worker_error()
             items = [self._ready[s] for s in sorted(self._ready)]
             out = {"pipeline": self.source.pipeline.get_state()}
@@ -236,11 +238,11 @@ class AsyncCollector:
                     t0 = time.perf_counter()
                     with self._cv:
                         self._cv.wait_for(lambda: self._stop or self._next >= self.num_steps
-                                          or sampled_version(self._next, self.k) in self._weights)
+                                          or self._version(self._next) in self._weights)
                         if self._stop or self._next >= self.num_steps:
                             return
                         step = self._next
-                        version = sampled_version(step, self.k)
+                        version = self._version(step)
                         params, self._busy = self._weights[version], True
                         for v in [v for v in self._weights if v < version]:
                             del self._weights[v]

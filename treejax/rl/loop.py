@@ -101,6 +101,8 @@ def train(r: Run) -> int | None:
         preemption.install()
     logger = StepLogger(r)
     collector = make_collector(r, key)
+    collector.publish(r.start_step, r.state)  # the weights the first rollouts are sampled with
+    t_loop = time.perf_counter()
     try:
         for step in range(r.start_step, cfg.num_steps):
             if step == r.start_step:
@@ -138,6 +140,7 @@ def train(r: Run) -> int | None:
                 return done
         logger.flush(r.state)
         record_collector(r, collector)  # what finish() saves
+        r.loop_s = time.perf_counter() - t_loop
     except RuntimeError as e:
         diverged_error = nonfinite_update_error(e)
         if diverged_error is None:
@@ -224,6 +227,23 @@ def evaluate_now(r: Run, step: int) -> dict:
     return out
 
 
+def loop_throughput(cfg: RunConfig, history: list[dict], start_step: int, loop_s: float) -> dict:
+    """``loop_s`` (the step loop's wall-clock seconds in this process, periodic evaluations and checkpoints
+    included), ``steps_per_s``, and with asynchronous rollouts ``"async"``: the config, the mean staleness and
+    the busy fraction of each side (the sampler thread's rollout + scoring seconds and the learner's update
+    seconds over ``loop_s``; with a device split, each group's share of the wall clock)."""
+    rows = [h for h in history if h["step"] > start_step]
+    out = {"loop_s": loop_s, "steps_per_s": len(rows) / loop_s if loop_s > 0 else 0.0}
+    if cfg.async_rollouts.enabled and rows:
+        total = lambda k: sum(h.get(k, 0.0) for h in rows)  # noqa: E731
+        out["async"] = {**dataclasses.asdict(cfg.async_rollouts),
+                        "mean_staleness": total("async/staleness") / len(rows),
+                        "sampler_busy": (total("time/rollout_s") + total("time/scoring_s")) / loop_s,
+                        "learner_busy": total("time/update_s") / loop_s,
+                        "learner_wait_s": total("time/wait_rollout_s"), "sampler_wait_s": total("time/sampler_wait_s")}
+    return out
+
+
 def finish_preempted(r: Run, preempted_at: int) -> dict:
     r.checkpointer.wait()
     r.checkpointer.close()
@@ -266,6 +286,8 @@ def finish(r: Run) -> dict:
         "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
         "divergence": diverged,
     }
+    if r.loop_s is not None:
+        summary.update(loop_throughput(cfg, history, r.start_step, r.loop_s))
     if multihost.is_primary():
         with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=float)

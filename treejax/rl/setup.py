@@ -74,6 +74,7 @@ class Run:
     mesh: Any = None  # the learner's mesh (all devices unless AsyncConfig splits them); programs trace under it
     sampler_mesh: Any = None  # the rollout sampler's mesh (the learner's unless AsyncConfig.sampler_devices > 0)
     stopped_by: str | None = None  # the signal that stopped the step loop early (SIGTERM, SIGINT)
+    loop_s: float | None = None  # the step loop's wall-clock seconds (set when it ran through)
 
 
 def load_task_data(cfg: RunConfig) -> tuple[Any, list[dict[str, str]], list]:
@@ -193,6 +194,7 @@ def make_collector(r: Run, key: jax.Array):
         sampler_weights = lambda p: jax.device_put(learner.sampler_params(p), target, may_alias=False)  # noqa: E731
         on_learner = replicated(r.mesh)
         to_learner = lambda ro: collect.rollouts_to(ro, on_learner)  # noqa: E731
+        key = jax.device_put(key, replicated(r.sampler_mesh))  # the same key, on the sampler's devices
     else:
         sampler_weights = lambda p: jax.device_put(learner.sampler_params(p), may_alias=False)  # noqa: E731
         to_learner = lambda ro: ro  # noqa: E731

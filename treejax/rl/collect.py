@@ -100,9 +100,10 @@ def split_devices(cfg: AsyncConfig, devices: list, process_count: int = 1) -> tu
                               f"the rest learn)")
         return list(devices), list(devices)
     if n >= len(devices):
+        fix = ("AsyncConfig.sampler_devices = 0 (the sampler and the learner share the device)" if len(devices) == 1
+               else f"AsyncConfig.sampler_devices = {len(devices) - 1} or fewer")
         raise ConfigError(f"AsyncConfig.sampler_devices = {n} leaves no device to learn on ({len(devices)} "
-                          f"device{'s' if len(devices) > 1 else ''}); fix: AsyncConfig.sampler_devices = "
-                          f"{max(len(devices) - 1, 0)} or fewer")
+                          f"device{'s' if len(devices) > 1 else ''}); fix: {fix}")
     return list(devices[:n]), list(devices[n:])
 
 

@@ -115,6 +115,10 @@ class AsyncConfig:
                 raise ConfigError(f"AsyncConfig.{name} must be an int >= 0, got {v!r}")
 
 
+class OffPolicyWarning(UserWarning):
+    """Stale rollouts are trained without the behaviour importance weight (``RunConfig._check_async``)."""
+
+
 class ScheduleWarning(UserWarning):
     """The learning-rate schedule and the run's length disagree (``RunConfig._check_schedule``)."""
 
@@ -230,6 +234,11 @@ class RunConfig:
         if a.split_staleness and self.old_logp != "trainer":
             raise ConfigError("AsyncConfig.split_staleness needs RunConfig.old_logp = 'trainer' (it splits the "
                               "trainer's importance weight pi_prox / q)")
+        if a.max_staleness > 0 and self.loss.tis_cap is None:
+            warnings.warn(f"AsyncConfig.max_staleness = {a.max_staleness} without LossConfig.tis_cap: stale "
+                          "rollouts are trained with the PPO ratio against the recomputed (proximal) policy only, "
+                          "without the behaviour weight pi_prox / q; set LossConfig.tis_cap (e.g. 2.0) for "
+                          "decoupled PPO's correction", OffPolicyWarning, stacklevel=2)
 
     def _check_choices(self) -> None:
         """Every enumerated field, one line each naming the valid choices (:func:`treejax.choices.check_choice`)."""

@@ -266,3 +266,16 @@ def test_the_loop_with_a_sampler_group_resumes_from_its_saved_queue(tiny_checkpo
     with open(os.path.join(straight["hf_export"], "model.safetensors"), "rb") as f:
         with open(os.path.join(resumed["hf_export"], "model.safetensors"), "rb") as g:
             assert f.read() == g.read()
+
+
+def test_the_shipped_async_config_parses_and_warns_without_the_behaviour_weight():
+    from treejax import train
+    from treejax.rl.config import OffPolicyWarning
+
+    cfg = train.parse([os.path.join(os.path.dirname(__file__), "..", "..", "configs", "efficacy_slots_k8_async.gin")],
+                      [])
+    assert cfg.async_rollouts == AsyncConfig(enabled=True, max_staleness=1, sampler_devices=1)
+    assert cfg.loss.tis_cap == 2.0
+    train.check_devices(cfg)  # 1 sampler + 7 learner devices of the 8 fake ones
+    with pytest.warns(OffPolicyWarning, match="without the behaviour weight"):
+        dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, tis_cap=None))

@@ -15,6 +15,10 @@ One step (TreePO's recipe, DAPO details; every stage is a pure function of expli
    needs those weights anyway); checkpoints and held-out evaluation on their schedules;
 4. finish: final evaluation, checkpoint, HF export, ``summary.json``.
 
+Collect and learn meet in a collector (:mod:`treejax.rl.collect`): synchronous (sample when the step asks, with
+the newest weights) or asynchronous (``RunConfig.async_rollouts``: a sampler thread samples ``max_staleness``
+policy versions ahead, on its own devices when the mesh is split; the learner publishes each new version).
+
 Held-out evaluation (greedy accuracy, and pass@k / maj@k from k samples when ``EvalConfig.k > 0``) runs before
 training, every ``eval_every`` steps and at the end; TensorBoard gets it against the step (``eval/...``) and
 against wall-clock seconds since the start (``eval_wallclock/...``).

@@ -23,7 +23,11 @@ def _kernel_name() -> str:
     return "python3"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+SLOW = ("branching_rules.ipynb",)  # ~100 s on 2 cores; its rules are tested in tests/sampling/test_branching.py
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
+                                  for p in NOTEBOOKS], ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     from nbclient import NotebookClient
 

@@ -156,7 +156,7 @@ def test_staleness_stays_bounded_under_a_slow_learner_and_a_slow_sampler(k, monk
             time.sleep(self.delay)
             return collect.Rollouts(None, None, None, None, None)
 
-    for delay_sampler, delay_learner in ((0.0, 0.02), (0.02, 0.0)):
+    for delay_sampler, delay_learner in ((0.0, 0.05), (0.05, 0.0)):
         published.clear(), log.clear()
         col = collect.AsyncCollector(Source(delay_sampler), lambda v: v, jax.random.key(0), 0, 12, k)
         lengths = []

@@ -32,7 +32,8 @@ def test_builtin_list_is_complete():
 
 
 FAST_CLI = ("packed_update",)  # the rest: covered fast by rl_step (test_every_estimator_and_loss_term_through_rl_step)
-CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update"]
+CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
+             "majority_reward"]
 
 
 def _check_row(case, row):
@@ -49,6 +50,8 @@ def _check_row(case, row):
     if case == "packed_update":  # the tree-packed batch really ran: the shared prompts were stored once
         assert 0 < row["packing/unique_tokens"] <= row["packing/row_tokens"]
         assert row["packing/unique_tokens"] < row["packing/expanded_tokens"]
+    if case == "majority_reward":  # pseudo-labels: the verifier only measures the samples and the labels
+        assert 0.0 <= row["reward/label_accuracy"] <= 1.0 and "reward/accuracy" in row
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
@@ -62,6 +65,7 @@ def _extra(case):
             "kl_k3_tis": ["LossConfig.kl_coef = 0.1", "LossConfig.kl_estimator = 'k3'", "LossConfig.tis_cap = 2.0"],
             "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
             "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"],
+            "majority_reward": ["RunConfig.reward_source = 'majority'"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
             }.get(case, [f"RunConfig.estimator = '{case}'"])

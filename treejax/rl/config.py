@@ -24,6 +24,7 @@ from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.packing import PackingConfig
+from treejax.rl.pseudo_labels import REWARD_SOURCES
 from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
@@ -140,6 +141,10 @@ class RunConfig:
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
+    ``reward_source``: ``"verifier"`` (the task's verifier scores each leaf against the true answer) or
+    ``"majority"`` (test-time RL, TTRL / ETTRL: a leaf scores 1 when its answer is its prompt's majority answer
+    over the leaves, votes weighted by ``Forest.leaf_weight``; :mod:`treejax.rl.pseudo_labels`; the verifier then
+    only measures ``reward/accuracy`` and ``reward/label_accuracy``).
     ``leaf_weighting``: ``"count"`` (every leaf slot weighs 1: TreePO's official weighting) or ``"mass"`` (each
     leaf's advantages times ``Forest.leaf_weight``, ``W`` x its path mass for ``"transfer"`` trees: see
     :data:`LEAF_WEIGHTINGS`; refused with the fallback).
@@ -168,6 +173,7 @@ class RunConfig:
     estimator_options: Any = None  # None: the estimator's defaults
     leaf_weighting: str = "count"  # "mass": each leaf's advantages x Forest.leaf_weight (LEAF_WEIGHTINGS)
     reward_style: str = "pm1"
+    reward_source: str = "verifier"  # "majority": pseudo-labels, each prompt's majority answer (test-time RL)
     overlong_buffer: int = 0  # DAPO soft overlong penalty buffer (0 = off)
     overlong_factor: float = 1.0
     dynamic_sampling: bool = False
@@ -248,6 +254,11 @@ class RunConfig:
         check_choice("RunConfig.attention_impl", self.attention_impl, TRAIN_ATTENTION_IMPLS)
         check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
         check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
+        check_choice("RunConfig.reward_source", self.reward_source, REWARD_SOURCES)
+        if self.reward_source == "majority" and "greedy_reward_P" in estimator_spec(self.estimator).inputs:
+            raise ConfigError(f"RunConfig.reward_source = 'majority' with estimator {self.estimator!r}: its greedy "
+                              "baseline is scored by the verifier, which pseudo-label rewards do not use; fix: "
+                              "another estimator, or RunConfig.reward_source = 'verifier'")
         check_choice("RunConfig.overlong_prompts", self.overlong_prompts, ("filter", "error"))
         check_choice("RunConfig.log_dir_mode", self.log_dir_mode, LOG_DIR_MODES)
         check_choice("RunConfig.leaf_weighting", self.leaf_weighting, LEAF_WEIGHTINGS)

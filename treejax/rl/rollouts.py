@@ -33,6 +33,7 @@ from treejax.forest import Forest, NodeStatus
 from treejax.parallel import multihost
 from treejax.rl import rewards as rewards_lib
 from treejax.rl import scoring
+from treejax.rl.pseudo_labels import majority_scores
 from treejax.rl.health import check_sampled_ids
 from treejax.sampling.decode import generate
 from treejax.sampling.strategies import Greedy
@@ -94,6 +95,9 @@ class Rollouts:
     without a verifier: accuracy is then not reported); ``prompts_PxLp`` / ``lengths_P``: the right-padded prompt
     tokens; ``estimator_inputs``: the estimator's declared extra inputs by name (``greedy_reward_P [P]``);
     ``examples``: the task's examples of the ``P`` prompts (for pictures and texts), when the source has them.
+    ``label_leaf_P``: with pseudo-label rewards (``RunConfig.reward_source = "majority"``,
+    :mod:`treejax.rl.pseudo_labels`) the index of a leaf carrying each prompt's majority answer (-1: none), so
+    the verifier's ``scores_PxW`` measure the labels' accuracy; ``None`` with verifier rewards.
     """
 
     forest: Forest
@@ -104,6 +108,7 @@ class Rollouts:
     counters: RolloutCounters = RolloutCounters()
     estimator_inputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     examples: list | None = None
+    label_leaf_P: np.ndarray | None = None  # pseudo-label rewards: a leaf carrying each prompt's majority answer
 
 
 class RolloutSource(Protocol):
@@ -136,7 +141,8 @@ class TaskRollouts:
 
     def _one_call(self, params, key, step):
         """One batch of prompts, rolled out and scored: (forest, rewards, scores, examples, prompts, lengths,
-        counters)."""
+        counters, label leaves or None). The rewards come from the verifier's scores, or with
+        ``reward_source = "majority"`` from the prompts' majority answers (the verifier's scores then only measure)."""
         records = next(self.pipeline)
         records = [dict(zip(records, vals)) for vals in zip(*records.values())]
         examples, toks = encode_prompts(self.tokenizer, self.task, records, self.cfg.system_prompt,
@@ -148,24 +154,30 @@ class TaskRollouts:
         # one explicit all-gather of the leaves (a no-op copy with one process); every process then scores
         # every leaf, so rewards, dynamic sampling and the refills agree on all processes
         tokens, leaf_lengths = multihost.host_tree((forest.tokens, forest.leaf_length))
-        scores = scoring.score_texts(self.task, examples, scoring.decode_texts(self.tokenizer, tokens, leaf_lengths))
+        texts = scoring.decode_texts(self.tokenizer, tokens, leaf_lengths)
+        scores = scoring.score_texts(self.task, examples, texts)
+        reward_scores, label_leaf = scores, None
+        if self.cfg.reward_source == "majority":
+            reward_scores, label_leaf = majority_scores(self.task, texts, multihost.host_tree(forest.leaf_weights()))
         counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
-        return forest, self.rewards(scores, leaf_lengths), scores, examples, prompts, lens, counters
+        return (forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
+                label_leaf)
 
     def sample(self, params, key, step) -> Rollouts:
         cfg, P = self.cfg, self.cfg.prompts_per_step
         kept: list[tuple] = []
         counters = None
         for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
-            forest, rewards, scores, examples, prompts, lens, c = self._one_call(
+            forest, rewards, scores, examples, prompts, lens, c, labels = self._one_call(
                 params, jax.random.fold_in(key, attempt), step)
+            labels = np.full(P, -1, np.int64) if labels is None else labels
             counters = c if counters is None else counters + c
             keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(rewards))) if cfg.dynamic_sampling
                     else np.ones(P, bool))
             have = sum(len(k[1]) for k in kept)
             idx = np.nonzero(keep)[0][: P - have]
             kept.append((take_prompts(forest, idx), rewards[idx], scores[idx], [examples[i] for i in idx],
-                         prompts[idx], lens[idx]))
+                         prompts[idx], lens[idx], labels[idx]))
             if have + len(idx) >= P:
                 break
         missing = P - sum(len(k[1]) for k in kept)
@@ -175,13 +187,14 @@ class TaskRollouts:
             idx = np.arange(missing)
             filler = take_prompts(forest, idx)
             kept.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
-                         [examples[i] for i in idx], prompts[idx], lens[idx]))
+                         [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx]))
         counters = dataclasses.replace(counters, rollout_calls=attempt + 1, filler_prompts=missing)
-        forests, rewards, scores, examples, prompts, lens = zip(*kept)
+        forests, rewards, scores, examples, prompts, lens, labels = zip(*kept)
         # rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs
         ro = Rollouts(forest=concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
                       scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
-                      lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex])
+                      lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex],
+                      label_leaf_P=np.concatenate(labels) if cfg.reward_source == "majority" else None)
         if "greedy_reward_P" in self.estimator_inputs:
             t = time.perf_counter()
             ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)

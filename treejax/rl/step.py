@@ -45,6 +45,7 @@ from treejax.rl.advantages import estimator_spec
 from treejax.rl.batch import Batch
 from treejax.rl.config import StepConfig
 from treejax.rl.layouts import Layout, make_layout
+from treejax.rl.pseudo_labels import label_accuracy
 from treejax.rl.losses import LossConfig
 from treejax.rl.rollouts import RolloutSource, Rollouts
 from treejax.rl.update import reduce_metrics, split_micro
@@ -247,11 +248,14 @@ def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step
 
 def rollout_metrics(ro: Rollouts) -> dict:
     """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (with
-    verifier scores), the rollout counters and the tree's shape (:func:`tree_metrics`)."""
+    verifier scores; with pseudo-label rewards also ``reward/label_accuracy``), the rollout counters and the
+    tree's shape (:func:`tree_metrics`)."""
     host = {"time/scoring_s": ro.counters.scoring_s, "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
             **ro.counters.metrics(), **tree_metrics(ro.forest, ro.rewards_PxW)}
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
+        if ro.label_leaf_P is not None:
+            host["reward/label_accuracy"] = label_accuracy(ro.scores_PxW, ro.label_leaf_P)
     return host
 
 

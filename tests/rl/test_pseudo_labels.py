@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from treejax.rl import pseudo_labels
-from treejax.rl.evaluation import answer_key
+from treejax.rl.evaluation import majority_vote
 
 
 class _Task:
@@ -68,9 +68,9 @@ def test_label_accuracy_counts_prompts_whose_label_the_verifier_accepts():
 
 
 def test_weighted_majority_ignores_non_votes_and_breaks_ties_by_order():
-    keys = [None, answer_key("2"), answer_key("3"), answer_key("3"), answer_key("2")]
-    assert pseudo_labels.weighted_majority(keys, [9, 1, 1, 1, 1]) == 1
-    assert pseudo_labels.weighted_majority(keys, [9, 1, 1, 1, 0.5]) == 2
-    assert pseudo_labels.weighted_majority([None, None], [1, 1]) is None
+    answers = [None, "2", "3", "3.0", "2"]
+    assert majority_vote(answers, [9, 1, 1, 1, 1]) == 1
+    assert majority_vote(answers, [9, 1, 1, 1, 0.5]) == 2
+    assert majority_vote([None, None], [1, 1]) is None
     with pytest.raises(ValueError, match="weights of shape"):
         pseudo_labels.majority_scores(_Task(), [["1", "2"]], [[1.0, 1.0, 1.0]])

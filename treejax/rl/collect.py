@@ -52,7 +52,6 @@ import zlib
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from treejax.errors import ConfigError
 from treejax.rl.config import AsyncConfig
@@ -166,7 +165,7 @@ class AsyncCollector:
                  num_steps: int, max_staleness: int, thread_context: Callable = contextlib.nullcontext,
                  to_learner: Callable = lambda ro: ro, queued=(), keep_params: Callable | None = None):
         self.source, self.sampler_weights, self.key = source, sampler_weights, key
-        self.num_steps, self.k, self.thread_context = num_steps, max_staleness, thread_context
+        self.num_steps, self.thread_context = num_steps, thread_context
         self.to_learner, self.keep_params = to_learner, keep_params
         self._cv = threading.Condition()
         self._weights: dict[int, Any] = {}  # version -> the sampler's copy
@@ -279,9 +278,8 @@ def decode_queue(text: str | None) -> list[Collected]:
 
 def rollouts_to_host(ro: Rollouts) -> Rollouts:
     """``ro`` with every device array as a NumPy array."""
-    get = lambda x: jax.tree.map(np.asarray, jax.device_get(x))  # noqa: E731
-    return dataclasses.replace(ro, forest=get(ro.forest), rewards_PxW=get(ro.rewards_PxW),
-                               estimator_inputs={k: get(v) for k, v in ro.estimator_inputs.items()})
+    forest, rewards, inputs = jax.device_get((ro.forest, ro.rewards_PxW, ro.estimator_inputs))
+    return dataclasses.replace(ro, forest=forest, rewards_PxW=rewards, estimator_inputs=inputs)
 
 
 def rollouts_to(ro: Rollouts, sharding) -> Rollouts:

@@ -126,20 +126,20 @@ def answer_key(answer: Optional[str]) -> Optional[Hashable]:
     return ("text", text) if text else None
 
 
-def majority_vote(answers: Sequence[Optional[str]]) -> Optional[int]:
+def majority_vote(answers: Sequence[Optional[str]], weights: Optional[Sequence[float]] = None) -> Optional[int]:
     """Index of the sample that represents the majority answer, or None when no sample has an answer.
 
-    Answers are grouped by :func:`answer_key` (unparseable ones excluded); the group with the most votes wins,
-    ties going to the group whose first member comes first in sample order; the representative is that group's
-    first sample."""
+    Answers are grouped by :func:`answer_key` (unparseable ones excluded); the group with the most votes (each
+    sample's ``weights[i]``, default 1) wins, ties going to the group whose first member comes first in sample
+    order; the representative is that group's first sample."""
     first: dict[Hashable, int] = {}
-    votes: dict[Hashable, int] = {}
+    votes: dict[Hashable, float] = {}
     for i, a in enumerate(answers):
         key = answer_key(a)
         if key is None:
             continue
         first.setdefault(key, i)
-        votes[key] = votes.get(key, 0) + 1
+        votes[key] = votes.get(key, 0.0) + (1.0 if weights is None else float(weights[i]))
     if not votes:
         return None
     best = max(votes, key=lambda key: (votes[key], -first[key]))

@@ -8,7 +8,8 @@ vote over the leaves of an entropy-branched tree. Here, for prompt ``p`` with le
                                              no answer -> no vote
     votes(a) = sum_{l : a_l = a} w_l          w_l = Forest.leaf_weight (1 per leaf slot; W x path mass for
                                              "transfer" trees, so the vote estimates the policy's modal answer)
-    a*       = argmax_a votes(a)              ties: the answer whose first leaf comes first
+    a*       = argmax_a votes(a)              ties: the answer whose first leaf comes first (evaluation.majority_vote,
+                                             maj@k's vote with the leaves' weights)
     score_l  = 1[a_l = a*]                   (0 for every leaf when no leaf has an answer)
 
 The pseudo-scores replace the verifier's scores in the reward (``RunConfig.reward_source = "majority"``); the
@@ -18,30 +19,14 @@ verifier's own scores are still computed, only for metrics: ``reward/accuracy`` 
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from treejax.rl.evaluation import answer_key, extract_answer
+from treejax.rl.evaluation import answer_key, extract_answer, majority_vote
 
 #: ``RunConfig.reward_source``: what a leaf's score (hence its reward) is measured against.
 REWARD_SOURCES = ("verifier", "majority")
-
-
-def weighted_majority(keys: Sequence[Optional[Hashable]], weights: Sequence[float]) -> Optional[int]:
-    """Index of the first leaf of the answer with the largest summed weight (``None`` keys do not vote; ties go to
-    the answer whose first leaf comes first); ``None`` when no leaf votes."""
-    first: dict[Hashable, int] = {}
-    votes: dict[Hashable, float] = {}
-    for i, (key, w) in enumerate(zip(keys, weights)):
-        if key is None:
-            continue
-        first.setdefault(key, i)
-        votes[key] = votes.get(key, 0.0) + float(w)
-    if not votes:
-        return None
-    best = max(votes, key=lambda k: (votes[k], -first[k]))
-    return first[best]
 
 
 def majority_scores(task, texts_PxW: Sequence[Sequence[str]], weights_PxW) -> tuple[np.ndarray, np.ndarray]:
@@ -55,12 +40,13 @@ def majority_scores(task, texts_PxW: Sequence[Sequence[str]], weights_PxW) -> tu
     scores = np.zeros(weights.shape, np.float32)
     label_leaf = np.full(weights.shape[0], -1, np.int64)
     for p, row in enumerate(texts_PxW):
-        keys = [answer_key(extract_answer(task, t)) for t in row]
-        rep = weighted_majority(keys, weights[p])
+        answers = [extract_answer(task, t) for t in row]
+        rep = majority_vote(answers, weights[p])
         if rep is None:
             continue
         label_leaf[p] = rep
-        scores[p] = [float(k is not None and k == keys[rep]) for k in keys]
+        label = answer_key(answers[rep])
+        scores[p] = [float(answer_key(a) == label) for a in answers]
     return scores, label_leaf
 
 
@@ -71,4 +57,4 @@ def label_accuracy(verifier_scores_PxW: np.ndarray, label_leaf_P: np.ndarray) ->
     return float(np.mean(ok)) if ok else 0.0
 
 
-__all__ = ["REWARD_SOURCES", "weighted_majority", "majority_scores", "label_accuracy"]
+__all__ = ["REWARD_SOURCES", "majority_scores", "label_accuracy"]

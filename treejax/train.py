@@ -65,6 +65,10 @@ def register_configurables() -> dict[str, type]:
                "MinP": strategies.MinP}
     for cls in branching.rule_classes().values():  # TreeConfig.branching = @FixedAverage(), @ECHO(), ...
         classes.setdefault(cls.__name__, cls)
+    from treejax.rl.shaping import shaper_classes
+
+    for cls in shaper_classes().values():  # RunConfig.shapers = [@EchoShaping(), ...]
+        classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():
         cls = adv_registry.estimator_spec(name).options_cls
         classes.setdefault(cls.__name__, cls)

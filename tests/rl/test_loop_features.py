@@ -31,9 +31,10 @@ def test_builtin_list_is_complete():
     assert set(BUILT_IN) <= set(list_estimators())
 
 
-FAST_CLI = ("packed_update",)  # the rest: covered fast by rl_step (test_every_estimator_and_loss_term_through_rl_step)
+FAST_CLI = ("packed_update", "shaper_echo")  # the rest: covered fast by rl_step (test_every_estimator_and_loss_term_through_rl_step)
+SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
-             "majority_reward"]
+             "majority_reward", *SHAPER_CASES]
 
 
 def _check_row(case, row):
@@ -52,6 +53,11 @@ def _check_row(case, row):
         assert row["packing/unique_tokens"] < row["packing/expanded_tokens"]
     if case == "majority_reward":  # pseudo-labels: the verifier only measures the samples and the labels
         assert 0.0 <= row["reward/label_accuracy"] <= 1.0 and "reward/accuracy" in row
+    if case.startswith("shaper_"):  # the shapers ran on the trainer pass and reported
+        assert np.isfinite(row["shaping/adv_abs_mean_after"])
+        for name in case.split("_")[1:]:
+            if name != "packed":
+                assert any(k.startswith(f"shaping/{name}") for k in row), (name, sorted(row))
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
@@ -66,6 +72,11 @@ def _extra(case):
             "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
             "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"],
             "majority_reward": ["RunConfig.reward_source = 'majority'"],
+            "shaper_echo": ["RunConfig.shapers = [@EchoShaping()]"],
+            "shaper_ear": ["RunConfig.shapers = [@EntropyAdvantageReshaping()]", "RunConfig.estimator = 'grpo'"],
+            "shaper_rose_prl_packed": ["RunConfig.shapers = [@RoseLengthPenalty(), @ProcessRewardShaping()]",
+                                       "ProcessRewardShaping.step_length = 2", "RunConfig.packed_update = True",
+                                       "RunConfig.packing = @PackingConfig()", "PackingConfig.granule = 16"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
             }.get(case, [f"RunConfig.estimator = '{case}'"])

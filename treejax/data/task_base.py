@@ -68,6 +68,13 @@ class Task(abc.ABC):
     def score(self, response_text: str, example: Example) -> float:
         """Score in [0, 1] of a model response (1 = correct)."""
 
+    def answer_reached(self, prefix_text: str, example: Example) -> bool:
+        """The prefix-verification hook: does this prefix of a response already state the correct final answer?
+        (DECS's necessary-reasoning prefix, :func:`treejax.rl.scoring.answer_steps`.) Default: the verifier
+        accepts the prefix as a whole response; a task whose verifier needs a complete response (a closing tag,
+        a full program) overrides it."""
+        return self.score(prefix_text, example) >= 1.0
+
     def num_examples(self, split: str) -> int:
         return len(self.records(split))
 

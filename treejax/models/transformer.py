@@ -419,6 +419,41 @@ def token_logprobs(params: Params, config: ModelConfig, hidden: jax.Array, targe
     return logp
 
 
+@apply_policy
+def topk_logprobs(params: Params, config: ModelConfig, hidden: jax.Array, k: int, chunk_size: int = 8192) -> jax.Array:
+    """``[..., k]`` the ``k`` largest next-token log-probabilities at every position, in descending order (no
+    gradient: a statistic of the distribution, e.g. DeepConf / ECHO's top-k confidence ``-mean_j logp_(j)``).
+
+    One ``lax.scan`` over vocabulary chunks keeps a running top-``k`` of the logits and the running log-sum-exp::
+
+        topk    = top_k(concat(topk, top_k(z_c, k)), k),   lse = logaddexp(lse, lse_c),   logp_(j) = topk_j - lse
+
+    so the ``[..., V]`` logits never exist at once. Padded-vocabulary ids carry no mass (``-inf``).
+    """
+    w = jax.lax.stop_gradient(_head(params, config))
+    h = jax.lax.stop_gradient(hidden)
+    E, V = w.shape
+    if not 1 <= k <= config.sampling_vocab_size:
+        raise ValueError(f"topk_logprobs: k must be in [1, {config.sampling_vocab_size}], got {k}")
+    chunk = max(min(chunk_size, V), k)
+    num_chunks = -(-V // chunk)
+    pad = num_chunks * chunk - V
+    w = jnp.pad(w, ((0, 0), (0, pad))).reshape(E, num_chunks, chunk).transpose(1, 0, 2)
+    starts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
+    valid = (starts[:, None] + jnp.arange(chunk)[None, :]) < config.sampling_vocab_size
+
+    def body(carry, xs):
+        top, lse = carry
+        w_c, valid_C = xs
+        z = _chunk_logits(h, w_c, valid_C, 1.0)
+        top = jax.lax.top_k(jnp.concatenate([top, jax.lax.top_k(z, k)[0]], axis=-1), k)[0]
+        return (top, jnp.logaddexp(lse, jax.nn.logsumexp(z, axis=-1))), None
+
+    init = (jnp.full(h.shape[:-1] + (k,), -jnp.inf, jnp.float32), jnp.full(h.shape[:-1], -jnp.inf, jnp.float32))
+    (top, lse), _ = lax.scan(body, init, (w, valid))
+    return top - lse[..., None]
+
+
 # ----------------------------------------------------------------------------------------------- KV cache
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> dict:
     """Zeroed KV cache: ``{"k": (k_0, ..., k_{layers-1}), "v": (...)}``, one ``[B, K, L, H]`` buffer per layer

@@ -25,6 +25,7 @@ from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
+from treejax.rl.shaping import Shaper, check_shapers
 from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
@@ -32,7 +33,7 @@ from treejax.sampling.tree import TreeConfig
 #: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`).
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
-KNOWN_INPUTS = ("greedy_reward_P",)
+KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW")
 #: ``RunConfig.nonfinite``: what an update with a non-finite loss or gradient does (:mod:`treejax.rl.update`).
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -64,8 +65,10 @@ class StepConfig:
     packing: PackingConfig | None = None  # None: expanded rows; else the tree-packed update
     row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
     leaf_weighting: str = "count"  # "count" | "mass": scale each leaf's advantages by forest.leaf_weight
+    shapers: tuple = ()  # treejax.rl.shaping.Shaper instances, applied in order after the old-log-prob pass
 
     def __post_init__(self):
+        object.__setattr__(self, "shapers", check_shapers(self.shapers))
         if self.leaf_weighting not in LEAF_WEIGHTINGS:
             raise ValueError(f"leaf_weighting must be one of {LEAF_WEIGHTINGS}, got {self.leaf_weighting!r}")
         if self.old_logp not in OLD_LOGP_SOURCES:
@@ -148,6 +151,9 @@ class RunConfig:
     ``leaf_weighting``: ``"count"`` (every leaf slot weighs 1: TreePO's official weighting) or ``"mass"`` (each
     leaf's advantages times ``Forest.leaf_weight``, ``W`` x its path mass for ``"transfer"`` trees: see
     :data:`LEAF_WEIGHTINGS`; refused with the fallback).
+    ``shapers``: advantage / clip-range shapers (:mod:`treejax.rl.shaping`: ECHO, ETTRL's EAR, ROSE's length
+    penalty, PRL), applied in order after the trainer's old-log-prob pass, whose forward also gives the
+    entropies and top-k log-probs they read (gin: ``RunConfig.shapers = [@EchoShaping()]``).
     ``tree_picture_text``: the tree picture (every ``tree_picture_every`` steps) shows prompt 0's question and
     each leaf's answer text. ``compilation_cache``: the persistent JAX compilation cache
     (:mod:`treejax.compile_cache`): ``"auto"`` (``~/.cache/treejax/jax``), ``"off"``, or a folder;
@@ -206,8 +212,10 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
     compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
     async_rollouts: AsyncConfig = AsyncConfig()  # sampler / learner overlap with bounded staleness (AsyncConfig)
+    shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order
 
     def __post_init__(self):
+        object.__setattr__(self, "shapers", tuple(self.shapers))
         check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
@@ -255,6 +263,10 @@ class RunConfig:
         check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
         check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
         check_choice("RunConfig.reward_source", self.reward_source, REWARD_SOURCES)
+        if self.reward_source == "majority" and "answer_step_PxW" in estimator_spec(self.estimator).inputs:
+            raise ConfigError(f"RunConfig.reward_source = 'majority' with estimator {self.estimator!r}: its "
+                              "necessary-reasoning prefix is found by the verifier against the true answer, which "
+                              "pseudo-label rewards do not use; fix: RunConfig.reward_source = 'verifier'")
         if self.reward_source == "majority" and "greedy_reward_P" in estimator_spec(self.estimator).inputs:
             raise ConfigError(f"RunConfig.reward_source = 'majority' with estimator {self.estimator!r}: its greedy "
                               "baseline is scored by the verifier, which pseudo-label rewards do not use; fix: "
@@ -281,7 +293,8 @@ class RunConfig:
                           old_logp=self.old_logp, epochs=self.epochs, mini_batches=self.mini_batches,
                           micro_batches=self.micro_batches, pad_id=pad_id, attention_impl=self.attention_impl,
                           clip_scale_fn=self.clip_scale_fn, packing=self.packing if self.packed_update else None,
-                          row_multiple=self.micro_batches * batch_devices, leaf_weighting=self.leaf_weighting)
+                          row_multiple=self.micro_batches * batch_devices, leaf_weighting=self.leaf_weighting,
+                          shapers=self.shapers)
 
 
 def prompt_cap(cfg: RunConfig) -> int:

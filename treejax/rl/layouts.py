@@ -28,6 +28,7 @@ Log-probabilities (both layouts): ``logp = log pi(token | prefix)`` from the tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -70,54 +71,89 @@ class Layout(Protocol):
     def pair_logprobs(self, params: Any, inputs: Any, *, with_entropy: bool = False, remat: bool | str = False):
         """``logp [rows, *pairs]`` (and the entropy of each pair's next-token distribution)."""
 
+    def pair_stats(self, params: Any, inputs: Any, *, with_entropy: bool = False, top_k: int = 0) -> dict:
+        """``{"logp", "entropy"?, "topk_logp"?}`` per pair ``[rows, *pairs(, k)]`` from one forward, no gradient
+        needed (the old-log-prob pass of the shapers, :mod:`treejax.rl.shaping`)."""
+
+    def response_index(self, pool: Pool, prompt_lengths_P: jax.Array, num_leaves: int) -> jax.Array:
+        """int32 ``[rows, *pairs]``: each pool pair's response token index (-1 on prompt positions)."""
+
     def describe(self, plans: list) -> dict[str, int]:
         """Host metrics of one epoch's plans (``packing/...``)."""
 
 
 # ----------------------------------------------------------------------------------------------- forwards
-def sequence_logprobs(params: Any, model_config: ModelConfig, tokens_BxL: jax.Array, positions_BxL: jax.Array,
-                      segment_ids_BxL: jax.Array | None = None, *, chunk_size: int = 8192, with_entropy: bool = False,
-                      remat: bool | str = False, attention_impl: str = "xla"):
-    """``logp[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` aligned with ``tokens`` (``logp[:, 0] = 0``).
+def sequence_stats(params: Any, model_config: ModelConfig, tokens_BxL: jax.Array, positions_BxL: jax.Array,
+                   segment_ids_BxL: jax.Array | None = None, *, chunk_size: int = 8192, with_entropy: bool = False,
+                   top_k: int = 0, remat: bool | str = False, attention_impl: str = "xla") -> dict[str, jax.Array]:
+    """Per-position statistics of ``tokens[b, t]`` under the training forward, aligned with ``tokens`` (0 at
+    ``t = 0``): ``logp`` = ``log pi(tokens[b, t] | tokens[b, :t])``; with ``with_entropy`` ``entropy`` of that
+    next-token distribution; with ``top_k > 0`` ``topk_logp [B, L, k]``, its ``k`` largest log-probs (no gradient,
+    :func:`treejax.models.transformer.topk_logprobs`).
 
-    Runs the training forward once and scores each next token in vocabulary chunks. With ``with_entropy`` also
-    returns the entropy of the next-token distribution that produced ``tokens[b, t]`` (0 at ``t = 0``).
+    Runs the training forward once and scores each next token in vocabulary chunks.
     """
     hidden = transformer.forward(params, model_config, tokens_BxL, positions_BxL, segment_ids_BxL, remat=remat,
                                  attention_impl=attention_impl)
     next_BxL = jnp.roll(tokens_BxL, -1, axis=1)  # targets of hidden[:, t] are tokens[:, t + 1]
-    out = transformer.token_logprobs(params, model_config, hidden, next_BxL, chunk_size=chunk_size,
-                                     with_entropy=with_entropy)
     shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)  # noqa: E731
-    if with_entropy:
-        return shift(out[0]), shift(out[1])
-    return shift(out)
+    return {k: shift(v) for k, v in _head_stats(params, model_config, hidden, next_BxL, chunk_size, with_entropy,
+                                                 top_k).items()}
 
 
-def packed_logprobs(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
-                    with_entropy: bool = False, remat: bool | str = False, attention_impl: str = "xla",
-                    blocks=None):
-    """Log-probs (and entropies) of every unique token of packed rows, ``[R, L]``, computed once.
+def _head_stats(params, model_config, hidden, targets, chunk_size, with_entropy, top_k) -> dict[str, jax.Array]:
+    out = transformer.token_logprobs(params, model_config, hidden, targets, chunk_size=chunk_size,
+                                     with_entropy=with_entropy)
+    stats = dict(zip(("logp", "entropy"), out)) if with_entropy else {"logp": out}
+    if top_k:
+        stats["topk_logp"] = transformer.topk_logprobs(params, model_config, hidden, top_k, chunk_size=chunk_size)
+    return stats
+
+
+def sequence_logprobs(params: Any, model_config: ModelConfig, tokens_BxL: jax.Array, positions_BxL: jax.Array,
+                      segment_ids_BxL: jax.Array | None = None, *, chunk_size: int = 8192, with_entropy: bool = False,
+                      remat: bool | str = False, attention_impl: str = "xla"):
+    """``logp[b, t] = log pi(tokens[b, t] | tokens[b, :t])`` aligned with ``tokens`` (``logp[:, 0] = 0``), and with
+    ``with_entropy`` the entropy of the distribution that produced ``tokens[b, t]`` (:func:`sequence_stats`)."""
+    s = sequence_stats(params, model_config, tokens_BxL, positions_BxL, segment_ids_BxL, chunk_size=chunk_size,
+                       with_entropy=with_entropy, remat=remat, attention_impl=attention_impl)
+    return (s["logp"], s["entropy"]) if with_entropy else s["logp"]
+
+
+def packed_stats(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
+                 with_entropy: bool = False, top_k: int = 0, remat: bool | str = False, attention_impl: str = "xla",
+                 blocks=None) -> dict[str, jax.Array]:
+    """Statistics of every unique token of packed rows, ``[R, L]`` (``topk_logp [R, L, k]``), computed once.
 
     ``hidden = forward_tree(tokens)``; token ``i`` is scored from the hidden state of its predictor
     ``prev[i]`` (the previous token of its node, or its parent's last token at a node's first token)::
 
         logp[r, i] = log_softmax(h[r, prev[r, i]] W)[tokens[r, i]],   H[r, i] = entropy of that distribution
 
-    (values at tokens without a predecessor, ``prev = -1``, are meaningless and never gathered as trained pairs).
+    (values at tokens without a predecessor, ``prev = -1``, are meaningless and never gathered as trained pairs);
+    ``entropy`` / ``topk_logp`` as in :func:`sequence_stats`.
     """
     hidden = transformer.forward_tree(params, model_config, inputs.tokens, inputs.positions, inputs.node_lo,
                                       inputs.node_hi, remat=remat, attention_impl=attention_impl, blocks=blocks)
     h_prev = jnp.take_along_axis(hidden, jnp.maximum(inputs.prev, 0)[:, :, None], axis=1)
-    return transformer.token_logprobs(params, model_config, h_prev, inputs.tokens, chunk_size=chunk_size,
-                                      with_entropy=with_entropy)
+    return _head_stats(params, model_config, h_prev, inputs.tokens, chunk_size, with_entropy, top_k)
+
+
+def packed_logprobs(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
+                    with_entropy: bool = False, remat: bool | str = False, attention_impl: str = "xla",
+                    blocks=None):
+    """``logp [R, L]`` (and ``entropy``) of every unique token of packed rows (:func:`packed_stats`)."""
+    s = packed_stats(params, model_config, inputs, chunk_size=chunk_size, with_entropy=with_entropy, remat=remat,
+                     attention_impl=attention_impl, blocks=blocks)
+    return (s["logp"], s["entropy"]) if with_entropy else s["logp"]
 
 
 def gather_pairs(x_RxL: jax.Array, pair_index_RxWxT: jax.Array) -> jax.Array:
-    """Per unique token ``[R, L]`` -> per (leaf slot, response token) pair ``[R, Wr, T]`` (the gather map of the
-    packed batch; its transpose in the backward pass sums each pair's gradient into its unique token)."""
+    """Per unique token ``[R, L, *rest]`` -> per (leaf slot, response token) pair ``[R, Wr, T, *rest]`` (the gather
+    map of the packed batch; its transpose in the backward pass sums each pair's gradient into its unique token)."""
     R, Wr, T = pair_index_RxWxT.shape
-    return jnp.take_along_axis(x_RxL, pair_index_RxWxT.reshape(R, Wr * T), axis=1).reshape(R, Wr, T)
+    idx = pair_index_RxWxT.reshape((R, Wr * T) + (1,) * (x_RxL.ndim - 2))
+    return jnp.take_along_axis(x_RxL, idx, axis=1).reshape((R, Wr, T) + x_RxL.shape[2:])
 
 
 # ----------------------------------------------------------------------------------------------- layouts
@@ -157,6 +193,21 @@ class Expanded:
         return sequence_logprobs(params, self.model_config, inputs.tokens, inputs.positions, inputs.segment_ids,
                                  chunk_size=self.chunk_size, with_entropy=with_entropy, remat=remat,
                                  attention_impl=self.attention_impl)
+
+    def pair_stats(self, params, inputs: SequenceInputs, *, with_entropy: bool = False, top_k: int = 0) -> dict:
+        return sequence_stats(params, self.model_config, inputs.tokens, inputs.positions, inputs.segment_ids,
+                              chunk_size=self.chunk_size, with_entropy=with_entropy, top_k=top_k,
+                              attention_impl=self.attention_impl)
+
+    def response_index(self, pool: Pool, prompt_lengths_P: jax.Array, num_leaves: int) -> jax.Array:
+        return self._response_index(jnp.asarray(prompt_lengths_P), pool.batch.loss_mask, num_leaves)
+
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=2)
+    def _response_index(lens_P, mask_BxL, num_leaves):
+        j = jnp.arange(mask_BxL.shape[1], dtype=jnp.int32)[None, :]
+        r = j - jnp.repeat(lens_P.astype(jnp.int32), num_leaves)[:, None]
+        return jnp.where(r >= 0, r, -1)
 
     def describe(self, plans: list) -> dict[str, int]:
         return {}
@@ -223,6 +274,15 @@ class Packed:
             return gather_pairs(out[0], inputs.pair_index), gather_pairs(out[1], inputs.pair_index)
         return gather_pairs(out, inputs.pair_index)
 
+    def pair_stats(self, params, inputs: TreeInputs, *, with_entropy: bool = False, top_k: int = 0) -> dict:
+        out = packed_stats(params, self.model_config, inputs, chunk_size=self.chunk_size, with_entropy=with_entropy,
+                           top_k=top_k, attention_impl=self.packing.attention_impl, blocks=self.blocks)
+        return {k: gather_pairs(v, inputs.pair_index) for k, v in out.items()}
+
+    def response_index(self, pool: Pool, prompt_lengths_P: jax.Array, num_leaves: int) -> jax.Array:
+        rows, T = pool.batch.loss_mask.shape
+        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (rows, T))
+
     def describe(self, plans: list) -> dict[str, int]:
         """Real tokens in the packed rows, tokens the expanded rows would hold and packed row slots (padding
         included), summed over ``plans``; with sticky layouts the distinct layouts so far (one compile each)."""
@@ -242,5 +302,5 @@ def make_layout(model_config: ModelConfig, packing: packing_lib.PackingConfig | 
     return Packed(model_config, packing, pad_id=pad_id, row_multiple=row_multiple, chunk_size=chunk_size)
 
 
-__all__ = ["Layout", "Pool", "Expanded", "Packed", "make_layout", "sequence_logprobs", "packed_logprobs",
-           "gather_pairs"]
+__all__ = ["Layout", "Pool", "Expanded", "Packed", "make_layout", "sequence_logprobs", "sequence_stats",
+           "packed_logprobs", "packed_stats", "gather_pairs"]

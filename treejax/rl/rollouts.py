@@ -98,6 +98,7 @@ class Rollouts:
     ``label_leaf_P``: with pseudo-label rewards (``RunConfig.reward_source = "majority"``,
     :mod:`treejax.rl.pseudo_labels`) the index of a leaf carrying each prompt's majority answer (-1: none), so
     the verifier's ``scores_PxW`` measure the labels' accuracy; ``None`` with verifier rewards.
+    ``reward_scores_PxW``: the scores the rewards came from (the pseudo-scores with pseudo-label rewards).
     """
 
     forest: Forest
@@ -109,6 +110,14 @@ class Rollouts:
     estimator_inputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     examples: list | None = None
     label_leaf_P: np.ndarray | None = None  # pseudo-label rewards: a leaf carrying each prompt's majority answer
+    reward_scores_PxW: np.ndarray | None = None  # the scores the rewards were computed from (None: scores_PxW)
+
+    @property
+    def correct_PxW(self) -> np.ndarray | None:
+        """bool ``[P, W]``: the leaves the reward counts as correct (the verifier's scores, or with pseudo-label
+        rewards the pseudo-scores); ``None`` without scores."""
+        s = self.scores_PxW if self.reward_scores_PxW is None else self.reward_scores_PxW
+        return None if s is None else np.asarray(s) >= 1.0
 
 
 class RolloutSource(Protocol):
@@ -125,11 +134,13 @@ def check_inputs(inputs: tuple[str, ...], supplied: tuple[str, ...], source: str
 
 class TaskRollouts:
     """The loop's :class:`RolloutSource` (module docstring). ``estimator_inputs``: the names the estimator declares
-    (``EstimatorSpec.inputs``); ``greedy_reward_P`` decodes one greedy completion per prompt (ReMax)."""
+    (``EstimatorSpec.inputs``); ``greedy_reward_P`` decodes one greedy completion per prompt (ReMax);
+    ``answer_step_PxW`` runs the verifier's prefix hook on every correct leaf (DECS,
+    :func:`treejax.rl.scoring.answer_steps`)."""
 
     def __init__(self, cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int, pad_id: int,
                  estimator_inputs: tuple[str, ...] = ()):
-        check_inputs(estimator_inputs, ("greedy_reward_P",), "TaskRollouts")
+        check_inputs(estimator_inputs, ("greedy_reward_P", "answer_step_PxW"), "TaskRollouts")
         self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
         self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
@@ -141,7 +152,7 @@ class TaskRollouts:
 
     def _one_call(self, params, key, step):
         """One batch of prompts, rolled out and scored: (forest, rewards, scores, examples, prompts, lengths,
-        counters, label leaves or None). The rewards come from the verifier's scores, or with
+        counters, label leaves or None, per-leaf estimator inputs). The rewards come from the verifier's scores, or with
         ``reward_source = "majority"`` from the prompts' majority answers (the verifier's scores then only measure)."""
         records = next(self.pipeline)
         records = [dict(zip(records, vals)) for vals in zip(*records.values())]
@@ -159,16 +170,20 @@ class TaskRollouts:
         reward_scores, label_leaf = scores, None
         if self.cfg.reward_source == "majority":
             reward_scores, label_leaf = majority_scores(self.task, texts, multihost.host_tree(forest.leaf_weights()))
+        leaf_inputs = {"reward_scores": np.asarray(reward_scores, np.float32)}
+        if "answer_step_PxW" in self.estimator_inputs:
+            leaf_inputs["answer_step_PxW"] = scoring.answer_steps(self.tokenizer, self.task, examples, tokens,
+                                                                  leaf_lengths, reward_scores)
         counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
         return (forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
-                label_leaf)
+                label_leaf, leaf_inputs)
 
     def sample(self, params, key, step) -> Rollouts:
         cfg, P = self.cfg, self.cfg.prompts_per_step
         kept: list[tuple] = []
         counters = None
         for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
-            forest, rewards, scores, examples, prompts, lens, c, labels = self._one_call(
+            forest, rewards, scores, examples, prompts, lens, c, labels, leaf_inputs = self._one_call(
                 params, jax.random.fold_in(key, attempt), step)
             labels = np.full(P, -1, np.int64) if labels is None else labels
             counters = c if counters is None else counters + c
@@ -177,7 +192,7 @@ class TaskRollouts:
             have = sum(len(k[1]) for k in kept)
             idx = np.nonzero(keep)[0][: P - have]
             kept.append((take_prompts(forest, idx), rewards[idx], scores[idx], [examples[i] for i in idx],
-                         prompts[idx], lens[idx], labels[idx]))
+                         prompts[idx], lens[idx], labels[idx], {k: v[idx] for k, v in leaf_inputs.items()}))
             if have + len(idx) >= P:
                 break
         missing = P - sum(len(k[1]) for k in kept)
@@ -187,14 +202,18 @@ class TaskRollouts:
             idx = np.arange(missing)
             filler = take_prompts(forest, idx)
             kept.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
-                         [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx]))
+                         [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx],
+                         {k: v[idx] for k, v in leaf_inputs.items()}))
         counters = dataclasses.replace(counters, rollout_calls=attempt + 1, filler_prompts=missing)
-        forests, rewards, scores, examples, prompts, lens, labels = zip(*kept)
+        forests, rewards, scores, examples, prompts, lens, labels, leaf_inputs = zip(*kept)
         # rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs
         ro = Rollouts(forest=concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
                       scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
                       lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex],
-                      label_leaf_P=np.concatenate(labels) if cfg.reward_source == "majority" else None)
+                      label_leaf_P=np.concatenate(labels) if cfg.reward_source == "majority" else None,
+                      estimator_inputs={k: jnp.asarray(np.concatenate([d[k] for d in leaf_inputs]))
+                                        for k in leaf_inputs[0] if k != "reward_scores"},
+                      reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]))
         if "greedy_reward_P" in self.estimator_inputs:
             t = time.perf_counter()
             ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)

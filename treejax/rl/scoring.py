@@ -43,6 +43,26 @@ def score_forest(tokenizer, task, examples, forest: Forest) -> np.ndarray:
     return score_texts(task, examples, leaf_texts(tokenizer, forest))
 
 
+def answer_steps(tokenizer, task, examples, tokens_PxWxT, lengths_PxW, scores_PxW) -> np.ndarray:
+    """int32 ``[P, W]``: for each correct leaf (score >= 1) the first response position ``e`` at which the
+    prefix ``tokens[:e]`` already states the correct answer (``task.answer_reached``), checked at every line
+    break (after each token whose text holds a newline) and at the leaf's end; -1 for wrong leaves. When only the
+    whole response passes, ``e = length`` (no redundant tokens). DECS's necessary-reasoning prefix
+    (:mod:`treejax.rl.advantages.decs`)."""
+    tokens, lengths, scores = np.asarray(tokens_PxWxT), np.asarray(lengths_PxW), np.asarray(scores_PxW)
+    out = np.full(scores.shape, -1, np.int32)
+    for p, w in zip(*np.nonzero(scores >= 1.0)):
+        n = int(lengths[p, w])
+        ids = tokens[p, w, :n].tolist()
+        breaks = [i + 1 for i in range(n - 1) if "\n" in tokenizer.decode([ids[i]])]
+        out[p, w] = n
+        for e in breaks:
+            if task.answer_reached(tokenizer.decode(ids[:e], skip_special_tokens=True), examples[p]):
+                out[p, w] = e
+                break
+    return out
+
+
 def shaped_rewards(scores: np.ndarray, lengths: np.ndarray, style: str, max_length: int, overlong_buffer: int = 0,
                    overlong_factor: float = 1.0) -> np.ndarray:
     """Verifier reward (``style``: ``"pm1"`` or ``"01"``) of scores in [0, 1] plus DAPO's overlong penalty on the
@@ -59,4 +79,5 @@ def reward_range(style: str, overlong_buffer: int = 0, overlong_factor: float = 
     return (lo - (overlong_factor if overlong_buffer > 0 else 0.0), hi)
 
 
-__all__ = ["decode_texts", "leaf_texts", "score_texts", "score_forest", "shaped_rewards", "reward_range"]
+__all__ = ["decode_texts", "leaf_texts", "score_texts", "score_forest", "answer_steps", "shaped_rewards",
+           "reward_range"]

@@ -227,4 +227,4 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
         sampler_sh = logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params)
     learner = make_learner(model_config, step_cfg, prec, update, layout, batch_sharding=batch_placer(mesh),
                            sampler_shardings=sampler_sh)
-    return learner, state, initial_reference(state.params, cfg.loss)
+    return learner, state, initial_reference(state.params, cfg.loss, cfg.shapers)

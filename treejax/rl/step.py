@@ -48,9 +48,26 @@ from treejax.rl.layouts import Layout, make_layout
 from treejax.rl.pseudo_labels import label_accuracy
 from treejax.rl.losses import LossConfig
 from treejax.rl.rollouts import RolloutSource, Rollouts
+from treejax.rl.shaping import apply_shapers, needed_stats, shaping_inputs
 from treejax.rl.update import reduce_metrics, split_micro
 
 SHUFFLE_STREAM = 0xE70C  # fold_in stream of the mini-batch shuffle keys
+
+
+def make_stats_fn(layout: Layout, num_micro_batches: int) -> Callable:
+    """``fn(params, batch, with_entropy, top_k) -> {"logp", "entropy"?, "topk_logp"?}`` per pair: the shapers'
+    trainer pass (:meth:`Layout.pair_stats`), micro-batched like :func:`make_logprob_fn` (its ``logp`` is the same
+    forward's, so it serves as the old log-probs)."""
+
+    def fn(params, batch: Batch, with_entropy: bool, top_k: int):
+        stats = lambda inputs: layout.pair_stats(params, inputs, with_entropy=with_entropy, top_k=top_k)  # noqa: E731
+        if num_micro_batches == 1:
+            return stats(batch.inputs)
+        rows = batch.num_rows
+        out = jax.lax.map(stats, jax.tree.map(lambda a: split_micro(a, num_micro_batches), batch.inputs))
+        return {k: jnp.swapaxes(v, 0, 1).reshape((rows,) + v.shape[2:]) for k, v in out.items()}
+
+    return fn
 
 
 def make_logprob_fn(layout: Layout, num_micro_batches: int) -> Callable[[Any, Batch], jax.Array]:
@@ -115,7 +132,8 @@ class Learner:
     """What :func:`learn` runs, built once per run by :func:`make_learner`.
 
     ``estimator(forest, rewards_PxW, inputs) -> Advantages`` (jitted); ``logprobs(params, batch) -> [rows,
-    *pairs]`` (jitted, no gradient); ``update(state, batch) -> (state, metrics)`` (jitted with shardings and
+    *pairs]`` (jitted, no gradient); ``stats(params, batch, with_entropy, top_k)``: the shapers' trainer pass
+    (:func:`make_stats_fn`); ``update(state, batch) -> (state, metrics)`` (jitted with shardings and
     donation by the caller); ``place(batch)``: a mini-batch's placement before the update and the log-prob
     passes; ``sampler_params(params)``: the sampler's copy of the weights (cast, and gathered on a mesh)."""
 
@@ -127,6 +145,7 @@ class Learner:
     update: Callable[[Any, Batch], tuple[Any, dict]]
     place: Callable[[Batch], Batch]
     sampler_params: Callable[[Any], Any]
+    stats: Callable | None = None
 
     @property
     def estimator_inputs(self) -> tuple[str, ...]:
@@ -159,7 +178,8 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
     else:
         sampler_params = jax.jit(precision.sampler_params)  # cast once per step
     return Learner(cfg, precision, layout, estimator, jax.jit(make_logprob_fn(layout, cfg.micro_batches)),
-                   lambda state, batch: update(state, place(batch)), place, sampler_params)
+                   lambda state, batch: update(state, place(batch)), place, sampler_params,
+                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3)))
 
 
 def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False,
@@ -200,10 +220,28 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
         parts = [learner.logprobs(params, learner.place(layout.assemble(pool, plan))) for plan in first]
         return layout.scatter(jnp.zeros_like(pool.batch.sampler_logp), first, parts)
 
-    old = pool_logprobs(state.params) if cfg.old_logp == "trainer" else None
-    ref = pool_logprobs(ref_params) if cfg.loss.kl_coef > 0 else None
+    def pool_stats(params, with_entropy, top_k):
+        parts = [learner.stats(params, learner.place(layout.assemble(pool, plan)), with_entropy, top_k)
+                 for plan in first]
+        pair_dims = parts[0]["logp"].ndim  # trailing dims past the pairs (top-k) are kept
+        zeros = lambda v: jnp.zeros(pool.batch.sampler_logp.shape + v.shape[pair_dims:], v.dtype)  # noqa: E731
+        return {k: layout.scatter(zeros(parts[0][k]), first, [p[k] for p in parts]) for k in parts[0]}
+
+    stat_names, top_k = needed_stats(cfg.shapers)
+    stats = pool_stats(state.params, "entropy" in stat_names, top_k) if cfg.shapers else {}
+    if cfg.old_logp != "trainer":
+        old = None
+    else:
+        old = stats["logp"] if stats else pool_logprobs(state.params)
+    ref = pool_logprobs(ref_params) if cfg.loss.kl_coef > 0 or "ref_logp" in stat_names else None
     behaviour = pool_logprobs(behaviour_params) if behaviour_params is not None and old is not None else None
     b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
+    if cfg.shapers:
+        x = shaping_inputs(b, layout.response_index(pool, ro.lengths_P, W), dict(stats, ref_logp=ref), ro,
+                           ro.estimator_inputs.get("answer_step_PxW"))
+        shaped_adv, shaped_eps, shaping_metrics = apply_shapers(cfg.shapers, x)
+        b = b.replace(advantages=shaped_adv, eps_scale=shaped_eps)
+        mismatch = {**mismatch, **shaping_metrics}
     pool = dataclasses.replace(pool, batch=b)
     t_logp = _wait(b.old_logp) if timed else None
     all_metrics = []
@@ -290,9 +328,10 @@ def mean_metrics(metrics: list[dict]) -> dict:
     return reduce_metrics({k: jnp.stack([jnp.asarray(m[k], jnp.float32) for m in metrics]) for k in metrics[0]})
 
 
-def initial_reference(params: Any, loss: LossConfig) -> Any:
-    """The frozen reference policy for the KL term: a copy of the initial weights (``None`` when KL is off)."""
-    if loss.kl_coef <= 0:
+def initial_reference(params: Any, loss: LossConfig, shapers: tuple = ()) -> Any:
+    """The frozen reference policy for the KL term and the shapers that read it: a copy of the initial weights
+    (``None`` when neither needs it)."""
+    if loss.kl_coef <= 0 and "ref_logp" not in needed_stats(shapers)[0]:
         return None
     return jax.tree.map(jnp.copy, params)
 

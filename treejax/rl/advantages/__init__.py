@@ -1,11 +1,12 @@
 """Advantage estimators over the rollout forest, selected by name (``get_estimator("treepo")``).
 
 Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mod:`.registry`).
-Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax.
+Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
 Tree estimators: treepo, treepo_segment, spo_tree.
 """
 
 from treejax.rl.advantages.common import masked_whiten
+from treejax.rl.advantages.decs import DECSOptions, decs
 from treejax.rl.advantages.flat import (
     GRPOOptions,
     MCGRPOOptions,
@@ -32,7 +33,7 @@ from treejax.rl.advantages.tree import TreePOOptions, TreePOSegmentOptions, tree
 __all__ = [
     "Advantages", "EstimatorSpec", "estimator_spec", "get_estimator", "list_estimators", "register_estimator",
     "masked_whiten", "spo_probability_mask",
-    "grpo", "rloo", "reinforce_pp_baseline", "mc_grpo", "remax", "treepo", "treepo_segment", "spo_tree",
-    "GRPOOptions", "RLOOOptions", "ReinforcePPBaselineOptions", "MCGRPOOptions", "ReMaxOptions",
+    "grpo", "rloo", "reinforce_pp_baseline", "mc_grpo", "remax", "decs", "treepo", "treepo_segment", "spo_tree",
+    "GRPOOptions", "DECSOptions", "RLOOOptions", "ReinforcePPBaselineOptions", "MCGRPOOptions", "ReMaxOptions",
     "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
 ]

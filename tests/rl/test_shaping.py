@@ -1,0 +1,242 @@
+"""Shapers (treejax.rl.shaping), the DECS estimator and the trainer-pass statistics, each against a slow NumPy
+reference written from the method's formula on hand-made inputs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treejax.rl.shaping import (EchoShaping, EntropyAdvantageReshaping, ProcessRewardShaping, RoseLengthPenalty,
+                                ShapingInputs, apply_shapers, check_shapers, needed_stats)
+
+P, W, X, K = 2, 4, 12, 5
+
+
+def _inputs(seed=0, prompt_offset=0, **over):
+    """Hand-made pairs: leaves of lengths ``lengths`` whose response starts at ``prompt_offset`` along X."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([[3, 7, 5, 9], [4, 4, 8, 2]], np.int32)
+    r = np.arange(X)[None, None, :] - prompt_offset
+    resp = (r >= 0) & (r < lengths[:, :, None])
+    mask = resp & (r >= 1)  # the first response token has no... (any sub-mask is fine for the shapers)
+    mask[1, 3] = False  # a leaf without trained tokens
+    adv = np.where(mask, rng.normal(size=(P, W, X)), 0.0).astype(np.float32)
+    topk = -np.sort(rng.exponential(size=(P, W, X, K)) * 2.0, axis=-1).astype(np.float32)
+    topk = topk - np.log(np.exp(topk).sum(-1, keepdims=True) + 0.5)  # a valid distribution's top-k (mass < 1)
+    base = dict(
+        advantages=adv, loss_mask=mask.astype(np.float32), response_index=np.broadcast_to(np.where(r >= 0, r, -1), (P, W, X)).astype(np.int32),
+        old_logp=np.where(mask, -rng.exponential(size=(P, W, X)), 0.0).astype(np.float32),
+        rewards=np.array([[1, -1, 1, 1], [-1, 1, 1, -1]], np.float32),
+        scores=np.array([[1, 0, 1, 1], [0, 1, 1, 0]], np.float32), leaf_length=lengths,
+        eps_scale=np.ones((P, W), np.float32),
+        leaf_path=np.array([[[0, 1, 3, -1], [0, 2, 5, 6], [0, 1, 4, -1], [0, 1, 3, 7]],
+                            [[0, 1, -1, -1], [0, 2, -1, -1], [0, 2, 3, 4], [0, 1, -1, -1]]], np.int32),
+        entropy=np.where(mask, rng.exponential(size=(P, W, X)), 0.0).astype(np.float32),
+        topk_logp=topk, ref_logp=np.where(mask, -rng.exponential(size=(P, W, X)), 0.0).astype(np.float32))
+    base.update(over)
+    return ShapingInputs(**{k: jnp.asarray(v) for k, v in base.items()}, segment_length=2), base
+
+
+def _run(shaper, x):
+    adv, eps, metrics = apply_shapers((shaper,), x)
+    return np.asarray(adv).reshape(P, W, -1), np.asarray(eps).reshape(P, W), metrics
+
+
+def _whiten_ref(x, on):
+    v = x[on]
+    return np.where(on, (x - v.mean()) / math.sqrt(v.var(ddof=1) + 1e-8), 0.0)
+
+
+@pytest.mark.parametrize("add_coef", [0.0, 0.3])
+@pytest.mark.parametrize("confidence", ["topk_prob", "sampled_prob"])
+def test_echo_matches_reference(add_coef, confidence):
+    x, b = _inputs(prompt_offset=2)
+    shaper = EchoShaping(add_coef=add_coef, confidence=confidence)
+    adv, eps_scale, _ = _run(shaper, x)
+    on = b["loss_mask"] > 0
+    c = np.exp(b["topk_logp"]).mean(-1) if confidence == "topk_prob" else np.exp(b["old_logp"])
+    c = np.where(on, np.clip(c, 0, 1), 0.0)
+    s = np.where(on, np.clip(_whiten_ref(b["entropy"], on) + _whiten_ref(1 - c, on), -2, 2), 0.0)
+    want = b["advantages"] * (1 + 0.1 * s)
+    for p in range(P):
+        gs = s[p][on[p]].mean()
+        want[p] += add_coef * (s[p] - gs)
+    want = np.where(on, want, 0.0)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    for p in range(P):
+        for w in range(W):
+            idx = np.nonzero(on[p, w])[0][-16:]
+            tail = np.clip(c[p, w, idx].mean(), 0, 1) if len(idx) else 0.0
+            eps = 0.05 + 0.15 / (1 + math.exp(-4 * (1 - tail)))
+            assert eps_scale[p, w] == pytest.approx(eps / 0.2, rel=1e-5)
+
+
+def test_echo_tail_window_takes_the_last_trained_tokens():
+    x, b = _inputs()
+    _, eps_scale, _ = _run(EchoShaping(shaping=False, tail_window=2, confidence="sampled_prob"), x)
+    on = b["loss_mask"] > 0
+    idx = np.nonzero(on[0, 3])[0][-2:]
+    tail = np.exp(b["old_logp"][0, 3, idx]).mean()
+    assert eps_scale[0, 3] == pytest.approx((0.05 + 0.15 / (1 + math.exp(-4 * (1 - tail)))) / 0.2, rel=1e-5)
+
+
+@pytest.mark.parametrize("y_min", [0.0, -np.inf])
+def test_ear_matches_reference(y_min):
+    x, b = _inputs()
+    adv, _, metrics = _run(EntropyAdvantageReshaping(y_min=y_min), x)
+    on = b["loss_mask"] > 0
+    want = np.zeros_like(adv)
+    for p in range(P):
+        leaves = [w for w in range(W) if on[p, w].any()]
+        h = {w: b["entropy"][p, w][on[p, w]].mean() for w in leaves}
+        hbar = np.mean(list(h.values()))
+        for w in leaves:
+            y = np.clip(2 - h[w] / hbar, y_min, 2.0)
+            want[p, w] = np.where(on[p, w], b["advantages"][p, w] * y, 0)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    assert float(metrics["shaping/ear/scale_min"]) >= (y_min if np.isfinite(y_min) else -np.inf)
+
+
+def test_ear_clip_mode():
+    x, b = _inputs(advantages=np.full((P, W, X), 3.0, np.float32))
+    adv, _, _ = _run(EntropyAdvantageReshaping(mode="clip"), x)
+    np.testing.assert_array_equal(adv, np.where(b["loss_mask"] > 0, 2.0, 0.0))
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.5])
+def test_rose_length_penalty_matches_reference(lam):
+    x, b = _inputs(prompt_offset=1)
+    adv, _, _ = _run(RoseLengthPenalty(lam=lam), x)
+    on, S = b["loss_mask"] > 0, 2
+    want = b["advantages"].copy()
+    for p in range(P):
+        ok = [w for w in range(W) if b["scores"][p, w] >= 1 and on[p, w].any()]
+        if not ok:
+            continue
+        Ls = min(b["leaf_length"][p, w] for w in ok)
+        s = [w for w in ok if b["leaf_length"][p, w] == Ls][0]
+        for w in ok:
+            Lb = b["leaf_length"][p, w]
+            if Lb <= Ls:
+                continue
+            shared = sum(1 for d in range(1, 4) if b["leaf_path"][p, w, d] == b["leaf_path"][p, s, d] >= 0)
+            kc = min(shared * S, Ls)
+            phi = 1 - ((Ls - kc) / (Lb - kc)) ** lam
+            for t in range(X):
+                if on[p, w, t] and b["response_index"][p, w, t] >= kc:
+                    want[p, w, t] -= abs(want[p, w, t]) * phi
+    np.testing.assert_allclose(adv, np.where(on, want, 0), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(adv, b["advantages"])  # the hand-made case has penalised leaves
+
+
+@pytest.mark.parametrize("step_length", [None, 3])
+def test_prl_matches_reference(step_length):
+    x, b = _inputs(prompt_offset=2)
+    adv, _, _ = _run(ProcessRewardShaping(eta=5.0, step_length=step_length), x)
+    on = b["loss_mask"] > 0
+    S = step_length or 2
+    want = np.zeros_like(adv)
+    for p in range(P):
+        for w in range(W):
+            L = b["leaf_length"][p, w]
+            d = {b["response_index"][p, w, j]: (b["old_logp"] - b["ref_logp"])[p, w, j] if on[p, w, j] else 0.0
+                 for j in range(X) if b["response_index"][p, w, j] >= 0}
+            for j in range(X):
+                if not on[p, w, j]:
+                    continue
+                t = b["response_index"][p, w, j]
+                e = min((t // S + 1) * S - 1, L - 1)
+                to_go = sum(v for u, v in d.items() if u >= e)
+                want[p, w, j] = b["advantages"][p, w, j] - to_go / 5.0
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shapers_compose_in_order_and_declare_their_needs():
+    x, b = _inputs()
+    both = (EntropyAdvantageReshaping(), EchoShaping(add_coef=0.2))
+    adv, eps, metrics = apply_shapers(both, x)
+    a1, e1, _ = apply_shapers(both[:1], x)
+    x2 = x.replace(advantages=jnp.asarray(a1).reshape(P, W, X), eps_scale=jnp.asarray(e1).reshape(P, W))
+    a2, e2, _ = apply_shapers(both[1:], x2)
+    np.testing.assert_array_equal(np.asarray(adv), np.asarray(a2))
+    np.testing.assert_array_equal(np.asarray(eps), np.asarray(e2))
+    assert "shaping/ear/scale_mean" in metrics and "shaping/echo/eps_mean" in metrics
+    assert needed_stats(both) == (("entropy", "topk"), 5)
+    assert needed_stats((ProcessRewardShaping(),)) == (("ref_logp",), 0)
+    with pytest.raises(ValueError, match="Shaper instances"):
+        check_shapers(["echo"])
+    with pytest.raises(ValueError, match="does nothing"):
+        EchoShaping(shaping=False, adaptive_clip=False)
+
+
+# ------------------------------------------------------------------------------------------------- DECS
+def test_decs_matches_reference():
+    from treejax.forest import Forest
+    from treejax.rl.advantages import estimator_spec
+
+    T = 8
+    lengths = np.array([[6, 8, 3, 8]], np.int32)
+    rewards = np.array([[1.0, 1.0, 0.0, 1.0]], np.float32)
+    answer = np.array([[2, -1, -1, 8]], np.int32)  # leaf 0 reached its answer at token 2; leaf 3 only at its end
+    mask = (np.arange(T)[None, None] < lengths[:, :, None]).astype(np.float32)
+    forest = Forest(node_parent=jnp.zeros((1, 4), jnp.int32), node_depth=jnp.zeros((1, 4), jnp.int32),
+                    node_status=jnp.zeros((1, 4), jnp.int32), leaf_path=jnp.zeros((1, 4, 2), jnp.int32),
+                    leaf_status=jnp.zeros((1, 4), jnp.int32), leaf_length=jnp.asarray(lengths),
+                    tokens=jnp.zeros((1, 4, T), jnp.int32), logprobs=jnp.zeros((1, 4, T)),
+                    segment_index=jnp.zeros((1, 4, T), jnp.int32), loss_mask=jnp.asarray(mask), segment_length=T)
+    spec = estimator_spec("decs")
+    adv = np.asarray(spec.fn(forest, jnp.asarray(rewards), spec.default_options(),
+                             answer_step_PxW=jnp.asarray(answer)).tokens)
+    beta = 0.1
+    R = np.zeros((1, 4, T))
+    for w in range(4):
+        for t in range(T):
+            red = answer[0, w] >= 0 and answer[0, w] <= t < lengths[0, w]
+            R[0, w, t] = rewards[0, w] + beta * (1 - lengths[0, w] / T) if red else rewards[0, w] * (1 + beta)
+    want = (R - R.mean(1, keepdims=True)) / (R.std(1, ddof=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(adv, np.where(mask > 0, want, 0), rtol=1e-5, atol=1e-6)
+    assert adv[0, 0, 3] < adv[0, 0, 1]  # redundant tokens of a correct answer lose advantage
+
+
+def test_answer_steps_finds_the_first_line_with_the_answer():
+    from treejax.rl.scoring import answer_steps
+
+    class Tok:  # one character per token id
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(i) for i in ids)
+
+    class Task:
+        def answer_reached(self, prefix, example):
+            nums = [w for w in prefix.replace("\n", " ").split() if w.isdigit()]
+            return bool(nums) and nums[-1] == example
+
+    texts = [["7\nso 12\nyes 12", "12", "3\n4"], ["x\n5", "5\n5\n", "no"]]
+    T = max(len(t) for row in texts for t in row)
+    tokens = np.zeros((2, 3, T), np.int32)
+    lengths = np.zeros((2, 3), np.int32)
+    for p, row in enumerate(texts):
+        for w, t in enumerate(row):
+            tokens[p, w, :len(t)] = [ord(c) for c in t]
+            lengths[p, w] = len(t)
+    scores = np.array([[1, 1, 0], [1, 1, 0]], np.float32)
+    steps = answer_steps(Tok(), Task(), ["12", "5"], tokens, lengths, scores)
+    # "7\nso 12\n": the answer is first stated in the line ending at index 8; "12": only at its end (2);
+    # wrong leaves: -1; "x\n5": only at the end; "5\n5\n": after the first line (2)
+    np.testing.assert_array_equal(steps, [[8, 2, -1], [3, 2, -1]])
+
+
+# ------------------------------------------------------------------------------------------------- trainer pass
+def test_topk_logprobs_match_the_full_softmax():
+    from treejax.models import presets, transformer
+
+    c = presets.tiny_config("smollm2-135m", vocab_size=250)
+    params = transformer.init_params(c, jax.random.key(0))
+    h = jax.random.normal(jax.random.key(1), (2, 3, c.hidden_size))
+    want = jax.lax.top_k(jax.nn.log_softmax(transformer.logits(params, c, h), -1), 7)[0]
+    for chunk in (40, 64, 250):  # chunks that do and do not divide V, and one chunk
+        got = transformer.topk_logprobs(params, c, h, 7, chunk_size=chunk)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    with pytest.raises(ValueError, match="k must be"):
+        transformer.topk_logprobs(params, c, h, 0)

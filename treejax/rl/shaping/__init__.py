@@ -1,0 +1,23 @@
+"""Shapers: per-token advantage and clip-range rewrites that read the trainer's own forward (one file per method).
+
+Interface and registry: :mod:`treejax.rl.shaping.base`. A new shaper is one file with a ``@register("name")``
+frozen dataclass subclassing :class:`Shaper` plus its import line below (gin then knows it by its class name:
+``RunConfig.shapers = [@EchoShaping()]``). Applied by :func:`treejax.rl.shaping.apply.apply_shapers` in order.
+
+  ``echo``         :class:`EchoShaping`                ECHO: entropy-confidence shaping, adaptive per-sample clip;
+  ``ear``          :class:`EntropyAdvantageReshaping`  ETTRL's EAR: scale by the group-relative response entropy;
+  ``rose_length``  :class:`RoseLengthPenalty`          ROSE: correct answers longer than the shortest lose advantage;
+  ``prl``          :class:`ProcessRewardShaping`       PRL: per-step KL-to-go correction of the outcome advantage.
+"""
+
+from treejax.rl.shaping.base import (STATS, Shaped, Shaper, ShapingInputs, check_shapers, needed_stats, register,
+                                     shaper_classes)
+from treejax.rl.shaping.echo import EchoShaping
+from treejax.rl.shaping.entropy import EntropyAdvantageReshaping
+from treejax.rl.shaping.length import RoseLengthPenalty
+from treejax.rl.shaping.process import ProcessRewardShaping
+from treejax.rl.shaping.apply import apply_shapers, shaping_inputs
+
+__all__ = ["STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "needed_stats", "register",
+           "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty", "ProcessRewardShaping",
+           "apply_shapers", "shaping_inputs"]

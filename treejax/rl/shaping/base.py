@@ -1,0 +1,182 @@
+"""The shaping interface: what a shaper sees after the trainer's old-log-prob pass, what it returns, the registry.
+
+A **shaper** rewrites the per-token advantages (and optionally each leaf's clip range) of one step *after* the
+estimator and *after* the trainer's forward under the pre-update weights, so it can read statistics of the very
+forward the PPO ratio is taken against, without a second forward::
+
+    adv = estimator(forest, rewards)                               treejax.rl.advantages
+    pool = layout.pool(rollouts, adv, ...)                        pairs of the step, the layout's full form
+    old_logp, stats = trainer forward on the pool                  one pass (entropy, top-k log-probs)
+    adv, eps_scale = shaper_n(... shaper_1(ShapingInputs))         this package, in RunConfig.shapers order
+    PPO updates
+
+Everything a shaper reads is in **leaf-pair layout** ``[P, W, X]``: prompt ``p``, leaf ``w``, and the layout's
+pairs of that leaf along ``X`` (the expanded layout's sequence positions, the packed layout's response tokens);
+``response_index`` maps each pair to its response token (-1 off the response), so a shaper never depends on the
+layout. Per-leaf inputs are ``[P, W]``.
+
+A shaper is a frozen (hashable) dataclass registered with :func:`register` (gin knows it by its class name:
+``RunConfig.shapers = [@EchoShaping(), @DecsPenalty()]``). It declares what it needs (``needs``: a subset of
+:data:`STATS`, computed only when some shaper asks; ``needs_answer_step`` for the verifier's prefix hook) and
+implements ``shape(inputs) -> Shaped``. Shapers compose: each sees the previous one's advantages and clip scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+#: Per-pair statistics a shaper may ask for (``Shaper.needs``), from the trainer's forward under the pre-update
+#: weights (the pass that gives ``old_logp``): ``entropy``: ``H_t = -sum_v p_v log p_v`` of the next-token
+#: distribution that produced the pair's token; ``topk``: its ``k`` largest log-probs ``log p_(1) >= ... >= log
+#: p_(k)`` (``k = Shaper.top_k``; confidences such as DeepConf's or ECHO's are functions of them);
+#: ``ref_logp``: the frozen reference policy's log-prob of the token (the KL reference, computed for shapers even
+#: when ``LossConfig.kl_coef = 0``).
+STATS = ("entropy", "topk", "ref_logp")
+
+
+@struct.dataclass
+class ShapingInputs:
+    """One step's pairs in leaf-pair layout ``[P, W, X]`` (module docstring) and per-leaf values ``[P, W]``.
+
+    ``advantages``/``loss_mask``: the estimator's (after leaf weighting and earlier shapers); ``response_index``
+    int32: the pair's response token (-1 on prompt positions; past a leaf's end it keeps counting, so within a
+    prompt equal ``X`` means equal response position in every layout); ``old_logp``: the PPO ratio's denominator;
+    ``entropy`` / ``topk_logp [P, W, X, k]`` / ``ref_logp``: :data:`STATS` (``None`` unless a shaper needs them).
+    ``leaf_path [P, W, D + 1]``: the forest's node ids per depth (-1 past a leaf's last node; a depth-``d`` node
+    holds response tokens ``[(d - 1) S, d S)``, ``S`` = ``segment_length``).
+    ``rewards``: the estimator's rewards; ``scores``: verifier scores in [0, 1] (correct iff >= 1; with
+    pseudo-label rewards the pseudo-scores); ``leaf_length``: response tokens; ``answer_step``: the verifier's
+    prefix hook, the first response token at which the correct answer is already in the text (-1: never;
+    ``None`` unless a shaper needs it); ``eps_scale``: the per-leaf clip-range multiplier so far.
+    """
+
+    advantages: jax.Array
+    loss_mask: jax.Array
+    response_index: jax.Array
+    old_logp: jax.Array
+    rewards: jax.Array
+    scores: jax.Array
+    leaf_length: jax.Array
+    eps_scale: jax.Array
+    leaf_path: jax.Array
+    entropy: jax.Array | None = None
+    topk_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    answer_step: jax.Array | None = None
+    segment_length: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def on(self) -> jax.Array:
+        """bool ``[P, W, X]``: pairs the loss trains."""
+        return self.loss_mask > 0
+
+
+@struct.dataclass
+class Shaped:
+    """A shaper's output: new ``advantages [P, W, X]`` (0 where the loss mask is 0), ``eps_scale [P, W]`` and
+    scalar ``metrics`` (logged as ``shaping/<name>``)."""
+
+    advantages: jax.Array
+    eps_scale: jax.Array
+    metrics: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Shaper:
+    """Base class of the shapers (module docstring)."""
+
+    needs: ClassVar[tuple[str, ...]] = ()
+    needs_answer_step: ClassVar[bool] = False
+    name: ClassVar[str] = ""
+
+    @property
+    def top_k(self) -> int:
+        """``k`` of the ``"topk"`` statistic (when needed)."""
+        return 0
+
+    def shape(self, x: ShapingInputs) -> Shaped:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator registering a :class:`Shaper` subclass under ``name``."""
+
+    def decorator(cls):
+        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, Shaper)):
+            raise TypeError(f"shaper {name!r} must be a frozen dataclass subclassing Shaper, got {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"a shaper named {name!r} is already registered ({_REGISTRY[name]!r})")
+        bad = [s for s in cls.needs if s not in STATS]
+        if bad:
+            raise ValueError(f"shaper {name!r} needs unknown statistics {bad}; known: {STATS}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def shaper_classes() -> dict[str, type]:
+    """``{name: class}`` of every registered shaper."""
+    return dict(_REGISTRY)
+
+
+def check_shapers(shapers) -> tuple:
+    """``shapers`` as a tuple of :class:`Shaper` instances; anything else is a ``ValueError`` naming the valid ones."""
+    out = tuple(shapers)
+    for s in out:
+        if not isinstance(s, Shaper):
+            raise ValueError(f"RunConfig.shapers takes Shaper instances (one of {sorted(c.__name__ for c in _REGISTRY.values())}, "
+                             f"e.g. [@EchoShaping()]), got {s!r}")
+    return out
+
+
+def needed_stats(shapers) -> tuple[tuple[str, ...], int]:
+    """The statistics any of ``shapers`` needs (in :data:`STATS` order) and the largest top-k they ask for."""
+    needs = {n for s in shapers for n in s.needs}
+    return tuple(n for n in STATS if n in needs), max([s.top_k for s in shapers if "topk" in s.needs], default=0)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def masked_mean(x: jax.Array, on: jax.Array, axis=None) -> jax.Array:
+    """Mean of ``x`` over ``on`` (0 where nothing is on)."""
+    on = on.astype(jnp.float32)
+    return jnp.sum(jnp.where(on > 0, x, 0.0) * on, axis=axis) / jnp.maximum(jnp.sum(on, axis=axis), 1.0)
+
+
+def masked_std(x: jax.Array, on: jax.Array, axis=None) -> jax.Array:
+    """Population standard deviation of ``x`` over ``on`` (0 where nothing is on)."""
+    mu = masked_mean(x, on, axis=axis)
+    mu_b = mu if axis is None else jnp.expand_dims(mu, axis)
+    return jnp.sqrt(masked_mean(jnp.square(x - mu_b), on, axis=axis))
+
+
+def whiten(x: jax.Array, on: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """``(x - mean) / sqrt(var + eps)`` over the pairs ``on`` of the whole step, ``var`` with Bessel's correction
+    (verl's ``masked_whiten``, which ECHO calls); 0 off them."""
+    n = jnp.sum(on.astype(jnp.float32))
+    mu = masked_mean(x, on)
+    var = jnp.sum(jnp.where(on, jnp.square(x - mu), 0.0)) / jnp.maximum(n - 1.0, 1.0)
+    return jnp.where(on, (x - mu) * jax.lax.rsqrt(var + eps), 0.0)
+
+
+def group_mean(x_PxW: jax.Array, on_PxW: jax.Array) -> jax.Array:
+    """``[P]`` mean over each prompt's leaves ``on`` (0 when none is)."""
+    return masked_mean(x_PxW, on_PxW, axis=1)
+
+
+def correct(x: ShapingInputs) -> jax.Array:
+    """bool ``[P, W]``: the leaf's score counts as correct (``>= 1``)."""
+    return x.scores >= 1.0
+
+
+__all__ = ["STATS", "ShapingInputs", "Shaped", "Shaper", "register", "shaper_classes", "check_shapers",
+           "needed_stats", "masked_mean", "masked_std", "whiten", "group_mean", "correct"]

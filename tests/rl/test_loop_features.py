@@ -34,7 +34,7 @@ def test_builtin_list_is_complete():
 FAST_CLI = ("packed_update", "shaper_echo")  # the rest: covered fast by rl_step (test_every_estimator_and_loss_term_through_rl_step)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
-             "majority_reward", *SHAPER_CASES]
+             "majority_reward", "test_time", *SHAPER_CASES]
 
 
 def _check_row(case, row):
@@ -51,13 +51,15 @@ def _check_row(case, row):
     if case == "packed_update":  # the tree-packed batch really ran: the shared prompts were stored once
         assert 0 < row["packing/unique_tokens"] <= row["packing/row_tokens"]
         assert row["packing/unique_tokens"] < row["packing/expanded_tokens"]
-    if case == "majority_reward":  # pseudo-labels: the verifier only measures the samples and the labels
+    if case in ("majority_reward", "test_time"):  # pseudo-labels: the verifier only measures the samples and the labels
         assert 0.0 <= row["reward/label_accuracy"] <= 1.0 and "reward/accuracy" in row
     if case.startswith("shaper_"):  # the shapers ran on the trainer pass and reported
         assert np.isfinite(row["shaping/adv_abs_mean_after"])
         for name in case.split("_")[1:]:
             if name != "packed":
                 assert any(k.startswith(f"shaping/{name}") for k in row), (name, sorted(row))
+    if case == "decs":
+        assert 0.0 <= row["rollout/redundant_token_frac"] <= 1.0
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
@@ -72,6 +74,7 @@ def _extra(case):
             "dynamic_sampling": ["RunConfig.dynamic_sampling = True", "RunConfig.max_refills = 1"],
             "sampler_old_logp": ["RunConfig.old_logp = 'sampler'"],
             "majority_reward": ["RunConfig.reward_source = 'majority'"],
+            "test_time": ["RunConfig.reward_source = 'majority'", "RunConfig.train_split = 'eval'"],
             "shaper_echo": ["RunConfig.shapers = [@EchoShaping()]"],
             "shaper_ear": ["RunConfig.shapers = [@EntropyAdvantageReshaping()]", "RunConfig.estimator = 'grpo'"],
             "shaper_rose_prl_packed": ["RunConfig.shapers = [@RoseLengthPenalty(), @ProcessRewardShaping()]",

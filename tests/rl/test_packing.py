@@ -279,10 +279,13 @@ def test_packed_update_on_8_devices_equals_expanded_on_one(sampled, policy_param
 
 
 # ----------------------------------------------------------------------------------------------- the RL step
-def test_rl_step_packed_equals_expanded(policy_params):
+@pytest.mark.parametrize("shaped", [False, True])
+def test_rl_step_packed_equals_expanded(policy_params, shaped):
     """``StepConfig.packing`` through :func:`treejax.rl.step.rl_step`: the same rollout, old / reference log-prob
     passes and update as the expanded step (one mini-batch, 2 micro-batches, KL + TIS): equal metrics and
-    parameters, the first PPO ratio 1."""
+    parameters, the first PPO ratio 1. ``shaped``: with every built-in shaper on the trainer pass's statistics
+    (entropy, top-k log-probs, reference log-probs), which the two layouts compute over different rows."""
+    from treejax.rl.shaping import EchoShaping, EntropyAdvantageReshaping, ProcessRewardShaping, RoseLengthPenalty
     from treejax.precision import Precision
     from treejax.rl.config import StepConfig
     from treejax.rl.layouts import make_layout
@@ -295,9 +298,14 @@ def test_rl_step_packed_equals_expanded(policy_params):
                                  lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
     out = {}
     for packed in (False, True):
+        # ECHO's clip only: its shaping whitens the entropies, whose spread on a random tiny model is tiny (all
+        # near log V), so the ulp-level differences of the two layouts' forwards grow by 1 / std(H) (measured:
+        # 6e-6 in the score); its shaping is checked against a reference in tests/rl/test_shaping.py
+        shapers = ((EntropyAdvantageReshaping(), EchoShaping(shaping=False), RoseLengthPenalty(),
+                    ProcessRewardShaping(eta=2.0, step_length=3)) if shaped else ())
         cfg = StepConfig(estimator="treepo_segment", loss=loss_cfg, micro_batches=2, row_multiple=2,
                          packing=dataclasses.replace(SMALL_ROWS, attention_impl="xla") if packed else None,
-                         attention_impl="xla")
+                         attention_impl="xla", shapers=shapers)
         layout = make_layout(CFG, cfg.packing, attention_impl="xla", row_multiple=2)
         update = jax.jit(make_update_fn(layout, loss_cfg, opt, num_micro_batches=2))
         fns = make_learner(CFG, cfg, Precision().resolve("cpu"), update, layout)
@@ -306,8 +314,14 @@ def test_rl_step_packed_equals_expanded(policy_params):
         out[packed] = jax.device_get((state.params, m))
     (p0, m0), (p1, m1) = out[False], out[True]
     assert abs(m1["update/first_ratio_min"] - 1) < 1e-5 and abs(m1["update/first_ratio_max"] - 1) < 1e-5
-    for k in ("update/loss", "update/pg_loss", "update/grad_norm", "update/entropy", "update/kl",
-              "update/tis_weight_mean", "update/num_tokens", "mismatch/abs_mean", "mismatch/abs_max"):
+    keys = ["update/loss", "update/pg_loss", "update/grad_norm", "update/entropy", "update/kl",
+            "update/tis_weight_mean", "update/num_tokens", "mismatch/abs_mean", "mismatch/abs_max"]
+    if shaped:
+        keys += [k for k in m0 if k.startswith("shaping/")]
+        assert "shaping/echo/eps_mean" in m0 and "shaping/prl/kl_to_go_mean" in m0 and "shaping/ear/scale_mean" in m0
+        assert m0["shaping/adv_abs_mean_after"] != m0["shaping/adv_abs_mean_before"]
+    assert set(keys) <= set(m1)
+    for k in keys:
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7, err_msg=k)
     _assert_steps_close(p1, p0, jax.device_get(policy_params))
 

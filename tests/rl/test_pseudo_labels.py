@@ -74,3 +74,19 @@ def test_weighted_majority_ignores_non_votes_and_breaks_ties_by_order():
     assert majority_vote([None, None], [1, 1]) is None
     with pytest.raises(ValueError, match="weights of shape"):
         pseudo_labels.majority_scores(_Task(), [["1", "2"]], [[1.0, 1.0, 1.0]])
+
+
+def test_test_time_split_trains_on_the_evaluated_problems_with_pseudo_labels_only():
+    from treejax.errors import ConfigError
+    from treejax.rl.config import RunConfig
+    from treejax.rl.setup import load_task_data
+
+    with pytest.raises(ConfigError, match="reward_source = 'majority'"):
+        RunConfig(train_split="eval")
+    with pytest.raises(ConfigError, match="train_split"):
+        RunConfig(train_split="test", reward_source="majority")
+    cfg = RunConfig(train_split="eval", reward_source="majority")
+    task, train, evals = load_task_data(cfg)
+    assert len(train) == len(evals) == cfg.eval.num_problems
+    # the same problems, in the evaluation's order: training reads no other split
+    assert [r["question"] for r in train] == [e.metadata["question"] for e in evals]

@@ -14,13 +14,13 @@ from treejax.rl.shaping import (EchoShaping, EntropyAdvantageReshaping, ProcessR
 P, W, X, K = 2, 4, 12, 5
 
 
-def _inputs(seed=0, prompt_offset=0, **over):
-    """Hand-made pairs: leaves of lengths ``lengths`` whose response starts at ``prompt_offset`` along X."""
+def _inputs(seed=0, **over):
+    """Hand-made pairs in response layout ``[P, W, X]``: leaves of lengths ``lengths``."""
     rng = np.random.default_rng(seed)
     lengths = np.array([[3, 7, 5, 9], [4, 4, 8, 2]], np.int32)
-    r = np.arange(X)[None, None, :] - prompt_offset
+    r = np.arange(X)[None, None, :]
     resp = (r >= 0) & (r < lengths[:, :, None])
-    mask = resp & (r >= 1)  # the first response token has no... (any sub-mask is fine for the shapers)
+    mask = resp & (r >= 1)  # a sub-mask of the response (the shapers take any)
     mask[1, 3] = False  # a leaf without trained tokens
     adv = np.where(mask, rng.normal(size=(P, W, X)), 0.0).astype(np.float32)
     topk = -np.sort(rng.exponential(size=(P, W, X, K)) * 2.0, axis=-1).astype(np.float32)
@@ -36,7 +36,8 @@ def _inputs(seed=0, prompt_offset=0, **over):
         entropy=np.where(mask, rng.exponential(size=(P, W, X)), 0.0).astype(np.float32),
         topk_logp=topk, ref_logp=np.where(mask, -rng.exponential(size=(P, W, X)), 0.0).astype(np.float32))
     base.update(over)
-    return ShapingInputs(**{k: jnp.asarray(v) for k, v in base.items()}, segment_length=2), base
+    return ShapingInputs(**{k: jnp.asarray(v) for k, v in base.items() if k != "response_index"},
+                         segment_length=2), base
 
 
 def _run(shaper, x):
@@ -52,7 +53,7 @@ def _whiten_ref(x, on):
 @pytest.mark.parametrize("add_coef", [0.0, 0.3])
 @pytest.mark.parametrize("confidence", ["topk_prob", "sampled_prob"])
 def test_echo_matches_reference(add_coef, confidence):
-    x, b = _inputs(prompt_offset=2)
+    x, b = _inputs()
     shaper = EchoShaping(add_coef=add_coef, confidence=confidence)
     adv, eps_scale, _ = _run(shaper, x)
     on = b["loss_mask"] > 0
@@ -107,7 +108,7 @@ def test_ear_clip_mode():
 
 @pytest.mark.parametrize("lam", [1.0, 0.5])
 def test_rose_length_penalty_matches_reference(lam):
-    x, b = _inputs(prompt_offset=1)
+    x, b = _inputs(seed=1)
     adv, _, _ = _run(RoseLengthPenalty(lam=lam), x)
     on, S = b["loss_mask"] > 0, 2
     want = b["advantages"].copy()
@@ -133,7 +134,7 @@ def test_rose_length_penalty_matches_reference(lam):
 
 @pytest.mark.parametrize("step_length", [None, 3])
 def test_prl_matches_reference(step_length):
-    x, b = _inputs(prompt_offset=2)
+    x, b = _inputs()
     adv, _, _ = _run(ProcessRewardShaping(eta=5.0, step_length=step_length), x)
     on = b["loss_mask"] > 0
     S = step_length or 2

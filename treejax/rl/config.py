@@ -34,6 +34,9 @@ from treejax.sampling.tree import TreeConfig
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
 KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW")
+#: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
+#: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
+TRAIN_SPLITS = ("train", "eval")
 #: ``RunConfig.nonfinite``: what an update with a non-finite loss or gradient does (:mod:`treejax.rl.update`).
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -144,6 +147,9 @@ class RunConfig:
     splits); longer ones are filtered with a count in the log (``"filter"``, verl's ``filter_overlong_prompts``)
     or refused (``"error"``), so the static prompt width never exceeds the cap. ``log_dir_mode``: what to do with
     a log folder that holds a run (:mod:`treejax.run_dir`; CLI ``--resume`` / ``--overwrite``).
+    ``train_split``: ``"train"`` or ``"eval"``: test-time RL (TTRL) trains on the first ``EvalConfig.num_problems``
+    held-out problems, the ones it is evaluated on, which needs ``reward_source = "majority"`` (their answers then
+    only measure).
     ``reward_source``: ``"verifier"`` (the task's verifier scores each leaf against the true answer) or
     ``"majority"`` (test-time RL, TTRL / ETTRL: a leaf scores 1 when its answer is its prompt's majority answer
     over the leaves, votes weighted by ``Forest.leaf_weight``; :mod:`treejax.rl.pseudo_labels`; the verifier then
@@ -180,6 +186,7 @@ class RunConfig:
     leaf_weighting: str = "count"  # "mass": each leaf's advantages x Forest.leaf_weight (LEAF_WEIGHTINGS)
     reward_style: str = "pm1"
     reward_source: str = "verifier"  # "majority": pseudo-labels, each prompt's majority answer (test-time RL)
+    train_split: str = "train"  # "eval": test-time RL on the evaluated problems themselves (needs "majority")
     overlong_buffer: int = 0  # DAPO soft overlong penalty buffer (0 = off)
     overlong_factor: float = 1.0
     dynamic_sampling: bool = False
@@ -263,6 +270,11 @@ class RunConfig:
         check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
         check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
         check_choice("RunConfig.reward_source", self.reward_source, REWARD_SOURCES)
+        check_choice("RunConfig.train_split", self.train_split, TRAIN_SPLITS)
+        if self.train_split == "eval" and self.reward_source != "majority":
+            raise ConfigError("RunConfig.train_split = 'eval' trains on the problems the run evaluates, so its "
+                              "rewards must not read their answers; fix: RunConfig.reward_source = 'majority' "
+                              "(test-time RL), or RunConfig.train_split = 'train'")
         if self.reward_source == "majority" and "answer_step_PxW" in estimator_spec(self.estimator).inputs:
             raise ConfigError(f"RunConfig.reward_source = 'majority' with estimator {self.estimator!r}: its "
                               "necessary-reasoning prefix is found by the verifier against the true answer, which "

@@ -16,9 +16,11 @@ The learner (:func:`treejax.rl.step.learn`) only calls the protocol:
     batch = layout.assemble(pool, plan)      its :class:`~treejax.rl.batch.Batch`
     pool_x = layout.scatter(pool_x, plans, xs)  per-pair values of mini-batches back into the pool's layout
     logp, entropy = layout.pair_logprobs(params, batch.inputs, with_entropy=True)   [rows, *pairs]
+    stats = layout.pair_stats(params, batch.inputs, with_entropy=True, top_k=5)      the shapers' trainer pass
+    resp = layout.to_response(pool_x, prompt_lengths, T); layout.from_response(resp, prompt_lengths, pool_x)
 
 and the update (:func:`treejax.rl.update.make_update_fn`) differentiates ``policy_loss . pair_logprobs``. A new
-layout (e.g. a sequence-parallel one) implements these five and ``describe`` (its plan sizes for the logs).
+layout (e.g. a sequence-parallel one) implements these and ``describe`` (its plan sizes for the logs).
 
 Log-probabilities (both layouts): ``logp = log pi(token | prefix)`` from the training forward in vocabulary chunks
 (:func:`treejax.models.transformer.token_logprobs`); token ``i`` is scored from the hidden state of its predictor
@@ -39,7 +41,8 @@ from treejax.models import transformer
 from treejax.models.config import ModelConfig
 from treejax.models.tree_flash import TreeFlashBlocks
 from treejax.rl import packing as packing_lib
-from treejax.rl.batch import Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch
+from treejax.rl.batch import (Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch,
+                              response_to_sequence)
 
 
 @dataclasses.dataclass
@@ -75,8 +78,13 @@ class Layout(Protocol):
         """``{"logp", "entropy"?, "topk_logp"?}`` per pair ``[rows, *pairs(, k)]`` from one forward, no gradient
         needed (the old-log-prob pass of the shapers, :mod:`treejax.rl.shaping`)."""
 
-    def response_index(self, pool: Pool, prompt_lengths_P: jax.Array, num_leaves: int) -> jax.Array:
-        """int32 ``[rows, *pairs]``: each pool pair's response token index (-1 on prompt positions)."""
+    def to_response(self, pool_x: jax.Array, prompt_lengths_P: jax.Array, response_length: int) -> jax.Array:
+        """A pool per-pair array ``[P * W, X, ...]`` in the leaves' response layout ``[P * W, T, ...]`` (response
+        token ``t`` of leaf ``p * W + w`` at ``[p * W + w, t]``; 0 where a layout has no such pair)."""
+
+    def from_response(self, x: jax.Array, prompt_lengths_P: jax.Array, pool_x: jax.Array) -> jax.Array:
+        """The inverse of :meth:`to_response` for per-pair values ``[P * W, T]`` (0 off the response), in
+        ``pool_x``'s layout and dtype."""
 
     def describe(self, plans: list) -> dict[str, int]:
         """Host metrics of one epoch's plans (``packing/...``)."""
@@ -199,15 +207,27 @@ class Expanded:
                               chunk_size=self.chunk_size, with_entropy=with_entropy, top_k=top_k,
                               attention_impl=self.attention_impl)
 
-    def response_index(self, pool: Pool, prompt_lengths_P: jax.Array, num_leaves: int) -> jax.Array:
-        return self._response_index(jnp.asarray(prompt_lengths_P), pool.batch.loss_mask, num_leaves)
+    def to_response(self, pool_x: jax.Array, prompt_lengths_P: jax.Array, response_length: int) -> jax.Array:
+        return self._to_response(pool_x, jnp.asarray(prompt_lengths_P), response_length)
+
+    def from_response(self, x: jax.Array, prompt_lengths_P: jax.Array, pool_x: jax.Array) -> jax.Array:
+        return self._from_response(x, jnp.asarray(prompt_lengths_P), pool_x)
 
     @staticmethod
     @functools.partial(jax.jit, static_argnums=2)
-    def _response_index(lens_P, mask_BxL, num_leaves):
-        j = jnp.arange(mask_BxL.shape[1], dtype=jnp.int32)[None, :]
-        r = j - jnp.repeat(lens_P.astype(jnp.int32), num_leaves)[:, None]
-        return jnp.where(r >= 0, r, -1)
+    def _to_response(pool_x, lens_P, T):
+        rows, L = pool_x.shape[:2]
+        col = jnp.repeat(lens_P.astype(jnp.int32), rows // lens_P.shape[0])[:, None] + jnp.arange(T)[None, :]
+        idx = jnp.clip(col, 0, L - 1).reshape((rows, T) + (1,) * (pool_x.ndim - 2))
+        out = jnp.take_along_axis(pool_x, idx, axis=1)
+        return jnp.where((col < L).reshape(idx.shape), out, jnp.zeros((), pool_x.dtype))
+
+    @staticmethod
+    @jax.jit
+    def _from_response(x, lens_P, pool_x):
+        P = lens_P.shape[0]
+        seq = response_to_sequence(x.reshape((P, -1) + x.shape[1:]), lens_P, pool_x.shape[1])
+        return seq.astype(pool_x.dtype)
 
     def describe(self, plans: list) -> dict[str, int]:
         return {}
@@ -279,9 +299,11 @@ class Packed:
                            top_k=top_k, attention_impl=self.packing.attention_impl, blocks=self.blocks)
         return {k: gather_pairs(v, inputs.pair_index) for k, v in out.items()}
 
-    def response_index(self, pool: Pool, prompt_lengths_P: jax.Array, num_leaves: int) -> jax.Array:
-        rows, T = pool.batch.loss_mask.shape
-        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (rows, T))
+    def to_response(self, pool_x: jax.Array, prompt_lengths_P: jax.Array, response_length: int) -> jax.Array:
+        return pool_x  # the pool is already in the leaves' response layout
+
+    def from_response(self, x: jax.Array, prompt_lengths_P: jax.Array, pool_x: jax.Array) -> jax.Array:
+        return x.astype(pool_x.dtype)
 
     def describe(self, plans: list) -> dict[str, int]:
         """Real tokens in the packed rows, tokens the expanded rows would hold and packed row slots (padding

@@ -82,11 +82,18 @@ def load_task_data(cfg: RunConfig) -> tuple[Any, list[dict[str, str]], list]:
 
     Raises :class:`~treejax.errors.DataError` when the task has no training problems, or no held-out problems
     (the run evaluates ``EvalConfig.num_problems`` of them before and after training; the message names the task
-    options that give it an eval split, e.g. ``eval_path`` / ``eval_fraction`` for a file task)."""
+    options that give it an eval split, e.g. ``eval_path`` / ``eval_fraction`` for a file task).
+
+    ``RunConfig.train_split = "eval"`` (test-time RL): the training records are the evaluated problems themselves,
+    the first ``EvalConfig.num_problems`` of the eval split (their answers only measure: the config requires
+    pseudo-label rewards)."""
     task = get_task(cfg.task, **dict(cfg.task_options))
-    train_records = task.records("train")
+    if cfg.train_split == "eval":
+        train_records = task.records("eval")[: cfg.eval.num_problems]
+    else:
+        train_records = task.records("train")
     if not train_records:
-        raise DataError(f"task {cfg.task!r} ({task.name}) has no training problems")
+        raise DataError(f"task {cfg.task!r} ({task.name}) has no training problems in its {cfg.train_split!r} split")
     eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
     if not eval_examples:
         raise DataError(f"task {cfg.task!r} ({task.name}) has no held-out (eval) problems, and the run evaluates "

@@ -12,6 +12,11 @@ planner needs (the forest, already on the host after scoring); the metrics come 
 loop reads them one step late (:class:`treejax.metrics.DeferredMetrics`). :func:`rl_step` is collect + learn
 (the loop's step; tests and benchmarks drive it with their own sources).
 
+Shapers (``StepConfig.shapers``, :mod:`treejax.rl.shaping`): the old-log-prob pass then also returns each pair's
+entropy and top-k log-probs (:meth:`Layout.pair_stats`, the same forward), the reference pass runs when a shaper
+reads it, and the shapers rewrite the pool's advantages and clip scales in the forest's response layout before the
+updates.
+
 Log-probabilities (verl's and tunix's practice)::
 
     sampler_logp   log q(y_t | y_<t)   from the sampler (bf16 weights and KV cache on GPU, decode kernels)
@@ -237,10 +242,9 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     behaviour = pool_logprobs(behaviour_params) if behaviour_params is not None and old is not None else None
     b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
     if cfg.shapers:
-        x = shaping_inputs(b, layout.response_index(pool, ro.lengths_P, W), dict(stats, ref_logp=ref), ro,
-                           ro.estimator_inputs.get("answer_step_PxW"))
+        x = shaping_inputs(layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"))
         shaped_adv, shaped_eps, shaping_metrics = apply_shapers(cfg.shapers, x)
-        b = b.replace(advantages=shaped_adv, eps_scale=shaped_eps)
+        b = b.replace(advantages=layout.from_response(shaped_adv, ro.lengths_P, b.advantages), eps_scale=shaped_eps)
         mismatch = {**mismatch, **shaping_metrics}
     pool = dataclasses.replace(pool, batch=b)
     t_logp = _wait(b.old_logp) if timed else None
@@ -286,14 +290,20 @@ def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step
 
 def rollout_metrics(ro: Rollouts) -> dict:
     """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (with
-    verifier scores; with pseudo-label rewards also ``reward/label_accuracy``), the rollout counters and the
-    tree's shape (:func:`tree_metrics`)."""
+    verifier scores; with pseudo-label rewards also ``reward/label_accuracy``; with DECS's prefix hook
+    ``rollout/redundant_token_frac``, the correct leaves' tokens after their answer step), the rollout counters
+    and the tree's shape (:func:`tree_metrics`)."""
     host = {"time/scoring_s": ro.counters.scoring_s, "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
             **ro.counters.metrics(), **tree_metrics(ro.forest, ro.rewards_PxW)}
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
         if ro.label_leaf_P is not None:
             host["reward/label_accuracy"] = label_accuracy(ro.scores_PxW, ro.label_leaf_P)
+    if "answer_step_PxW" in ro.estimator_inputs:  # DECS: tokens of correct leaves after the answer is stated
+        step = np.asarray(ro.estimator_inputs["answer_step_PxW"])
+        length = np.asarray(multihost.host_tree(ro.forest.leaf_length))
+        ok = step >= 0
+        host["rollout/redundant_token_frac"] = float((length - step)[ok].sum() / max(length[ok].sum(), 1))
     return host
 
 

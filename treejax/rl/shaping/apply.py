@@ -1,7 +1,8 @@
 """Running the shapers on a step's pool: the pool's per-pair arrays as :class:`ShapingInputs`, and back.
 
-The pool (:class:`treejax.rl.layouts.Pool`) holds one row per leaf in both layouts (row ``p * W + w``), so its
-``[P * W, X]`` per-pair arrays reshape to the shapers' leaf-pair layout ``[P, W, X]`` without a gather.
+The pool (:class:`treejax.rl.layouts.Pool`) holds one row per leaf in both layouts (row ``p * W + w``);
+:meth:`~treejax.rl.layouts.Layout.to_response` moves its per-pair arrays to the forest's response layout
+``[P * W, T]`` (the packed pool already is), which reshapes to the shapers' ``[P, W, T]``.
 """
 
 from __future__ import annotations
@@ -15,17 +16,23 @@ import numpy as np
 from treejax.rl.shaping.base import ShapingInputs, masked_mean
 
 
-def shaping_inputs(batch, response_index, stats: dict, rollouts, answer_step=None) -> ShapingInputs:
-    """:class:`ShapingInputs` of a pool ``batch`` (advantages, loss mask, old log-probs, eps scale), its
-    ``response_index`` and the trainer-pass ``stats`` (``entropy``, ``topk_logp``, ``ref_logp``; pool layout)."""
+def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None) -> ShapingInputs:
+    """:class:`ShapingInputs` of a pool ``batch`` (advantages, loss mask, old log-probs, eps scale) and the
+    trainer-pass ``stats`` (``entropy``, ``topk_logp``, ``ref_logp``), all in ``layout``'s pool layout."""
     forest = rollouts.forest
-    P, W = forest.num_prompts, forest.num_leaves
-    leaf = lambda a: None if a is None else a.reshape((P, W) + a.shape[1:])  # noqa: E731
+    P, W, T = forest.tokens.shape
+
+    def leaf(a):
+        if a is None:
+            return None
+        if a.ndim > 1:  # per pair: to the response layout
+            a = layout.to_response(a, rollouts.lengths_P, T)
+        return a.reshape((P, W) + a.shape[1:])
+
     correct = rollouts.correct_PxW
     scores = (jnp.zeros((P, W), jnp.float32) if correct is None else jnp.asarray(np.asarray(correct), jnp.float32))
     return ShapingInputs(
-        advantages=leaf(batch.advantages), loss_mask=leaf(batch.loss_mask), response_index=leaf(response_index),
-        old_logp=leaf(batch.old_logp), rewards=jnp.asarray(rollouts.rewards_PxW, jnp.float32), scores=scores,
+        advantages=leaf(batch.advantages), loss_mask=leaf(batch.loss_mask), old_logp=leaf(batch.old_logp), rewards=jnp.asarray(rollouts.rewards_PxW, jnp.float32), scores=scores,
         leaf_length=forest.leaf_length, eps_scale=leaf(batch.eps_scale), leaf_path=forest.leaf_path,
         entropy=leaf(stats.get("entropy")), topk_logp=leaf(stats.get("topk_logp")),
         ref_logp=leaf(stats.get("ref_logp")), answer_step=answer_step, segment_length=forest.segment_length)
@@ -33,8 +40,8 @@ def shaping_inputs(batch, response_index, stats: dict, rollouts, answer_step=Non
 
 @functools.partial(jax.jit, static_argnums=0)
 def apply_shapers(shapers: tuple, x: ShapingInputs) -> tuple[jax.Array, jax.Array, dict]:
-    """Runs ``shapers`` in order; returns the final ``advantages [P * W, X]``, ``eps_scale [P * W]`` (pool layout)
-    and the metrics ``shaping/<name>/<metric>`` (plus ``shaping/adv_abs_mean_before|after``)."""
+    """Runs ``shapers`` in order; returns the final ``advantages [P * W, T]`` (response layout), ``eps_scale
+    [P * W]`` and the metrics ``shaping/<name>/<metric>`` (plus ``shaping/adv_abs_mean_before|after``)."""
     metrics = {"shaping/adv_abs_mean_before": masked_mean(jnp.abs(x.advantages), x.on)}
     for s in shapers:
         out = s.shape(x)

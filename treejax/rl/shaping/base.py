@@ -10,10 +10,10 @@ forward the PPO ratio is taken against, without a second forward::
     adv, eps_scale = shaper_n(... shaper_1(ShapingInputs))         this package, in RunConfig.shapers order
     PPO updates
 
-Everything a shaper reads is in **leaf-pair layout** ``[P, W, X]``: prompt ``p``, leaf ``w``, and the layout's
-pairs of that leaf along ``X`` (the expanded layout's sequence positions, the packed layout's response tokens);
-``response_index`` maps each pair to its response token (-1 off the response), so a shaper never depends on the
-layout. Per-leaf inputs are ``[P, W]``.
+Everything a shaper reads is in the forest's **response layout** ``[P, W, T]``: prompt ``p``, leaf ``w``, response
+token ``t`` (the layout's pairs moved there by :meth:`treejax.rl.layouts.Layout.to_response`, and the shaped
+advantages moved back), so a shaper never depends on the layout and both layouts shape bit-identically. Per-leaf
+inputs are ``[P, W]``.
 
 A shaper is a frozen (hashable) dataclass registered with :func:`register` (gin knows it by its class name:
 ``RunConfig.shapers = [@EchoShaping(), @DecsPenalty()]``). It declares what it needs (``needs``: a subset of
@@ -41,12 +41,11 @@ STATS = ("entropy", "topk", "ref_logp")
 
 @struct.dataclass
 class ShapingInputs:
-    """One step's pairs in leaf-pair layout ``[P, W, X]`` (module docstring) and per-leaf values ``[P, W]``.
+    """One step's pairs in response layout ``[P, W, T]`` (module docstring) and per-leaf values ``[P, W]``.
 
-    ``advantages``/``loss_mask``: the estimator's (after leaf weighting and earlier shapers); ``response_index``
-    int32: the pair's response token (-1 on prompt positions; past a leaf's end it keeps counting, so within a
-    prompt equal ``X`` means equal response position in every layout); ``old_logp``: the PPO ratio's denominator;
-    ``entropy`` / ``topk_logp [P, W, X, k]`` / ``ref_logp``: :data:`STATS` (``None`` unless a shaper needs them).
+    ``advantages``/``loss_mask``: the estimator's (after leaf weighting and earlier shapers); ``old_logp``: the PPO
+    ratio's denominator; ``entropy`` / ``topk_logp [P, W, T, k]`` / ``ref_logp``: :data:`STATS` (``None`` unless a
+    shaper needs them).
     ``leaf_path [P, W, D + 1]``: the forest's node ids per depth (-1 past a leaf's last node; a depth-``d`` node
     holds response tokens ``[(d - 1) S, d S)``, ``S`` = ``segment_length``).
     ``rewards``: the estimator's rewards; ``scores``: verifier scores in [0, 1] (correct iff >= 1; with
@@ -57,7 +56,6 @@ class ShapingInputs:
 
     advantages: jax.Array
     loss_mask: jax.Array
-    response_index: jax.Array
     old_logp: jax.Array
     rewards: jax.Array
     scores: jax.Array
@@ -72,13 +70,18 @@ class ShapingInputs:
 
     @property
     def on(self) -> jax.Array:
-        """bool ``[P, W, X]``: pairs the loss trains."""
+        """bool ``[P, W, T]``: pairs the loss trains."""
         return self.loss_mask > 0
+
+    @property
+    def t(self) -> jax.Array:
+        """int32 ``[1, 1, T]``: the response token index of each position."""
+        return jnp.arange(self.loss_mask.shape[-1], dtype=jnp.int32)[None, None, :]
 
 
 @struct.dataclass
 class Shaped:
-    """A shaper's output: new ``advantages [P, W, X]`` (0 where the loss mask is 0), ``eps_scale [P, W]`` and
+    """A shaper's output: new ``advantages [P, W, T]`` (0 where the loss mask is 0), ``eps_scale [P, W]`` and
     scalar ``metrics`` (logged as ``shaping/<name>``)."""
 
     advantages: jax.Array

@@ -61,9 +61,10 @@ class EntropyAdvantageReshaping(Shaper):
         y = jnp.where(h_group > 0, 2.0 - h_leaf / jnp.where(h_group > 0, h_group, 1.0), 1.0)
         y = jnp.clip(y, self.y_min, self.y_max)
         adv = jnp.where(on, x.advantages * y[:, :, None], 0.0)
+        any_on = jnp.any(leaf_on)  # extremes are 1 when no leaf trains
         return Shaped(adv, x.eps_scale, {"scale_mean": masked_mean(y, leaf_on),
-                                         "scale_min": jnp.min(jnp.where(leaf_on, y, jnp.inf)),
-                                         "scale_max": jnp.max(jnp.where(leaf_on, y, -jnp.inf))})
+                                         "scale_min": jnp.where(any_on, jnp.min(jnp.where(leaf_on, y, jnp.inf)), 1.0),
+                                         "scale_max": jnp.where(any_on, jnp.max(jnp.where(leaf_on, y, -jnp.inf)), 1.0)})
 
 
 __all__ = ["EntropyAdvantageReshaping", "EAR_MODES"]

@@ -59,7 +59,7 @@ class RoseLengthPenalty(Shaper):
         penalised = ok & (L > L_s)
         ratio = (L_s - k_c) / jnp.where(penalised, L - k_c, 1.0)
         phi = jnp.where(penalised, 1.0 - jnp.power(jnp.clip(ratio, 0.0, 1.0), self.lam), 0.0)  # [P, W]
-        after = x.response_index >= k_c[:, :, None]
+        after = x.t >= k_c[:, :, None]
         adv = x.advantages - jnp.where(after & x.on, jnp.abs(x.advantages) * phi[:, :, None], 0.0)
         return Shaped(adv, x.eps_scale, {"penalised_frac": masked_mean(penalised.astype(jnp.float32), ok),
                                          "phi_mean": masked_mean(phi, penalised)})

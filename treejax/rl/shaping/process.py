@@ -47,13 +47,10 @@ class ProcessRewardShaping(Shaper):
         on = x.on
         S = self.step_length or x.segment_length
         d = jnp.where(on, x.old_logp - x.ref_logp, 0.0)
-        to_go = jnp.cumsum(d[..., ::-1], axis=-1)[..., ::-1]  # sum_{u >= x}, along the pairs in response order
-        r = x.response_index
-        last = (x.leaf_length[:, :, None] - 1)
-        step_end = jnp.minimum((r // S + 1) * S - 1, last)  # e(t), a response index
-        X = d.shape[-1]
-        pos = jnp.arange(X)[None, None, :] + (step_end - r)  # the pair of e(t): responses are contiguous along X
-        kl_to_go = jnp.take_along_axis(to_go, jnp.clip(pos, 0, X - 1), axis=-1)
+        to_go = jnp.cumsum(d[..., ::-1], axis=-1)[..., ::-1]  # sum_{u >= t}
+        T = d.shape[-1]
+        step_end = jnp.minimum((x.t // S + 1) * S - 1, x.leaf_length[:, :, None] - 1)  # e(t)
+        kl_to_go = jnp.take_along_axis(to_go, jnp.clip(step_end, 0, T - 1) * jnp.ones_like(d, jnp.int32), axis=-1)
         adv = jnp.where(on, x.advantages - kl_to_go / self.eta, 0.0)
         return Shaped(adv, x.eps_scale, {"kl_to_go_mean": masked_mean(kl_to_go, on),
                                          "logratio_mean": masked_mean(d, on)})

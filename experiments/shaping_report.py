@@ -1,0 +1,47 @@
+"""The shaping study's table (README "Credit shaping"): one row per method, mean and spread over seeds.
+
+    python experiments/shaping_report.py [experiments/results/shaping]
+
+Reads the ``<arm>-s<seed>.json`` run summaries that ``experiments/shaping_runs.sh`` copies back and prints a
+markdown table: held-out greedy accuracy after 40 steps (mean, each seed), decoded tokens, the policy's mean
+sampled response length over the last 5 steps, and the run's seconds (runs shared one GPU with 2-4 others, so
+seconds compare only roughly).
+"""
+
+import collections
+import glob
+import json
+import os
+import sys
+
+ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adaptive clip", "@EchoShaping()"),
+        "ear": ("ETTRL EAR", "@EntropyAdvantageReshaping()"), "rose": ("ROSE length penalty", "@RoseLengthPenalty()"),
+        "prl": ("PRL KL-to-go", "@ProcessRewardShaping()"), "decs": ("DECS (estimator)", "estimator = 'decs'"),
+        "ttrl_ear": ("TTRL + EAR (no labels, T = 0.6)", "majority + @EntropyAdvantageReshaping()")}
+
+
+def main(folder: str) -> None:
+    runs = collections.defaultdict(list)
+    for f in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        arm, seed = os.path.basename(f)[:-5].rsplit("-s", 1)
+        runs[arm].append((int(seed), json.load(open(f))))
+    device = {s["device"] for r in runs.values() for _, s in r}
+    print(f"device: {', '.join(sorted(device))}; accuracy before training: "
+          f"{next(iter(runs.values()))[0][1]['evals'][0]['accuracy']:.1%}\n")
+    print("| method | gin | seeds | held-out acc (mean) | per seed | decoded tokens (mean) | sampled length, last 5 "
+          "steps | seconds (mean) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for arm in [a for a in ARMS if a in runs]:
+        rs = sorted(runs[arm], key=lambda x: x[0])
+        acc = [s["evals"][-1]["accuracy"] for _, s in rs]
+        tok = [s["decoded_tokens"] for _, s in rs]
+        length = [sum(x["rollout/mean_leaf_length"] for x in s["history"][-5:]) / 5 for _, s in rs]
+        secs = [s["total_s"] for _, s in rs]
+        name, gin = ARMS[arm]
+        print(f"| {name} | `{gin}` | {len(rs)} | {sum(acc) / len(acc):.1%} | "
+              f"{' / '.join(f'{a:.1%}' for a in acc)} | {sum(tok) / len(tok):,.0f} | {sum(length) / len(length):.1f} | "
+              f"{sum(secs) / len(secs):.0f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results", "shaping"))

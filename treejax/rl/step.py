@@ -233,6 +233,9 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
         return {k: layout.scatter(zeros(parts[0][k]), first, [p[k] for p in parts]) for k in parts[0]}
 
     stat_names, top_k = needed_stats(cfg.shapers)
+    if "ref_logp" in stat_names and ref_params is None:
+        raise ValueError(f"shapers {[s.name for s in cfg.shapers if 'ref_logp' in s.needs]} read the reference "
+                         "policy's log-probs: pass ref_params=initial_reference(params, loss, shapers)")
     stats = pool_stats(state.params, "entropy" in stat_names, top_k) if cfg.shapers else {}
     if cfg.old_logp != "trainer":
         old = None

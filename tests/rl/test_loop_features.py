@@ -31,7 +31,8 @@ def test_builtin_list_is_complete():
     assert set(BUILT_IN) <= set(list_estimators())
 
 
-FAST_CLI = ("packed_update",)  # shapers: fast through rl_step in tests/rl/test_packing.py  # the rest: covered fast by rl_step (test_every_estimator_and_loss_term_through_rl_step)
+FAST_CLI = ("packed_update",)  # the rest: fast through rl_step (test_every_estimator_and_loss_term_through_rl_step;
+# the shapers: tests/rl/test_packing.py::test_rl_step_packed_equals_expanded)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES]

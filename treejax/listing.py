@@ -1,8 +1,8 @@
 """What ``treejax-train --list KIND`` prints: one line per registered name, with the gin binding that selects it.
 
-Kinds: ``tasks``, ``estimators``, ``branching``, ``strategies``, ``configs`` (the gin files of
+Kinds: ``tasks``, ``estimators``, ``branching``, ``shapers``, ``strategies``, ``configs`` (the gin files of
 :func:`default_config_dir`, the shipped configs folder). Everything listed comes from the
-registries the trainer itself reads (tasks, estimators, branching rules, sampling strategies) and from the
+registries the trainer itself reads (tasks, estimators, branching rules, shapers, sampling strategies) and from the
 shipped gin files, so a name registered in a notebook or an imported module shows up too.
 """
 
@@ -13,7 +13,7 @@ import os
 
 __all__ = ["LIST_KINDS", "default_config_dir", "list_lines"]
 
-LIST_KINDS = ("tasks", "estimators", "branching", "strategies", "configs")
+LIST_KINDS = ("tasks", "estimators", "branching", "shapers", "strategies", "configs")
 
 
 def _first_line(doc: str | None) -> str:
@@ -67,6 +67,13 @@ def _branching() -> list[str]:
                    for name, cls in branching.rule_classes().items()])
 
 
+def _shapers() -> list[str]:
+    from treejax.rl.shaping import shaper_classes
+
+    return _table([(f"RunConfig.shapers=[@{cls.__name__}()]", f"'{name}': {_first_line(cls.__doc__)}")
+                   for name, cls in shaper_classes().items()])
+
+
 def _strategies() -> list[str]:
     from treejax.sampling import strategies
 
@@ -111,5 +118,5 @@ def list_lines(kind: str) -> list[str]:
     from treejax.choices import check_choice
 
     check_choice("--list", kind, LIST_KINDS)
-    return {"tasks": _tasks, "estimators": _estimators, "branching": _branching, "strategies": _strategies,
-            "configs": _configs}[kind]()
+    return {"tasks": _tasks, "estimators": _estimators, "branching": _branching, "shapers": _shapers,
+            "strategies": _strategies, "configs": _configs}[kind]()

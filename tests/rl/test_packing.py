@@ -430,3 +430,54 @@ def test_mass_leaf_weighting(policy_params):
     (a, w), (b, _) = run(transfer, "count"), run(transfer, "mass")
     assert not np.allclose(w, 1.0)
     assert any(not np.allclose(x, y, rtol=1e-3, atol=1e-4) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_hidden_states_reach_a_shaper_equal_in_both_layouts(policy_params):
+    """``Shaper.needs = ("hidden",)``: the trainer pass's last-layer states at each response token reach the
+    shaper in the forest's layout, the same in both layouts and equal to a direct forward of the expanded rows."""
+    import dataclasses as dc
+
+    from treejax.models import transformer
+    from treejax.precision import Precision
+    from treejax.rl.batch import forest_to_batch
+    from treejax.rl.config import StepConfig
+    from treejax.rl.layouts import make_layout
+    from treejax.rl.shaping import Shaped, Shaper, register, shaper_classes
+    from treejax.rl.shaping.base import masked_mean
+    from treejax.rl.step import make_learner, rl_step
+    from treejax.testing.sources import FixedPromptRollouts
+
+    if "test_hidden_norm" not in shaper_classes():
+        @register("test_hidden_norm")
+        @dc.dataclass(frozen=True)
+        class HiddenNorm(Shaper):  # reports the mean squared norm of the trained tokens' hidden states
+            needs = ("hidden",)
+
+            def shape(self, x):
+                sq = jnp.sum(jnp.square(x.hidden.astype(jnp.float32)), axis=-1)
+                return Shaped(x.advantages, x.eps_scale, {"sq_norm": masked_mean(sq, x.on),
+                                                          "first": sq[0, 0, 1]})
+    shaper = shaper_classes()["test_hidden_norm"]()
+    loss_cfg = losses.LossConfig()
+    opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
+    source = FixedPromptRollouts(tree.make_tree_rollout(CFG, TC), PROMPTS, LENGTHS,
+                                 lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
+    out = {}
+    for packed in (False, True):
+        cfg = StepConfig(estimator="treepo", loss=loss_cfg, attention_impl="xla", shapers=(shaper,),
+                         packing=dataclasses.replace(SMALL_ROWS, attention_impl="xla") if packed else None)
+        layout = make_layout(CFG, cfg.packing, attention_impl="xla")
+        update = jax.jit(make_update_fn(layout, loss_cfg, opt))
+        fns = make_learner(CFG, cfg, Precision().resolve("cpu"), update, layout)
+        state = TrainState.create(jax.tree.map(jnp.copy, policy_params), opt)
+        _, ro, m, _ = rl_step(fns, state, source, jax.random.key(8), 0)
+        out[packed] = jax.device_get(m)
+    np.testing.assert_allclose(out[True]["shaping/test_hidden_norm/sq_norm"],
+                               out[False]["shaping/test_hidden_norm/sq_norm"], rtol=1e-5)
+    # leaf (0, 0), response token 1: the hidden state at its own position n_0 + 1 of the expanded row
+    b = forest_to_batch(jnp.asarray(PROMPTS), jnp.asarray(LENGTHS), ro.forest,
+                        jnp.zeros(ro.forest.tokens.shape, jnp.float32))
+    h = transformer.forward(policy_params, CFG, b["tokens"][:1], b["positions"][:1], b["segment_ids"][:1])
+    want = float(jnp.sum(jnp.square(h[0, int(LENGTHS[0]) + 1])))
+    for packed in (False, True):
+        np.testing.assert_allclose(out[packed]["shaping/test_hidden_norm/first"], want, rtol=1e-5)

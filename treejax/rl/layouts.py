@@ -74,9 +74,10 @@ class Layout(Protocol):
     def pair_logprobs(self, params: Any, inputs: Any, *, with_entropy: bool = False, remat: bool | str = False):
         """``logp [rows, *pairs]`` (and the entropy of each pair's next-token distribution)."""
 
-    def pair_stats(self, params: Any, inputs: Any, *, with_entropy: bool = False, top_k: int = 0) -> dict:
-        """``{"logp", "entropy"?, "topk_logp"?}`` per pair ``[rows, *pairs(, k)]`` from one forward, no gradient
-        needed (the old-log-prob pass of the shapers, :mod:`treejax.rl.shaping`)."""
+    def pair_stats(self, params: Any, inputs: Any, *, with_entropy: bool = False, top_k: int = 0,
+                   with_hidden: bool = False) -> dict:
+        """``{"logp", "entropy"?, "topk_logp"?, "hidden"?}`` per pair ``[rows, *pairs(, k | E)]`` from one forward,
+        no gradient needed (the old-log-prob pass of the shapers, :mod:`treejax.rl.shaping`)."""
 
     def to_response(self, pool_x: jax.Array, prompt_lengths_P: jax.Array, response_length: int) -> jax.Array:
         """A pool per-pair array ``[P * W, X, ...]`` in the leaves' response layout ``[P * W, T, ...]`` (response
@@ -93,11 +94,13 @@ class Layout(Protocol):
 # ----------------------------------------------------------------------------------------------- forwards
 def sequence_stats(params: Any, model_config: ModelConfig, tokens_BxL: jax.Array, positions_BxL: jax.Array,
                    segment_ids_BxL: jax.Array | None = None, *, chunk_size: int = 8192, with_entropy: bool = False,
-                   top_k: int = 0, remat: bool | str = False, attention_impl: str = "xla") -> dict[str, jax.Array]:
+                   top_k: int = 0, with_hidden: bool = False, remat: bool | str = False,
+                   attention_impl: str = "xla") -> dict[str, jax.Array]:
     """Per-position statistics of ``tokens[b, t]`` under the training forward, aligned with ``tokens`` (0 at
     ``t = 0``): ``logp`` = ``log pi(tokens[b, t] | tokens[b, :t])``; with ``with_entropy`` ``entropy`` of that
     next-token distribution; with ``top_k > 0`` ``topk_logp [B, L, k]``, its ``k`` largest log-probs (no gradient,
-    :func:`treejax.models.transformer.topk_logprobs`).
+    :func:`treejax.models.transformer.topk_logprobs`); with ``with_hidden`` ``hidden [B, L, E]``, the last layer's
+    output (after the final norm) at token ``t``'s own position (the state that predicts ``tokens[b, t + 1]``).
 
     Runs the training forward once and scores each next token in vocabulary chunks.
     """
@@ -105,8 +108,11 @@ def sequence_stats(params: Any, model_config: ModelConfig, tokens_BxL: jax.Array
                                  attention_impl=attention_impl)
     next_BxL = jnp.roll(tokens_BxL, -1, axis=1)  # targets of hidden[:, t] are tokens[:, t + 1]
     shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)  # noqa: E731
-    return {k: shift(v) for k, v in _head_stats(params, model_config, hidden, next_BxL, chunk_size, with_entropy,
-                                                 top_k).items()}
+    out = {k: shift(v) for k, v in _head_stats(params, model_config, hidden, next_BxL, chunk_size, with_entropy,
+                                                top_k).items()}
+    if with_hidden:
+        out["hidden"] = jax.lax.stop_gradient(hidden)
+    return out
 
 
 def _head_stats(params, model_config, hidden, targets, chunk_size, with_entropy, top_k) -> dict[str, jax.Array]:
@@ -129,8 +135,8 @@ def sequence_logprobs(params: Any, model_config: ModelConfig, tokens_BxL: jax.Ar
 
 
 def packed_stats(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
-                 with_entropy: bool = False, top_k: int = 0, remat: bool | str = False, attention_impl: str = "xla",
-                 blocks=None) -> dict[str, jax.Array]:
+                 with_entropy: bool = False, top_k: int = 0, with_hidden: bool = False, remat: bool | str = False,
+                 attention_impl: str = "xla", blocks=None) -> dict[str, jax.Array]:
     """Statistics of every unique token of packed rows, ``[R, L]`` (``topk_logp [R, L, k]``), computed once.
 
     ``hidden = forward_tree(tokens)``; token ``i`` is scored from the hidden state of its predictor
@@ -139,12 +145,15 @@ def packed_stats(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, 
         logp[r, i] = log_softmax(h[r, prev[r, i]] W)[tokens[r, i]],   H[r, i] = entropy of that distribution
 
     (values at tokens without a predecessor, ``prev = -1``, are meaningless and never gathered as trained pairs);
-    ``entropy`` / ``topk_logp`` as in :func:`sequence_stats`.
+    ``entropy`` / ``topk_logp`` / ``hidden`` (at the token's own position) as in :func:`sequence_stats`.
     """
     hidden = transformer.forward_tree(params, model_config, inputs.tokens, inputs.positions, inputs.node_lo,
                                       inputs.node_hi, remat=remat, attention_impl=attention_impl, blocks=blocks)
     h_prev = jnp.take_along_axis(hidden, jnp.maximum(inputs.prev, 0)[:, :, None], axis=1)
-    return _head_stats(params, model_config, h_prev, inputs.tokens, chunk_size, with_entropy, top_k)
+    out = _head_stats(params, model_config, h_prev, inputs.tokens, chunk_size, with_entropy, top_k)
+    if with_hidden:
+        out["hidden"] = jax.lax.stop_gradient(hidden)
+    return out
 
 
 def packed_logprobs(params: Any, model_config: ModelConfig, inputs: TreeInputs, *, chunk_size: int = 8192,
@@ -202,10 +211,11 @@ class Expanded:
                                  chunk_size=self.chunk_size, with_entropy=with_entropy, remat=remat,
                                  attention_impl=self.attention_impl)
 
-    def pair_stats(self, params, inputs: SequenceInputs, *, with_entropy: bool = False, top_k: int = 0) -> dict:
+    def pair_stats(self, params, inputs: SequenceInputs, *, with_entropy: bool = False, top_k: int = 0,
+                   with_hidden: bool = False) -> dict:
         return sequence_stats(params, self.model_config, inputs.tokens, inputs.positions, inputs.segment_ids,
                               chunk_size=self.chunk_size, with_entropy=with_entropy, top_k=top_k,
-                              attention_impl=self.attention_impl)
+                              with_hidden=with_hidden, attention_impl=self.attention_impl)
 
     def to_response(self, pool_x: jax.Array, prompt_lengths_P: jax.Array, response_length: int) -> jax.Array:
         return self._to_response(pool_x, jnp.asarray(prompt_lengths_P), response_length)
@@ -294,9 +304,11 @@ class Packed:
             return gather_pairs(out[0], inputs.pair_index), gather_pairs(out[1], inputs.pair_index)
         return gather_pairs(out, inputs.pair_index)
 
-    def pair_stats(self, params, inputs: TreeInputs, *, with_entropy: bool = False, top_k: int = 0) -> dict:
+    def pair_stats(self, params, inputs: TreeInputs, *, with_entropy: bool = False, top_k: int = 0,
+                   with_hidden: bool = False) -> dict:
         out = packed_stats(params, self.model_config, inputs, chunk_size=self.chunk_size, with_entropy=with_entropy,
-                           top_k=top_k, attention_impl=self.packing.attention_impl, blocks=self.blocks)
+                           top_k=top_k, with_hidden=with_hidden, attention_impl=self.packing.attention_impl,
+                           blocks=self.blocks)
         return {k: gather_pairs(v, inputs.pair_index) for k, v in out.items()}
 
     def to_response(self, pool_x: jax.Array, prompt_lengths_P: jax.Array, response_length: int) -> jax.Array:

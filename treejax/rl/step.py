@@ -60,12 +60,13 @@ SHUFFLE_STREAM = 0xE70C  # fold_in stream of the mini-batch shuffle keys
 
 
 def make_stats_fn(layout: Layout, num_micro_batches: int) -> Callable:
-    """``fn(params, batch, with_entropy, top_k) -> {"logp", "entropy"?, "topk_logp"?}`` per pair: the shapers'
-    trainer pass (:meth:`Layout.pair_stats`), micro-batched like :func:`make_logprob_fn` (its ``logp`` is the same
-    forward's, so it serves as the old log-probs)."""
+    """``fn(params, batch, with_entropy, top_k, with_hidden) -> {"logp", "entropy"?, "topk_logp"?, "hidden"?}`` per
+    pair: the shapers' trainer pass (:meth:`Layout.pair_stats`), micro-batched like :func:`make_logprob_fn` (its
+    ``logp`` is the same forward's, so it serves as the old log-probs)."""
 
-    def fn(params, batch: Batch, with_entropy: bool, top_k: int):
-        stats = lambda inputs: layout.pair_stats(params, inputs, with_entropy=with_entropy, top_k=top_k)  # noqa: E731
+    def fn(params, batch: Batch, with_entropy: bool, top_k: int, with_hidden: bool = False):
+        stats = lambda inputs: layout.pair_stats(params, inputs, with_entropy=with_entropy, top_k=top_k,  # noqa: E731
+                                                 with_hidden=with_hidden)
         if num_micro_batches == 1:
             return stats(batch.inputs)
         rows = batch.num_rows
@@ -137,7 +138,7 @@ class Learner:
     """What :func:`learn` runs, built once per run by :func:`make_learner`.
 
     ``estimator(forest, rewards_PxW, inputs) -> Advantages`` (jitted); ``logprobs(params, batch) -> [rows,
-    *pairs]`` (jitted, no gradient); ``stats(params, batch, with_entropy, top_k)``: the shapers' trainer pass
+    *pairs]`` (jitted, no gradient); ``stats(params, batch, with_entropy, top_k, with_hidden)``: the shapers' trainer pass
     (:func:`make_stats_fn`); ``update(state, batch) -> (state, metrics)`` (jitted with shardings and
     donation by the caller); ``place(batch)``: a mini-batch's placement before the update and the log-prob
     passes; ``sampler_params(params)``: the sampler's copy of the weights (cast, and gathered on a mesh)."""
@@ -184,7 +185,7 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
         sampler_params = jax.jit(precision.sampler_params)  # cast once per step
     return Learner(cfg, precision, layout, estimator, jax.jit(make_logprob_fn(layout, cfg.micro_batches)),
                    lambda state, batch: update(state, place(batch)), place, sampler_params,
-                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3)))
+                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3, 4)))
 
 
 def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False,
@@ -225,8 +226,8 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
         parts = [learner.logprobs(params, learner.place(layout.assemble(pool, plan))) for plan in first]
         return layout.scatter(jnp.zeros_like(pool.batch.sampler_logp), first, parts)
 
-    def pool_stats(params, with_entropy, top_k):
-        parts = [learner.stats(params, learner.place(layout.assemble(pool, plan)), with_entropy, top_k)
+    def pool_stats(params, with_entropy, top_k, with_hidden):
+        parts = [learner.stats(params, learner.place(layout.assemble(pool, plan)), with_entropy, top_k, with_hidden)
                  for plan in first]
         pair_dims = parts[0]["logp"].ndim  # trailing dims past the pairs (top-k) are kept
         zeros = lambda v: jnp.zeros(pool.batch.sampler_logp.shape + v.shape[pair_dims:], v.dtype)  # noqa: E731
@@ -236,7 +237,8 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     if "ref_logp" in stat_names and ref_params is None:
         raise ValueError(f"shapers {[s.name for s in cfg.shapers if 'ref_logp' in s.needs]} read the reference "
                          "policy's log-probs: pass ref_params=initial_reference(params, loss, shapers)")
-    stats = pool_stats(state.params, "entropy" in stat_names, top_k) if cfg.shapers else {}
+    stats = (pool_stats(state.params, "entropy" in stat_names, top_k, "hidden" in stat_names) if cfg.shapers
+             else {})
     if cfg.old_logp != "trainer":
         old = None
     else:

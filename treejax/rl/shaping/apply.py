@@ -35,7 +35,8 @@ def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None) -> Sh
         advantages=leaf(batch.advantages), loss_mask=leaf(batch.loss_mask), old_logp=leaf(batch.old_logp), rewards=jnp.asarray(rollouts.rewards_PxW, jnp.float32), scores=scores,
         leaf_length=forest.leaf_length, eps_scale=leaf(batch.eps_scale), leaf_path=forest.leaf_path,
         entropy=leaf(stats.get("entropy")), topk_logp=leaf(stats.get("topk_logp")),
-        ref_logp=leaf(stats.get("ref_logp")), answer_step=answer_step, segment_length=forest.segment_length)
+        ref_logp=leaf(stats.get("ref_logp")), hidden=leaf(stats.get("hidden")), answer_step=answer_step,
+        segment_length=forest.segment_length)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -35,8 +35,10 @@ from flax import struct
 #: distribution that produced the pair's token; ``topk``: its ``k`` largest log-probs ``log p_(1) >= ... >= log
 #: p_(k)`` (``k = Shaper.top_k``; confidences such as DeepConf's or ECHO's are functions of them);
 #: ``ref_logp``: the frozen reference policy's log-prob of the token (the KL reference, computed for shapers even
-#: when ``LossConfig.kl_coef = 0``).
-STATS = ("entropy", "topk", "ref_logp")
+#: when ``LossConfig.kl_coef = 0``); ``hidden``: the last layer's output (after the final norm) at the token's own
+#: position, ``[P, W, T, E]`` in the compute dtype (P W T E values: for hidden-state methods such as effective
+#: rank or a quality head; mind the memory at long responses).
+STATS = ("entropy", "topk", "ref_logp", "hidden")
 
 
 @struct.dataclass
@@ -44,8 +46,8 @@ class ShapingInputs:
     """One step's pairs in response layout ``[P, W, T]`` (module docstring) and per-leaf values ``[P, W]``.
 
     ``advantages``/``loss_mask``: the estimator's (after leaf weighting and earlier shapers); ``old_logp``: the PPO
-    ratio's denominator; ``entropy`` / ``topk_logp [P, W, T, k]`` / ``ref_logp``: :data:`STATS` (``None`` unless a
-    shaper needs them).
+    ratio's denominator; ``entropy`` / ``topk_logp [P, W, T, k]`` / ``ref_logp`` / ``hidden [P, W, T, E]``:
+    :data:`STATS` (``None`` unless a shaper needs them).
     ``leaf_path [P, W, D + 1]``: the forest's node ids per depth (-1 past a leaf's last node; a depth-``d`` node
     holds response tokens ``[(d - 1) S, d S)``, ``S`` = ``segment_length``).
     ``rewards``: the estimator's rewards; ``scores``: verifier scores in [0, 1] (correct iff >= 1; with
@@ -65,6 +67,7 @@ class ShapingInputs:
     entropy: jax.Array | None = None
     topk_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
+    hidden: jax.Array | None = None
     answer_step: jax.Array | None = None
     segment_length: int = struct.field(pytree_node=False, default=1)
 

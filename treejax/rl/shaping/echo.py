@@ -52,8 +52,10 @@ def tail_mean(x_PxWxX: jax.Array, on_PxWxX: jax.Array, window: int) -> jax.Array
 @register("echo")
 @dataclasses.dataclass(frozen=True)
 class EchoShaping(Shaper):
-    """ECHO's hybrid advantage shaping and adaptive clip (module docstring); ``shaping=False`` keeps only the
-    clip, ``adaptive_clip=False`` only the shaping."""
+    """ECHO: A (1 + m S) from whitened entropy and top-k confidence, and a per-leaf clip from tail confidence.
+
+    Formulas in the module docstring; ``shaping=False`` keeps only the clip, ``adaptive_clip=False`` only the
+    shaping."""
 
     alpha: float = 1.0
     beta: float = 1.0

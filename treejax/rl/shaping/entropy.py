@@ -33,7 +33,7 @@ EAR_MODES = ("reshape", "clip")
 @register("ear")
 @dataclasses.dataclass(frozen=True)
 class EntropyAdvantageReshaping(Shaper):
-    """ETTRL's EAR (module docstring)."""
+    """ETTRL's EAR: each leaf's advantages times 2 - H_leaf / mean_group H (module docstring)."""
 
     mode: str = "reshape"
     y_min: float = 0.0

@@ -40,7 +40,7 @@ def shared_prefix(leaf_path_PxWxD1: jnp.ndarray, ref_W_P: jnp.ndarray, segment_l
 @register("rose_length")
 @dataclasses.dataclass(frozen=True)
 class RoseLengthPenalty(Shaper):
-    """ROSE's length-aware advantage penalty (module docstring)."""
+    """ROSE: correct leaves longer than the shortest correct one lose |A| phi after the shared prefix."""
 
     lam: float = 1.0
 

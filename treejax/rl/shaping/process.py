@@ -30,7 +30,7 @@ from treejax.rl.shaping.base import Shaped, Shaper, ShapingInputs, masked_mean, 
 @register("prl")
 @dataclasses.dataclass(frozen=True)
 class ProcessRewardShaping(Shaper):
-    """PRL's per-step KL-to-go correction (module docstring)."""
+    """PRL: A_t - (1/eta) x the log-ratio to the reference from the step's end on (module docstring)."""
 
     eta: float = 100.0
     step_length: int | None = None

@@ -17,7 +17,7 @@ inputs are ``[P, W]``.
 
 A shaper is a frozen (hashable) dataclass registered with :func:`register` (gin knows it by its class name:
 ``RunConfig.shapers = [@EchoShaping(), @DecsPenalty()]``). It declares what it needs (``needs``: a subset of
-:data:`STATS`, computed only when some shaper asks; ``needs_answer_step`` for the verifier's prefix hook) and
+:data:`STATS`, computed only when some shaper asks) and
 implements ``shape(inputs) -> Shaped``. Shapers compose: each sees the previous one's advantages and clip scale.
 """
 
@@ -97,7 +97,6 @@ class Shaper:
     """Base class of the shapers (module docstring)."""
 
     needs: ClassVar[tuple[str, ...]] = ()
-    needs_answer_step: ClassVar[bool] = False
     name: ClassVar[str] = ""
 
     @property
@@ -158,13 +157,6 @@ def masked_mean(x: jax.Array, on: jax.Array, axis=None) -> jax.Array:
     return jnp.sum(jnp.where(on > 0, x, 0.0) * on, axis=axis) / jnp.maximum(jnp.sum(on, axis=axis), 1.0)
 
 
-def masked_std(x: jax.Array, on: jax.Array, axis=None) -> jax.Array:
-    """Population standard deviation of ``x`` over ``on`` (0 where nothing is on)."""
-    mu = masked_mean(x, on, axis=axis)
-    mu_b = mu if axis is None else jnp.expand_dims(mu, axis)
-    return jnp.sqrt(masked_mean(jnp.square(x - mu_b), on, axis=axis))
-
-
 def whiten(x: jax.Array, on: jax.Array, eps: float = 1e-8) -> jax.Array:
     """``(x - mean) / sqrt(var + eps)`` over the pairs ``on`` of the whole step, ``var`` with Bessel's correction
     (verl's ``masked_whiten``, which ECHO calls); 0 off them."""
@@ -185,4 +177,4 @@ def correct(x: ShapingInputs) -> jax.Array:
 
 
 __all__ = ["STATS", "ShapingInputs", "Shaped", "Shaper", "register", "shaper_classes", "check_shapers",
-           "needed_stats", "masked_mean", "masked_std", "whiten", "group_mean", "correct"]
+           "needed_stats", "masked_mean", "whiten", "group_mean", "correct"]

@@ -16,7 +16,7 @@ advantages moved back), so a shaper never depends on the layout and both layouts
 inputs are ``[P, W]``.
 
 A shaper is a frozen (hashable) dataclass registered with :func:`register` (gin knows it by its class name:
-``RunConfig.shapers = [@EchoShaping(), @DecsPenalty()]``). It declares what it needs (``needs``: a subset of
+``RunConfig.shapers = [@EchoShaping(), @RoseLengthPenalty()]``). It declares what it needs (``needs``: a subset of
 :data:`STATS`, computed only when some shaper asks) and
 implements ``shape(inputs) -> Shaped``. Shapers compose: each sees the previous one's advantages and clip scale.
 """

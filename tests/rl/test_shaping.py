@@ -41,7 +41,7 @@ def _inputs(seed=0, **over):
 
 
 def _run(shaper, x):
-    adv, eps, metrics = apply_shapers((shaper,), x)
+    adv, eps, metrics, _ = apply_shapers((shaper,), x)
     return np.asarray(adv).reshape(P, W, -1), np.asarray(eps).reshape(P, W), metrics
 
 
@@ -157,10 +157,10 @@ def test_prl_matches_reference(step_length):
 def test_shapers_compose_in_order_and_declare_their_needs():
     x, b = _inputs()
     both = (EntropyAdvantageReshaping(), EchoShaping(add_coef=0.2))
-    adv, eps, metrics = apply_shapers(both, x)
-    a1, e1, _ = apply_shapers(both[:1], x)
+    adv, eps, metrics, _ = apply_shapers(both, x)
+    a1, e1, _, _ = apply_shapers(both[:1], x)
     x2 = x.replace(advantages=jnp.asarray(a1).reshape(P, W, X), eps_scale=jnp.asarray(e1).reshape(P, W))
-    a2, e2, _ = apply_shapers(both[1:], x2)
+    a2, e2, _, _ = apply_shapers(both[1:], x2)
     np.testing.assert_array_equal(np.asarray(adv), np.asarray(a2))
     np.testing.assert_array_equal(np.asarray(eps), np.asarray(e2))
     assert "shaping/ear/scale_mean" in metrics and "shaping/echo/eps_mean" in metrics
@@ -241,3 +241,164 @@ def test_topk_logprobs_match_the_full_softmax():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
     with pytest.raises(ValueError, match="k must be"):
         transformer.topk_logprobs(params, c, h, 0)
+
+
+# ----------------------------------------------------------------------------------------------- stateful shapers
+def _er_ref(h):
+    """Effective rank from NumPy's SVD of the token-centred matrix (VERL's formula)."""
+    if len(h) == 0:
+        return 1.0
+    s = np.linalg.svd(h - h.mean(0), compute_uv=False)
+    p = s / (s.sum() + 1e-8)
+    return float(np.exp(-(p * np.log(p + 1e-8)).sum()))
+
+
+def _channels_ref(h, L, stride, max_window):
+    """ER, ERV, ERA of one leaf by loops over the windows (module docstring of treejax.rl.shaping.effrank)."""
+    h = np.asarray(h, np.float64)[:L]
+    er = _er_ref(h)
+    n = min(L, max_window)
+    tail = h[L - n:]
+    ers = []
+    k = 1
+    while k * stride < n:
+        ers.append(_er_ref(tail[: k * stride + 1]))
+        k += 1
+    d = [ers[i] - np.mean(ers[:i]) for i in range(1, len(ers))]
+    a = [d[i] - d[i - 1] for i in range(1, len(d))]
+    return er, (np.mean(d) if d else 0.0), (np.mean(a) if a else 0.0)
+
+
+@pytest.mark.parametrize("E", [6, 40])  # both Gram forms: tokens <= E and tokens > E
+def test_effective_rank_matches_svd(E):
+    from treejax.rl.shaping.effrank import effective_rank
+
+    h = np.random.default_rng(0).normal(size=(30, E)).astype(np.float32)
+    h[:, 0] *= 5.0  # an uneven spectrum
+    on = np.arange(30) < 23
+    np.testing.assert_allclose(float(effective_rank(jnp.asarray(h), jnp.asarray(on))), _er_ref(h[:23]), rtol=2e-4)
+
+
+def test_rank_channels_match_reference():
+    from treejax.rl.shaping.effrank import rank_channels
+
+    rng = np.random.default_rng(1)
+    T, E = 40, 6
+    # a drifting state: the rank grows along the response, so velocity and acceleration are not zero
+    h = rng.normal(size=(2, 3, T, E)) * np.linspace(0.1, 1.0, E)[None, None, None, :]
+    h = (h + np.cumsum(rng.normal(size=(2, 3, T, E)), axis=2) * 0.3).astype(np.float32)
+    L = np.array([[40, 23, 4], [31, 0, 17]], np.int32)
+    er, erv, era = (np.asarray(a) for a in rank_channels(jnp.asarray(h), jnp.asarray(L), stride=5, max_window=24))
+    for p in range(2):
+        for w in range(3):
+            want = _channels_ref(h[p, w], L[p, w], 5, 24)
+            got = (er[p, w], erv[p, w], era[p, w])
+            np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=str((p, w)))
+    assert np.any(np.abs(era) > 1e-3) and np.any(np.abs(erv) > 1e-3)
+
+
+def test_effective_rank_bonus_matches_reference():
+    """Two steps of VERL's bonus: the first only sets the EMA baseline to the batch means; the second adds
+    ``min(relu(psi), |A| / kappa)`` on each leaf's last trained token and moves the baseline."""
+    from treejax.rl.shaping import EffectiveRankBonus
+    from treejax.rl.shaping.effrank import rank_channels
+
+    rng = np.random.default_rng(2)
+    T, E = X, 5
+    shaper = EffectiveRankBonus(stride=2, max_window=10)
+    states = {"verl_rank": shaper.init_state(E)}
+    for step in range(2):
+        h = rng.normal(size=(P, W, T, E)).astype(np.float32) * rng.uniform(0.2, 2.0, size=(P, W, 1, 1))
+        x, b = _inputs(step, hidden=h)
+        x = x.replace(hidden=jnp.asarray(h))
+        mu = np.asarray(states["verl_rank"]["mu"])
+        adv, _, metrics, states = apply_shapers((shaper,), x, states)
+        adv = np.asarray(adv).reshape(P, W, -1)
+        er, erv, era = (np.asarray(a) for a in rank_channels(jnp.asarray(h), x.leaf_length, 2, 10))
+        on = b["loss_mask"] > 0
+        leaf_on = on.any(-1)
+        m = np.stack([era, erv, er], -1)
+        batch = m[leaf_on].mean(0)
+        want = b["advantages"].copy()
+        if step == 0:
+            np.testing.assert_allclose(np.asarray(states["verl_rank"]["mu"]), batch, rtol=1e-5)
+        else:
+            delta = np.clip((m - mu) / (np.abs(mu) + 1e-8), -5, 5)
+            lam = 1 / (1 + np.exp(-2.0 * delta[..., 0]))
+            psi = lam * np.tanh(delta[..., 2]) + (1 - lam) * np.tanh(delta[..., 1])
+            for p in range(P):
+                for w in range(W):
+                    if leaf_on[p, w]:
+                        t = np.nonzero(on[p, w])[0][-1]
+                        want[p, w, t] += min(max(psi[p, w], 0.0), abs(want[p, w, t]) / 2.0)
+            np.testing.assert_allclose(np.asarray(states["verl_rank"]["mu"]), 0.7 * mu + 0.3 * batch, rtol=1e-5)
+            assert metrics["shaping/verl_rank/bonus_frac"] > 0
+        np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+        assert int(states["verl_rank"]["steps"]) == step + 1
+
+
+def _signal_inputs(seed):
+    """Hidden states whose first coordinate carries the leaf's correctness (plus noise): a head can learn it."""
+    rng = np.random.default_rng(seed)
+    E = 8
+    scores = rng.integers(0, 2, size=(P, W)).astype(np.float32)
+    h = rng.normal(size=(P, W, X, E)).astype(np.float32)
+    h[..., 0] += 3.0 * (2 * scores[..., None] - 1)
+    x, _ = _inputs(seed)
+    return x.replace(hidden=jnp.asarray(h), scores=jnp.asarray(scores)), E
+
+
+def test_quality_head_bce_falls_and_checkpoint_restores_it(tmp_path):
+    """ARRoL's head on a fixed synthetic signal: its BCE falls step after step, the advantages pass through, and
+    the head with its own Adam state round-trips through a checkpoint of the TrainState (``aux``) exactly."""
+    from treejax.checkpoint import Checkpointer, abstract_state_with_shardings
+    from treejax.models import presets, transformer
+    from treejax.rl.optimizer import OptimizerConfig, make_optimizer
+    from treejax.rl.shaping import QualityHead, init_states, probes
+    from treejax.rl.train_state import TrainState
+
+    head = QualityHead(learning_rate=0.05, updates=2)
+    x0, E = _signal_inputs(0)
+    states = init_states((head,), E)
+    assert not bool(probes((head,), states)["arrol_head"]["ready"])
+    bces = []
+    for step in range(6):
+        x, _ = _signal_inputs(step % 2)  # a fixed signal: two batches, alternating
+        adv, _, metrics, states = apply_shapers((head,), x, states)
+        np.testing.assert_array_equal(np.asarray(adv).reshape(x.advantages.shape), np.asarray(x.advantages))
+        bces.append(float(metrics["shaping/arrol_head/bce"]))
+    assert bces[0] == pytest.approx(np.log(2.0), rel=1e-5)  # zero weights: p = 1/2
+    assert bces[-1] < 0.5 * bces[0] and all(b1 < b0 for b0, b1 in zip(bces, bces[1:]))
+    # it separates the classes, and through the signal coordinate (the largest weight)
+    assert metrics["shaping/arrol_head/p_correct"] > metrics["shaping/arrol_head/p_wrong"] + 0.4
+    probe = probes((head,), states)["arrol_head"]
+    assert bool(probe["ready"]) and int(np.argmax(np.abs(np.asarray(probe["w"])))) == 0
+
+    cfg = presets.tiny_config("smollm2-135m")
+    opt = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    state = TrainState.create(transformer.init_params(cfg, jax.random.key(0)), opt, aux=states)
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(3, state, {"rl_step": 3}, force=True)
+        ck.wait()
+    fresh = TrainState.create(state.params, opt, aux=init_states((head,), E))
+    with Checkpointer(tmp_path / "ck") as ck:
+        restored, _ = ck.restore(abstract_state_with_shardings(jax.eval_shape(lambda: fresh)))
+    for a, b in zip(jax.tree.leaves(restored.aux), jax.tree.leaves(state.aux)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the restored head continues exactly like the saved one
+    x, _ = _signal_inputs(0)
+    _, _, m1, s1 = apply_shapers((head,), x, restored.aux)
+    _, _, m2, s2 = apply_shapers((head,), x, states)
+    assert float(m1["shaping/arrol_head/bce"]) == float(m2["shaping/arrol_head/bce"])
+
+
+def test_stateful_shapers_need_their_state_and_appear_once():
+    from treejax.rl.shaping import EffectiveRankBonus, QualityHead
+
+    x, _ = _inputs()
+    with pytest.raises(ValueError, match="has no state"):
+        apply_shapers((QualityHead(),), x.replace(hidden=jnp.zeros(x.advantages.shape + (4,))))
+    with pytest.raises(ValueError, match="each may appear once"):
+        check_shapers([EffectiveRankBonus(), EffectiveRankBonus(stride=3)])
+    with pytest.raises(ValueError, match="apply_to"):
+        EffectiveRankBonus(apply_to="first")

@@ -159,12 +159,15 @@ def batch_sharding(mesh: Mesh, batch: Any, rules: Rules = DEFAULT_RULES) -> Any:
 def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: optax.GradientTransformation,
                           mesh: Mesh) -> Any:
     """Shardings for a ``TrainState``: params as given, optimizer leaves that mirror params (Adam moments) like
-    their param, every other leaf (counts, step) replicated."""
+    their param, every other leaf (counts, step, the shapers' ``aux`` state) replicated."""
     opt_shardings = optax.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract_state.opt_state, param_shardings,
         transform_non_params=lambda _: replicated(mesh),
     )
-    return abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh))
+    out = abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh))
+    if hasattr(abstract_state, "aux"):  # the stateful shapers' state (TrainState.aux): small, replicated
+        out = out.replace(aux=jax.tree.map(lambda _: replicated(mesh), abstract_state.aux))
+    return out
 
 
 def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, mesh: Mesh) -> Callable:

@@ -37,6 +37,7 @@ from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.rollouts import TaskRollouts
+from treejax.rl.shaping import init_states
 from treejax.rl.step import Learner, initial_reference, make_learner
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
@@ -221,7 +222,9 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
     jitted with the state's shardings and donates it."""
     optimizer = make_optimizer(cfg.optimizer)
     axes = transformer.param_logical_axes(model_config)
-    state, state_sh = place_train_state(params, axes, lambda p: TrainState.create(p, optimizer), optimizer, mesh)
+    aux = lambda: init_states(cfg.shapers, model_config.hidden_size)  # noqa: E731  the stateful shapers' state
+    state, state_sh = place_train_state(params, axes, lambda p: TrainState.create(p, optimizer, aux()), optimizer,
+                                        mesh)
     step_cfg = cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"])
     layout = make_layout(model_config, step_cfg.packing, pad_id=pad_id, attention_impl=cfg.attention_impl,
                          row_multiple=step_cfg.row_multiple, chunk_size=step_cfg.logprob_chunk_size)

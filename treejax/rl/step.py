@@ -248,7 +248,9 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
     if cfg.shapers:
         x = shaping_inputs(layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"))
-        shaped_adv, shaped_eps, shaping_metrics = apply_shapers(cfg.shapers, x)
+        shaped_adv, shaped_eps, shaping_metrics, aux = apply_shapers(cfg.shapers, x, state.aux)
+        # the shapers' new state keeps the old one's placement (replicated on a mesh; the update is jitted with it)
+        state = state.replace(aux=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), aux, state.aux))
         b = b.replace(advantages=layout.from_response(shaped_adv, ro.lengths_P, b.advantages), eps_scale=shaped_eps)
         mismatch = {**mismatch, **shaping_metrics}
     pool = dataclasses.replace(pool, batch=b)

@@ -19,6 +19,9 @@ class TrainState:
       opt_state: the optax state of the optimizer built by ``treejax.rl.optimizer.make_optimizer``.
       step: int32 scalar, number of update calls made (skipped non-finite steps count too; the optimizer's own
         count in ``opt_state`` only advances on applied steps).
+      aux: ``{name: state}`` of the stateful shapers (:mod:`treejax.rl.shaping`: an EMA baseline, an auxiliary
+        head with its own optimizer state); ``{}`` without them. Replicated on a mesh; the PPO update passes it
+        through and :func:`treejax.rl.step.learn` replaces it after the shapers ran.
 
     Randomness is not state: the loop derives each step's key as ``fold_in(key(RunConfig.seed), step)``.
     """
@@ -26,7 +29,9 @@ class TrainState:
     params: Any
     opt_state: Any
     step: jax.Array
+    aux: Any = struct.field(default_factory=dict)
 
     @classmethod
-    def create(cls, params: Any, optimizer: optax.GradientTransformation) -> "TrainState":
-        return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    def create(cls, params: Any, optimizer: optax.GradientTransformation, aux: Any = None) -> "TrainState":
+        return cls(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                   aux={} if aux is None else aux)

@@ -7,17 +7,22 @@ frozen dataclass subclassing :class:`Shaper` plus its import line below (gin the
   ``echo``         :class:`EchoShaping`                ECHO: entropy-confidence shaping, adaptive per-sample clip;
   ``ear``          :class:`EntropyAdvantageReshaping`  ETTRL's EAR: scale by the group-relative response entropy;
   ``rose_length``  :class:`RoseLengthPenalty`          ROSE: correct answers longer than the shortest lose advantage;
-  ``prl``          :class:`ProcessRewardShaping`       PRL: per-step KL-to-go correction of the outcome advantage.
+  ``prl``          :class:`ProcessRewardShaping`       PRL: per-step KL-to-go correction of the outcome advantage;
+  ``verl_rank``    :class:`EffectiveRankBonus`         VERL: effective rank / velocity / acceleration bonus (stateful);
+  ``arrol_head``   :class:`QualityHead`                ARRoL: online success probe on hidden states (stateful; feeds
+                                                       the ``arrol`` pruning rule).
 """
 
-from treejax.rl.shaping.base import (STATS, Shaped, Shaper, ShapingInputs, check_shapers, needed_stats, register,
-                                     shaper_classes)
+from treejax.rl.shaping.base import (STATS, Shaped, Shaper, ShapingInputs, check_shapers, init_states, needed_stats,
+                                     probes, register, shaper_classes)
 from treejax.rl.shaping.echo import EchoShaping
 from treejax.rl.shaping.entropy import EntropyAdvantageReshaping
 from treejax.rl.shaping.length import RoseLengthPenalty
 from treejax.rl.shaping.process import ProcessRewardShaping
+from treejax.rl.shaping.effrank import EffectiveRankBonus
+from treejax.rl.shaping.quality import QualityHead
 from treejax.rl.shaping.apply import apply_shapers, shaping_inputs
 
-__all__ = ["STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "needed_stats", "register",
-           "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty", "ProcessRewardShaping",
-           "apply_shapers", "shaping_inputs"]
+__all__ = ["STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "init_states", "needed_stats", "probes",
+           "register", "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty",
+           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "apply_shapers", "shaping_inputs"]

@@ -40,17 +40,26 @@ def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None) -> Sh
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def apply_shapers(shapers: tuple, x: ShapingInputs) -> tuple[jax.Array, jax.Array, dict]:
+def apply_shapers(shapers: tuple, x: ShapingInputs, states: dict | None = None
+                  ) -> tuple[jax.Array, jax.Array, dict, dict]:
     """Runs ``shapers`` in order; returns the final ``advantages [P * W, T]`` (response layout), ``eps_scale
-    [P * W]`` and the metrics ``shaping/<name>/<metric>`` (plus ``shaping/adv_abs_mean_before|after``)."""
+    [P * W]``, the metrics ``shaping/<name>/<metric>`` (plus ``shaping/adv_abs_mean_before|after``) and the
+    stateful shapers' new ``states`` (``{name: state}``, ``TrainState.aux``)."""
+    states = dict(states or {})
     metrics = {"shaping/adv_abs_mean_before": masked_mean(jnp.abs(x.advantages), x.on)}
     for s in shapers:
-        out = s.shape(x)
+        if s.stateful:
+            if s.name not in states:
+                raise ValueError(f"stateful shaper {s.name!r} has no state: build TrainState.aux with "
+                                 "shaping.init_states(shapers, hidden_size)")
+            out, states[s.name] = s.shape_stateful(x, states[s.name])
+        else:
+            out = s.shape(x)
         x = x.replace(advantages=jnp.where(x.on, out.advantages, 0.0), eps_scale=out.eps_scale)
         metrics.update({f"shaping/{s.name}/{k}": v for k, v in out.metrics.items()})
     metrics["shaping/adv_abs_mean_after"] = masked_mean(jnp.abs(x.advantages), x.on)
     rows = x.advantages.shape[0] * x.advantages.shape[1]
-    return (x.advantages.reshape((rows,) + x.advantages.shape[2:]), x.eps_scale.reshape(rows), metrics)
+    return (x.advantages.reshape((rows,) + x.advantages.shape[2:]), x.eps_scale.reshape(rows), metrics, states)
 
 
 __all__ = ["shaping_inputs", "apply_shapers"]

@@ -19,12 +19,19 @@ A shaper is a frozen (hashable) dataclass registered with :func:`register` (gin 
 ``RunConfig.shapers = [@EchoShaping(), @RoseLengthPenalty()]``). It declares what it needs (``needs``: a subset of
 :data:`STATS`, computed only when some shaper asks) and
 implements ``shape(inputs) -> Shaped``. Shapers compose: each sees the previous one's advantages and clip scale.
+
+A shaper may carry **state across steps** (``stateful = True``): an EMA baseline (VERL's effective-rank
+channels) or a trainable auxiliary head with its own optimizer (ARRoL's quality head). ``init_state(hidden_size)``
+builds it once; it lives in ``TrainState.aux[shaper.name]`` (checkpointed and restored with the run) and
+``shape_stateful(inputs, state) -> (Shaped, new_state)`` replaces :meth:`Shaper.shape`. A state may also offer
+the sampler a **probe** (:meth:`Shaper.probe`): a small pytree the branching rules read during decoding (the
+quality head's weights for ARRoL's pruning, :mod:`treejax.sampling.probe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +105,7 @@ class Shaper:
 
     needs: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = ""
+    stateful: ClassVar[bool] = False
 
     @property
     def top_k(self) -> int:
@@ -106,6 +114,18 @@ class Shaper:
 
     def shape(self, x: ShapingInputs) -> Shaped:
         raise NotImplementedError
+
+    def init_state(self, hidden_size: int) -> Any:
+        """The state of a ``stateful`` shaper before the first step (``hidden_size``: the model's ``E``)."""
+        return None
+
+    def shape_stateful(self, x: ShapingInputs, state: Any) -> tuple[Shaped, Any]:
+        """:meth:`shape` for stateful shapers: also returns the state after this step (default: unchanged)."""
+        return self.shape(x), state
+
+    def probe(self, state: Any) -> Any:
+        """What the sampler's branching rules may read of this shaper's state (``None``: nothing)."""
+        return None
 
 
 _REGISTRY: dict[str, type] = {}
@@ -141,6 +161,25 @@ def check_shapers(shapers) -> tuple:
         if not isinstance(s, Shaper):
             raise ValueError(f"RunConfig.shapers takes Shaper instances (one of {sorted(c.__name__ for c in _REGISTRY.values())}, "
                              f"e.g. [@EchoShaping()]), got {s!r}")
+    names = [s.name for s in out if s.stateful]
+    if len(names) != len(set(names)):
+        raise ValueError(f"stateful shapers keep their state under their name: each may appear once, got {names}")
+    return out
+
+
+def init_states(shapers, hidden_size: int) -> dict:
+    """``{name: state}`` of the stateful ``shapers`` (``TrainState.aux``)."""
+    return {s.name: s.init_state(hidden_size) for s in shapers if s.stateful}
+
+
+def probes(shapers, states: dict) -> dict:
+    """``{name: probe}`` of the shapers that offer the sampler one (:meth:`Shaper.probe`)."""
+    out = {}
+    for s in shapers:
+        if s.stateful and s.name in states:
+            p = s.probe(states[s.name])
+            if p is not None:
+                out[s.name] = p
     return out
 
 
@@ -176,5 +215,6 @@ def correct(x: ShapingInputs) -> jax.Array:
     return x.scores >= 1.0
 
 
-__all__ = ["STATS", "ShapingInputs", "Shaped", "Shaper", "register", "shaper_classes", "check_shapers",
+__all__ = ["STATS", "ShapingInputs", "Shaped", "Shaper", "register", "shaper_classes", "check_shapers", "init_states",
+           "probes",
            "needed_stats", "masked_mean", "whiten", "group_mean", "correct"]

@@ -33,7 +33,8 @@ def test_builtin_list_is_complete():
 
 FAST_CLI = ("packed_update",)  # the rest: fast through rl_step (test_every_estimator_and_loss_term_through_rl_step;
 # the shapers: tests/rl/test_packing.py::test_rl_step_packed_equals_expanded)
-SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs")
+SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
+                "rose_branching")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES]
 
@@ -81,6 +82,13 @@ def _extra(case):
             "shaper_rose_prl_packed": ["RunConfig.shapers = [@RoseLengthPenalty(), @ProcessRewardShaping()]",
                                        "ProcessRewardShaping.step_length = 2", "RunConfig.packed_update = True",
                                        "RunConfig.packing = @PackingConfig()", "PackingConfig.granule = 16"],
+            "shaper_verl": ["RunConfig.shapers = [@EffectiveRankBonus()]", "EffectiveRankBonus.stride = 2"],
+            # ARRoL: the head trains on the first step; its probe reaches the sampler (pruning waits for ready)
+            "shaper_arrol": ["RunConfig.num_steps = 2", "RunConfig.shapers = [@QualityHead()]",
+                             "TreeConfig.branching = @QualityPrune()",
+                             "QualityPrune.prune_depth = 1"],
+            "rose_branching": ["TreeConfig.branching = @RoseBranching()",
+                               "RunConfig.shapers = [@RoseLengthPenalty()]"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
             }.get(case, [f"RunConfig.estimator = '{case}'"])

@@ -57,6 +57,7 @@ from treejax.errors import ConfigError
 from treejax.rl.config import AsyncConfig
 from treejax.rl.rollouts import RolloutSource, Rollouts
 from treejax.rl.step import rollout_metrics
+from treejax.sampling import probe as probe_lib
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +113,22 @@ def sampled_version(step: int, max_staleness: int, base: int = 0) -> int:
     return max(base, step - max_staleness)
 
 
+def with_probes(weights, probes: Callable | None, state):
+    """The sampler's ``weights`` with ``probes(state)`` attached (:func:`treejax.sampling.probe.attach`)."""
+    return weights if probes is None else probe_lib.attach(weights, probes(state))
+
+
 class SyncCollector:
     """Samples each step's rollouts when the loop asks, with the newest weights (the synchronous loop).
     ``sampler_weights(params)``: the sampler's copy; ``queued``: rollouts an asynchronous run had queued when it
-    was checkpointed (learned first, as saved)."""
+    was checkpointed (learned first, as saved); ``probes(state)``: the stateful shapers' probes that travel with
+    the weights (:mod:`treejax.sampling.probe`; copies, never the state's own buffers)."""
 
-    def __init__(self, source: RolloutSource, sampler_weights: Callable, key: jax.Array, queued=()):
+    def __init__(self, source: RolloutSource, sampler_weights: Callable, key: jax.Array, queued=(),
+                 probes: Callable | None = None):
         self.source, self.sampler_weights, self.key = source, sampler_weights, key
         self.queued = {item.step: item for item in queued}
+        self.probes = probes
 
     def collect(self, step: int, state) -> Collected:
         if step in self.queued:
@@ -127,7 +136,8 @@ class SyncCollector:
             item.host.update({"async/staleness": step - item.version})
             return item
         t0 = time.perf_counter()
-        ro = self.source.sample(self.sampler_weights(state.params), jax.random.fold_in(self.key, step), step)
+        weights = with_probes(self.sampler_weights(state.params), self.probes, state)
+        ro = self.source.sample(weights, jax.random.fold_in(self.key, step), step)
         return Collected(step, step, ro, {"time/rollout_s": time.perf_counter() - t0 - ro.counters.scoring_s})
 
     def publish(self, version: int, state) -> None:
@@ -159,12 +169,16 @@ class AsyncCollector:
       queued: :class:`Collected` items restored from a checkpoint.
       keep_params: ``fn(learner params) -> copy`` to keep each published version's learner weights for
         ``behaviour_params`` (``AsyncConfig.split_staleness``), or ``None``.
+      probes: ``fn(state) -> {name: probe}`` on the sampler's devices, never aliasing the state (the stateful
+        shapers' probes, :mod:`treejax.sampling.probe`), or ``None``.
     """
 
     def __init__(self, source: RolloutSource, sampler_weights: Callable, key: jax.Array, start_step: int,
                  num_steps: int, max_staleness: int, thread_context: Callable = contextlib.nullcontext,
-                 to_learner: Callable = lambda ro: ro, queued=(), keep_params: Callable | None = None):
+                 to_learner: Callable = lambda ro: ro, queued=(), keep_params: Callable | None = None,
+                 probes: Callable | None = None):
         self.source, self.sampler_weights, self.key = source, sampler_weights, key
+        self.probes = probes
         self.num_steps, self.thread_context = num_steps, thread_context
         self.to_learner, self.keep_params = to_learner, keep_params
         self._cv = threading.Condition()
@@ -180,7 +194,7 @@ class AsyncCollector:
     # ------------------------------------------------------------------------------------------ learner side
     def publish(self, version: int, state) -> None:
         """Makes ``version`` (``state``'s weights) available to the sampler (dispatched, not waited for)."""
-        weights = self.sampler_weights(state.params)
+        weights = with_probes(self.sampler_weights(state.params), self.probes, state)
         kept = self.keep_params(state.params) if self.keep_params is not None else None
         with self._cv:
             self._weights[version] = weights

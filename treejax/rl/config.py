@@ -243,8 +243,21 @@ class RunConfig:
                               "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
                               "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
+        self._check_probe()
         self._check_async()
         self._check_schedule()
+
+    def _check_probe(self) -> None:
+        """A branching rule that reads a shaper's probe (ARRoL's pruning reads the quality head) needs that
+        shaper among ``shapers``."""
+        rule = self.rollout.rule
+        if "probe" not in rule.token_stats:
+            return
+        name = getattr(rule, "probe_name", None)
+        if name not in [s.name for s in self.shapers if s.stateful]:
+            raise ConfigError(f"branching rule {rule.rule_name!r} prunes by the probe of shaper {name!r}, which "
+                              f"RunConfig.shapers does not train; fix: RunConfig.shapers = [@QualityHead()] "
+                              f"(shapers now: {[s.name for s in self.shapers]})")
 
     def _check_async(self) -> None:
         a = self.async_rollouts

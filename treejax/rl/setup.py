@@ -38,6 +38,7 @@ from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.rollouts import TaskRollouts
 from treejax.rl.shaping import init_states
+from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
@@ -193,8 +194,12 @@ def make_collector(r: Run, key: jax.Array):
     the learner's devices and the queue a checkpoint saved."""
     cfg, learner = r.cfg, r.learner
     queued = collect.decode_queue(r.data_state.get("rollout_queue"))
+    probes = None
+    if shaping_probes(cfg.shapers, r.state.aux):  # copies on the sampler's devices (the update donates the state)
+        where = replicated(r.sampler_mesh)
+        probes = lambda s: jax.device_put(shaping_probes(cfg.shapers, s.aux), where, may_alias=False)  # noqa: E731
     if not cfg.async_rollouts.enabled:
-        return collect.SyncCollector(r.source, learner.sampler_params, key, queued)
+        return collect.SyncCollector(r.source, learner.sampler_params, key, queued, probes=probes)
     a, split = cfg.async_rollouts, r.sampler_mesh is not r.mesh
     if split:
         axes = transformer.param_logical_axes(r.model_config)
@@ -214,7 +219,7 @@ def make_collector(r: Run, key: jax.Array):
 
     keep = (lambda p: jax.device_put(p, may_alias=False)) if a.split_staleness else None  # noqa: E731
     return collect.AsyncCollector(r.source, sampler_weights, key, r.start_step, cfg.num_steps, a.max_staleness,
-                                  thread_context, to_learner, queued, keep)
+                                  thread_context, to_learner, queued, keep, probes=probes)
 
 
 def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):

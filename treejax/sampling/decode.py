@@ -37,6 +37,7 @@ from treejax.models.config import ModelConfig
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
+from treejax.sampling import token_stats as token_stats_lib
 from treejax.sampling.strategies import Greedy, Strategy, mask_vocab, token_statistics
 
 SAMPLE_STREAM = 0x5A3D  # fold_in constant of the token-sampling key stream
@@ -67,7 +68,10 @@ class ModelFns:
 
     ``init_cache(rows, length) -> cache`` (every leaf has the row axis at position 0 and the slot axis at 2);
     ``prefill(params, tokens [B, Lp], positions [B, Lp], segment_ids [B, Lp], cache, rows [B]) -> cache``;
-    ``step(params, tokens [R], positions [R], cache) -> (logits [R, V] fp32, cache)``.
+    ``step(params, tokens [R], positions [R], cache) -> (logits [R, V] fp32, cache)``;
+    ``step_hidden`` (optional): the same step also returning the last layer's hidden states ``[R, E]`` (after the
+    final norm), ``-> (logits, hidden, cache)``, for per-token statistics that read them
+    (:mod:`treejax.sampling.token_stats`).
     ``cache_multiple``: allocated cache lengths are rounded up to a multiple of it (the attention block).
     ``mesh`` / ``rules``: with a mesh, the samplers constrain the cache (:meth:`shard_cache`) and the per-row
     state (:meth:`shard_rows`) to their logical shardings wherever they are rebuilt; params are expected already
@@ -85,6 +89,7 @@ class ModelFns:
     prepare: Callable = lambda params: params  # noqa: E731  once per call, before the decode loops
     mesh: Any = None  # jax.sharding.Mesh | None
     rules: Rules = DEFAULT_RULES
+    step_hidden: Callable | None = None
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -130,11 +135,15 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
         hidden, cache = transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
         return transformer.logits(params, config, hidden), cache
 
+    def step_hidden(params, tokens, positions, cache):
+        hidden, cache = transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
+        return transformer.logits(params, config, hidden), hidden, cache
+
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
                     cache_multiple=block_size if attention != "dense" else 1,
                     name=f"transformer[{attention}]",
                     prepare=transformer.fuse_projections if fuse else transformer.unstack_layers,
-                    mesh=mesh, rules=rules)
+                    mesh=mesh, rules=rules, step_hidden=step_hidden)
 
 
 def as_model_fns(model: ModelConfig | ModelFns, mesh=None, rules: Rules = DEFAULT_RULES) -> ModelFns:
@@ -241,19 +250,29 @@ def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, 
 
     Dead rows (``~live_R``) are fed position ``L`` (writes dropped). Returns ``(token, policy_logprob,
     sampling_logprob, entropy, cache)``, each ``[R]`` (entropy zeros unless ``with_entropy``)."""
-    token, policy, sampling, entropy, _, cache = decode_token_stats(model, strategy, params, cache, pending_R,
+    token, policy, sampling, entropy, _, _, cache = decode_token_stats(model, strategy, params, cache, pending_R,
                                                                     position_R, live_R, keys_R, with_entropy)
     return token, policy, sampling, entropy, cache
 
 
 def decode_token_stats(model: ModelFns, strategy: Strategy, params, cache, pending_R, position_R, live_R, keys_R,
-                       with_entropy: bool = True, top_k: int = 0):
+                       with_entropy: bool = True, top_k: int = 0, token_stats: tuple[str, ...] = (),
+                       probe: Any = None):
     """:func:`decode_token` plus the policy's ``top_k`` largest log-probs per row, descending
     (``topk_RxK = top_k(z) - logsumexp(z)`` on the true vocabulary; ``[R, 0]`` when ``top_k = 0``, computing
-    nothing). Returns ``(token, policy_logprob, sampling_logprob, entropy, topk_RxK, cache)``."""
+    nothing) and the ``token_stats`` channels ``[R, C]`` (:mod:`treejax.sampling.token_stats`; ``probe``: the
+    quality probe they may read). Returns ``(token, policy_logprob, sampling_logprob, entropy, topk_RxK, extra_RxC,
+    cache)``."""
     L = jax.tree.leaves(cache)[0].shape[2]
     pos = jnp.where(live_R, position_R, L)
-    logits, cache = model.step(params, pending_R, pos, cache)
+    hidden = None
+    if "probe" in token_stats:
+        if model.step_hidden is None:
+            raise ValueError(f"the per-token statistic 'probe' reads hidden states, which ModelFns {model.name!r} "
+                             "do not return (no step_hidden)")
+        logits, hidden, cache = model.step_hidden(params, pending_R, pos, cache)
+    else:
+        logits, cache = model.step(params, pending_R, pos, cache)
     cache = model.shard_cache(cache)
     logits = mask_vocab(logits.astype(jnp.float32), model.sampling_vocab_size)
     processed = strategy.process(logits)
@@ -265,7 +284,8 @@ def decode_token_stats(model: ModelFns, strategy: Strategy, params, cache, pendi
         topk = jnp.pad(topk, ((0, 0), (0, top_k - k)), constant_values=-jnp.inf)
     else:
         topk = jnp.zeros((logits.shape[0], 0), jnp.float32)
-    return token, policy, sampling, entropy, topk, cache
+    extra = token_stats_lib.compute(token_stats, logits_RxV=logits, hidden_RxE=hidden, params=params, probe=probe)
+    return token, policy, sampling, entropy, topk, extra, cache
 
 
 # ----------------------------------------------------------------------------------------------- linear sampler

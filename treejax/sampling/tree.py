@@ -90,6 +90,7 @@ from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode
+from treejax.sampling import probe as probe_lib
 from treejax.sampling.tree_config import TreeConfig, independent_config
 from treejax.sampling.tree_stages import INIT_STREAM, RolloutInputs, segment_step
 from treejax.sampling.tree_state import Counters, Leaves, Nodes, Paths, RolloutInfo, Rows, TreeState, shard_state
@@ -123,13 +124,13 @@ def initial_state(cache, prompt_token_P: jax.Array, prompt_position_P: jax.Array
     """The carry before the first segment: prompt ``p``'s first ``n_init_P[p]`` rows live at the root, every row
     pending on the prompt's last token, empty leaf store, only the root node."""
     P, W, D, T = n_init_P.shape[0], tc.num_leaves, tc.max_depth, tc.response_capacity
-    R, K = P * W, tc.rule.top_k
+    R, K, C = P * W, tc.rule.top_k, len(tc.rule.token_stats)
     row_prompt = jnp.arange(R, dtype=jnp.int32) // W
     alive_PxW = jnp.arange(W)[None, :] < n_init_P[:, None]
     rows = Rows(pending_R=prompt_token_P[row_prompt], position_R=prompt_position_P[row_prompt],
                 epoch_R=jnp.zeros((R,), jnp.int32), alive_R=alive_PxW.reshape(R), depth_R=jnp.zeros((R,), jnp.int32),
-                slots_R=initial_slots(n_init_P, W, tc.slots).reshape(R), paths=Paths.empty(R, T, D, K, root=True))
-    leaves = Leaves(paths=Paths.empty(R, T, D, K, root=False), status_R=jnp.zeros((R,), jnp.int32),
+                slots_R=initial_slots(n_init_P, W, tc.slots).reshape(R), paths=Paths.empty(R, T, D, K, root=True, C=C))
+    leaves = Leaves(paths=Paths.empty(R, T, D, K, root=False, C=C), status_R=jnp.zeros((R,), jnp.int32),
                     row_R=jnp.full((R,), -1, jnp.int32))
     return TreeState(cache=cache, rows=rows, leaves=leaves, nodes=Nodes.root(P, tc.num_nodes),
                      counters=Counters.zeros())
@@ -171,13 +172,16 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     L = attention_lib.round_cache_length(Lb + tc.response_capacity, model.cache_multiple)
     row_prompt = jnp.arange(P * W, dtype=jnp.int32) // W
     cache = model.shard_cache(model.init_cache(P * W, L))
+    params, probes = probe_lib.detach(params)  # a stateful shaper's probe travels with the weights
+    probe = _rule_probe(tc, probes)
     params = model.prepare(params)  # e.g. unstack the layers once, outside the decode loops
     cache, last_tok_P, last_pos_P = decode.prefill_prompts(model, params, cache, prompts, lengths,
                                                            jnp.arange(P, dtype=jnp.int32) * W)
     cache = model.shard_cache(cache_lib.broadcast_prompt_rows(cache, row_prompt * W))
     n_init = initial_divergence(key, P, tc)
     state = shard_state(model, initial_state(cache, last_tok_P, last_pos_P, n_init, tc=tc))
-    inputs = RolloutInputs(params=params, key=key, step=step, prompt_token_P=last_tok_P, prompt_position_P=last_pos_P)
+    inputs = RolloutInputs(params=params, key=key, step=step, prompt_token_P=last_tok_P, prompt_position_P=last_pos_P,
+                           probe=probe)
 
     def cond(s):
         return jnp.any(s.nodes.leaves_P < W) & (s.counters.segment < tc.max_segments)
@@ -187,9 +191,22 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     return forest_and_info(s, lengths, n_init, tc=tc)
 
 
+def _rule_probe(tc: TreeConfig, probes: dict):
+    """The probe the rule reads (``rule.probe_name``), or ``None``; a rule that needs one and got none is an error."""
+    name = getattr(tc.rule, "probe_name", None)
+    if "probe" not in tc.rule.token_stats:
+        return None
+    if name not in probes:
+        raise ValueError(f"branching rule {tc.rule.rule_name!r} reads the probe of shaper {name!r}, which the "
+                         f"rollout did not get (probes: {sorted(probes)}): add that shaper to RunConfig.shapers "
+                         "(e.g. [@QualityHead()])")
+    return probes[name]
+
+
 def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeConfig, mesh=None,
                       rules: Rules = DEFAULT_RULES):
     """Returns ``rollout(params, prompt_tokens [P, Lp], prompt_lengths [P], key, step=0) -> (Forest, info)``.
+    ``params`` may carry the shapers' probes (:mod:`treejax.sampling.probe`) for a rule that reads one.
 
     ``model`` is a :class:`ModelConfig` (the treejax transformer with ragged attention) or any
     :class:`decode.ModelFns`. ``mesh`` (a ``jax.sharding.Mesh``, e.g. ``treejax.parallel.mesh.make_mesh``) with

@@ -45,13 +45,15 @@ _ALIVE = int(NodeStatus.ALIVE)
 class RolloutInputs:
     """The dynamic inputs every segment step reads: ``params`` (prepared), the rollout ``key``, the training
     ``step``, and each prompt's pending token and position after prefill (``prompt_token_P``,
-    ``prompt_position_P``: where a fallback from the root restarts)."""
+    ``prompt_position_P``: where a fallback from the root restarts); ``probe``: the quality probe the rule's
+    ``"probe"`` statistic reads (``None`` unless it asks; :mod:`treejax.sampling.token_stats`)."""
 
     params: Any
     key: jax.Array
     step: jax.Array
     prompt_token_P: jax.Array
     prompt_position_P: jax.Array
+    probe: Any = None
 
 
 def bucket_sizes(R: int, buckets: int) -> tuple[int, ...]:
@@ -118,9 +120,9 @@ def decode_token_step(c: DecodeCarry, row_ids: jax.Array, inputs: RolloutInputs,
     active = c.active_R
     local = jnp.arange(row_ids.shape[0])
     keys = decode.token_keys(inputs.key, row_ids, r.epoch_R, p.length_R)
-    tok, lp, slp, ent, topk, cache = decode.decode_token_stats(
+    tok, lp, slp, ent, topk, extra, cache = decode.decode_token_stats(
         model, tc.strategy, inputs.params, c.cache, r.pending_R, r.position_R, active, keys, tc.needs_entropy,
-        tc.rule.top_k)
+        tc.rule.top_k, tc.rule.token_stats, inputs.probe)
     col = jnp.where(active, p.length_R, p.tokens_RxT.shape[1])
     stopped = active & decode.stop_mask(tok, stop_ids)
     length = p.length_R + active.astype(jnp.int32)
@@ -131,7 +133,8 @@ def decode_token_step(c: DecodeCarry, row_ids: jax.Array, inputs: RolloutInputs,
     p = p.replace(tokens_RxT=write(p.tokens_RxT, tok), logp_RxT=write(p.logp_RxT, lp),
                   slogp_RxT=write(p.slogp_RxT, slp), length_R=length,
                   entropy_RxT=write(p.entropy_RxT, ent) if tc.needs_entropy else p.entropy_RxT,
-                  topk_RxTxK=write(p.topk_RxTxK, topk) if tc.rule.top_k else p.topk_RxTxK)
+                  topk_RxTxK=write(p.topk_RxTxK, topk) if tc.rule.top_k else p.topk_RxTxK,
+                  extra_RxTxC=write(p.extra_RxTxC, extra) if tc.rule.token_stats else p.extra_RxTxC)
     r = r.replace(pending_R=jnp.where(active, tok, r.pending_R), position_R=r.position_R + active.astype(jnp.int32),
                   paths=p)
     return _shard_carry(model, DecodeCarry(
@@ -231,9 +234,12 @@ def path_stats(rows: Rows, status_R: jax.Array, segment_start_R: jax.Array, node
         live_PxW=pw(rows.alive_R & ~ended), ended_PxW=pw(ended), status_PxW=pw(status_R), depth_PxW=pw(rows.depth_R),
         length_PxW=pw(p.length_R), segment_start_PxW=pw(segment_start_R), tokens_PxWxT=pw(p.tokens_RxT),
         logp_PxWxT=pw(p.logp_RxT), entropy_PxWxT=pw(p.entropy_RxT), topk_PxWxTxK=pw(p.topk_RxTxK),
-        path_PxWxD1=pw(p.path_RxD1), leaves_P=nodes.leaves_P, step=inputs.step, segment=counters.segment,
+        extra_PxWxTxC=pw(p.extra_RxTxC), path_PxWxD1=pw(p.path_RxD1), leaves_P=nodes.leaves_P, step=inputs.step,
+        segment=counters.segment,
         key=jax.random.fold_in(jax.random.fold_in(inputs.key, BRANCH_STREAM), counters.segment),
-        branch_factor=tc.branch_factor, segment_length=tc.segment_length)
+        probe_ready=(jnp.asarray(inputs.probe["ready"], bool) if isinstance(inputs.probe, dict)
+                     and "ready" in inputs.probe else jnp.asarray(inputs.probe is not None)),
+        branch_factor=tc.branch_factor, segment_length=tc.segment_length, token_stat_names=tc.rule.token_stats)
 
 
 def prune_paths(stats: PathStats, rule: BranchingRule) -> PathStats:
@@ -386,6 +392,7 @@ def restore_from_leaves(rows: Rows, leaves: Leaves, fb: Fallback, inputs: Rollou
                   slogp_RxT=per_token(p.slogp_RxT, leaf.slogp_RxT),
                   entropy_RxT=per_token(p.entropy_RxT, leaf.entropy_RxT),
                   topk_RxTxK=per_token(p.topk_RxTxK, leaf.topk_RxTxK),
+                  extra_RxTxC=per_token(p.extra_RxTxC, leaf.extra_RxTxC),
                   path_RxD1=jnp.where(fbm[:, None], jnp.where(keep_d, root_path, -1), p.path_RxD1),
                   length_R=jnp.where(fbm, cut * S, p.length_R))
     prev_tok = jnp.take_along_axis(leaf.tokens_RxT, jnp.maximum(cut * S - 1, 0)[:, None], axis=1)[:, 0]

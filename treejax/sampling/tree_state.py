@@ -35,8 +35,9 @@ class Paths:
 
     ``tokens_RxT`` sampled ids; ``logp_RxT`` policy log-probs (temperature 1); ``slogp_RxT`` sampling log-probs;
     ``entropy_RxT`` policy entropy per token (zeros unless asked for); ``topk_RxTxK`` the policy's ``K`` largest
-    log-probs per token, descending (``K = 0`` unless a branching rule asks); ``path_RxD1`` node id per depth;
-    ``length_R`` response tokens so far. Entries at ``t >= length`` are 0.
+    log-probs per token, descending (``K = 0`` unless a branching rule asks); ``extra_RxTxC`` the rule's
+    per-token statistics (:mod:`treejax.sampling.token_stats`, ``C = len(rule.token_stats)``, usually 0);
+    ``path_RxD1`` node id per depth; ``length_R`` response tokens so far. Entries at ``t >= length`` are 0.
     """
 
     tokens_RxT: jax.Array
@@ -46,15 +47,17 @@ class Paths:
     topk_RxTxK: jax.Array
     path_RxD1: jax.Array
     length_R: jax.Array
+    extra_RxTxC: jax.Array
 
     @classmethod
-    def empty(cls, R: int, T: int, D: int, K: int, root: bool) -> Paths:
+    def empty(cls, R: int, T: int, D: int, K: int, root: bool, C: int = 0) -> Paths:
         """Zero buffers; ``path`` is ``-1`` everywhere except the root (node 0 at depth 0) when ``root``."""
         f32 = jnp.zeros((R, T), jnp.float32)
         path = jnp.full((R, D + 1), -1, jnp.int32)
         return cls(tokens_RxT=jnp.zeros((R, T), jnp.int32), logp_RxT=f32, slogp_RxT=f32, entropy_RxT=f32,
                    topk_RxTxK=jnp.zeros((R, T, K), jnp.float32),
-                   path_RxD1=path.at[:, 0].set(0) if root else path, length_R=jnp.zeros((R,), jnp.int32))
+                   path_RxD1=path.at[:, 0].set(0) if root else path, length_R=jnp.zeros((R,), jnp.int32),
+                   extra_RxTxC=jnp.zeros((R, T, C), jnp.float32))
 
     def take(self, src_R: jax.Array) -> Paths:
         """Entry ``r`` of the result is entry ``src_R[r]`` of ``self`` (a gather along the leading axis)."""

@@ -8,7 +8,9 @@ its class name, e.g. ``TreeConfig.branching = @EntropyGuided()``).
   ``logprob``        :class:`LogProbWeighted`  TreePO's log-prob weighted split (temperature schedule);
   ``entropy``        :class:`EntropyGuided`    EPTree idea: extra children to the most uncertain paths;
   ``latr``           :class:`LATR`             top-2 closeness branching, similarity pruning after a lookahead;
-  ``echo``           :class:`ECHO`             entropy-confidence branching with a width rule, three prune rules.
+  ``echo``           :class:`ECHO`             entropy-confidence branching with a width rule, three prune rules;
+  ``arrol``          :class:`QualityPrune`     ARRoL: correctness-balanced pruning by an online quality head;
+  ``rose``           :class:`RoseBranching`    ROSE: branch where likely next tokens are uncertain and dissimilar.
 """
 
 from treejax.sampling.branching.base import (BranchingRule, PathStats, capped_allocation, get_rule, register,
@@ -17,6 +19,9 @@ from treejax.sampling.branching.treepo import FixedAverage, LogProbWeighted
 from treejax.sampling.branching.entropy import EntropyGuided
 from treejax.sampling.branching.latr import LATR
 from treejax.sampling.branching.echo import ECHO
+from treejax.sampling.branching.arrol import QualityPrune
+from treejax.sampling.branching.rose import RoseBranching
 
 __all__ = ["BranchingRule", "ECHO", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
-           "capped_allocation", "get_rule", "register", "rule_classes", "windowed_mean"]
+           "QualityPrune", "RoseBranching", "capped_allocation", "get_rule", "register", "rule_classes",
+           "windowed_mean"]

@@ -53,8 +53,10 @@ class PathStats:
     :attr:`BranchingRule.needs_entropy`), ``topk_PxWxTxK`` (the policy's ``K = top_k`` largest log-probs,
     descending). ``path_PxWxD1`` node id per depth (``-1`` past the end; siblings share the node at
     ``depth - 1``). ``leaves_P`` leaves stored before this segment's; ``step`` the training step, ``segment``
-    the loop iteration, ``key`` a PRNG key for this boundary (a stream of its own). ``branch_factor`` ``b`` and
-    ``segment_length`` ``S`` are static.
+    the loop iteration, ``key`` a PRNG key for this boundary (a stream of its own). ``extra_PxWxTxC`` the rule's
+    :attr:`BranchingRule.token_stats` (read them with :meth:`token_stat`); ``probe_ready`` whether the probe
+    those statistics read has been trained (a rule should not act on an untrained probe). ``branch_factor``
+    ``b``, ``segment_length`` ``S`` and ``token_stat_names`` are static.
     """
 
     live_PxW: jax.Array
@@ -72,8 +74,23 @@ class PathStats:
     step: jax.Array
     segment: jax.Array
     key: jax.Array
+    extra_PxWxTxC: jax.Array | None = None
+    probe_ready: jax.Array | bool = False
     branch_factor: int = struct.field(pytree_node=False, default=2)
     segment_length: int = struct.field(pytree_node=False, default=1)
+    token_stat_names: tuple = struct.field(pytree_node=False, default=())
+
+    def token_stat(self, name: str) -> jax.Array:
+        """float[P, W, T]: the per-token statistic ``name`` (one of the rule's ``token_stats``)."""
+        if name not in self.token_stat_names:
+            raise KeyError(f"per-token statistic {name!r} was not computed (the rule's token_stats: "
+                           f"{self.token_stat_names})")
+        return self.extra_PxWxTxC[..., self.token_stat_names.index(name)]
+
+    def last_token(self, x_PxWxT: jax.Array) -> jax.Array:
+        """float[P, W]: ``x`` at each path's last decoded token (``length - 1``; 0 for empty paths)."""
+        t = jnp.maximum(self.length_PxW - 1, 0)[:, :, None]
+        return jnp.where(self.length_PxW > 0, jnp.take_along_axis(x_PxWxT, t, axis=-1)[:, :, 0], 0.0)
 
     @property
     def decoded_PxW(self) -> jax.Array:
@@ -111,14 +128,15 @@ class PathStats:
 class BranchingRule:
     """Base class of branching/pruning rules (module docstring). Subclasses are frozen dataclasses.
 
-    ``needs_entropy`` / ``top_k``: per-token statistics the rule reads (the decode step computes them only when
-    asked). ``prunes``: whether :meth:`prune` can return True (static; ``False`` skips the pruning stage).
+    ``needs_entropy`` / ``top_k`` / ``token_stats``: per-token statistics the rule reads (the decode step
+    computes them only when asked; ``token_stats`` from :mod:`treejax.sampling.token_stats`). ``prunes``: whether :meth:`prune` can return True (static; ``False`` skips the pruning stage).
     ``splits_slots``: whether the rule implements :meth:`slot_children` (slot trees, ``TreeConfig.allocation =
     "slots"``, accept only such rules).
     """
 
     needs_entropy: ClassVar[bool] = False
     top_k: ClassVar[int] = 0
+    token_stats: ClassVar[tuple[str, ...]] = ()
     prunes: ClassVar[bool] = False
     splits_slots: ClassVar[bool] = False
 

@@ -4,6 +4,8 @@ Task: reward = share of a target token among the response tokens. 30 CPU steps o
 reward far beyond its start; the same loop with the advantages' sign flipped or zeroed must not.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,12 +33,26 @@ def _share(forest):
     return jnp.sum((forest.tokens == TARGET) & valid, -1) / jnp.maximum(jnp.sum(valid, -1), 1)
 
 
+CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
+TREE = TreeConfig(num_leaves=8, max_depth=2, segment_length=4, branch_factor=2, strategy=Temperature(1.0),
+                  stop_ids=())
+
+
+@functools.lru_cache(maxsize=None)
+def _programs():
+    """The rollout and the update, built (and compiled) once for the three runs."""
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=3e-3, warmup_steps=0, total_steps=STEPS,
+                                               weight_decay=0.0))
+    layout = Expanded(CFG, attention_impl="xla")
+    update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
+    return make_tree_rollout(CFG, TREE), optimizer, layout, update
+
+
 def _train(sign: float) -> list[float]:
     """30 steps of :func:`treejax.rl.step.rl_step` (the loop's step) with the reward scaled by ``sign``."""
-    cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
+    cfg = CFG
     params = transformer.init_params(cfg, jax.random.key(0))
-    tree = TreeConfig(num_leaves=8, max_depth=2, segment_length=4, branch_factor=2, strategy=Temperature(1.0),
-                      stop_ids=())
+    rollout, optimizer, layout, update = _programs()
     prompts = np.array([[1, 5, 9, 0], [1, 11, 3, 4], [1, 20, 0, 0], [1, 30, 31, 32]], np.int32)
     lens = np.array([3, 4, 2, 4], np.int32)
     history = []
@@ -46,12 +62,8 @@ def _train(sign: float) -> list[float]:
         history.append(float(share.mean()))
         return sign * share
 
-    source = FixedPromptRollouts(make_tree_rollout(cfg, tree), prompts, lens, reward)
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=3e-3, warmup_steps=0, total_steps=STEPS,
-                                               weight_decay=0.0))
+    source = FixedPromptRollouts(rollout, prompts, lens, reward)
     state = TrainState.create(params, optimizer)
-    layout = Expanded(cfg, attention_impl="xla")
-    update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
     fns = make_learner(cfg, StepConfig(estimator="treepo"), Precision().resolve("cpu"), update, layout)
     for step in range(STEPS):
         state, _, metrics, _ = rl_step(fns, state, source, jax.random.fold_in(jax.random.key(2), step), step)

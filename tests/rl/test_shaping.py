@@ -321,7 +321,7 @@ def test_effective_rank_bonus_matches_reference():
         batch = m[leaf_on].mean(0)
         want = b["advantages"].copy()
         if step == 0:
-            np.testing.assert_allclose(np.asarray(states["verl_rank"]["mu"]), batch, rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(states["verl_rank"]["mu"]), batch, rtol=1e-5, atol=1e-6)
         else:
             delta = np.clip((m - mu) / (np.abs(mu) + 1e-8), -5, 5)
             lam = 1 / (1 + np.exp(-2.0 * delta[..., 0]))
@@ -331,7 +331,9 @@ def test_effective_rank_bonus_matches_reference():
                     if leaf_on[p, w]:
                         t = np.nonzero(on[p, w])[0][-1]
                         want[p, w, t] += min(max(psi[p, w], 0.0), abs(want[p, w, t]) / 2.0)
-            np.testing.assert_allclose(np.asarray(states["verl_rank"]["mu"]), 0.7 * mu + 0.3 * batch, rtol=1e-5)
+            # ERA is a difference of differences of ranks ~3: its fp32 error is absolute (~1e-7), not relative
+            np.testing.assert_allclose(np.asarray(states["verl_rank"]["mu"]), 0.7 * mu + 0.3 * batch, rtol=1e-5,
+                                       atol=1e-6)
             assert metrics["shaping/verl_rank/bonus_frac"] > 0
         np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
         assert int(states["verl_rank"]["steps"]) == step + 1

@@ -138,10 +138,7 @@ def test_channels_equal_a_full_forward_and_arrol_prunes_the_middle():
     params = transformer.init_params(CFG, jax.random.key(1))
     w = np.asarray(jax.random.normal(jax.random.key(2), (CFG.hidden_size,)), np.float32)
     probe = {"w": jnp.asarray(w), "b": jnp.float32(0.3), "ready": jnp.asarray(True)}
-    rule = _BothChannels(prune_depth=2, keep=0.5, rho=0.5)
-    tc = tree.TreeConfig(num_leaves=W, max_depth=4, segment_length=3, branch_factor=2, stop_ids=(63,),
-                         init_divergence=W, branching=Recorded(rule))
-    rollout = tree.make_tree_rollout(FNS, tc)
+    rollout = _arrol_rollout()
     RECORDS.clear()
     forest, info = rollout(probe_lib.attach(params, {"arrol_head": probe}), PROMPTS, LENS, jax.random.key(3))
     jax.block_until_ready(forest)
@@ -175,12 +172,17 @@ def test_channels_equal_a_full_forward_and_arrol_prunes_the_middle():
     assert bool(info.complete) and np.all(np.asarray(forest.leaf_length) > 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _arrol_rollout():
+    tc = tree.TreeConfig(num_leaves=W, max_depth=4, segment_length=3, branch_factor=2, stop_ids=(63,),
+                         init_divergence=W, branching=Recorded(_BothChannels(prune_depth=2, keep=0.5, rho=0.5)))
+    return tree.make_tree_rollout(FNS, tc)
+
+
 def test_arrol_waits_for_a_trained_probe_and_needs_one():
     params = transformer.init_params(CFG, jax.random.key(1))
     probe = {"w": jnp.ones((CFG.hidden_size,)), "b": jnp.float32(0.0), "ready": jnp.asarray(False)}
-    tc = tree.TreeConfig(num_leaves=W, max_depth=3, segment_length=3, branch_factor=2, stop_ids=(63,),
-                         init_divergence=W, branching=B.QualityPrune(prune_depth=1))
-    rollout = tree.make_tree_rollout(FNS, tc)
+    rollout = _arrol_rollout()  # the same program as the test above: readiness is an input, not a recompile
     forest, _ = rollout(probe_lib.attach(params, {"arrol_head": probe}), PROMPTS, LENS, jax.random.key(3))
     assert not np.any(np.asarray(forest.leaf_status) == NodeStatus.PRUNED)
     with pytest.raises(ValueError, match="QualityHead"):

@@ -50,14 +50,20 @@ _EPS = 1e-8
 def effective_rank(h_NxE: jax.Array, on_N: jax.Array) -> jax.Array:
     """``exp`` of the entropy of the normalised singular values of the rows ``on`` of ``h``, centred (module
     docstring). Rows off ``on`` add zero singular values, which change nothing; no rows gives 1. The singular
-    values come from an SVD of the centred matrix, not from the square roots of a Gram matrix's eigenvalues as in
-    the code's windows: in fp32 those turn the zero singular values into ``~3e-4 sigma_max`` of noise, which moves
-    a short window's rank by ~1e-3."""
+    values are the square roots of the eigenvalues of the smaller Gram matrix (``N x N`` or ``E x E``), as in the
+    code's windows, with eigenvalues below ``lambda_max * size * eps`` set to 0: in fp32 the exact zeros (a
+    window of fewer tokens than dimensions, the centring) come out as ``~eps lambda_max`` of noise, whose square
+    roots (``~3e-4 sigma_max``) would move a short window's rank by ~1e-3. (Not ``jnp.linalg.svd``: XLA's CPU
+    SVD hung inside the loop's jitted step on a multi-device CPU mesh.)"""
     h = h_NxE.astype(jnp.float32)
     on = on_N.astype(jnp.float32)[:, None]
     mean = jnp.sum(h * on, axis=0) / jnp.maximum(jnp.sum(on), 1.0)
     hc = (h - mean[None, :]) * on
-    sigma = jnp.linalg.svd(hc, compute_uv=False)
+    gram = hc @ hc.T if h.shape[0] <= h.shape[1] else hc.T @ hc
+    lam = jnp.linalg.eigvalsh(gram)
+    # numerical rank cut-off (NumPy's matrix_rank rule on the Gram matrix): eigenvalues at fp32 noise level are 0
+    tol = jnp.max(lam) * max(gram.shape) * jnp.finfo(jnp.float32).eps
+    sigma = jnp.sqrt(jnp.where(lam > tol, lam, 0.0))
     p = sigma / (jnp.sum(sigma) + _EPS)
     return jnp.exp(-jnp.sum(p * jnp.log(p + _EPS)))
 

@@ -5,7 +5,8 @@
 Reads the ``<arm>-s<seed>.json`` run summaries that ``experiments/shaping_runs.sh`` copies back and prints a
 markdown table: held-out greedy accuracy after 40 steps (mean, each seed), decoded tokens, the policy's mean
 sampled response length over the last 5 steps, and the run's seconds (runs shared one GPU with 2-4 others, so
-seconds compare only roughly).
+seconds compare only roughly). The ``tp_*`` arms ran ``configs/efficacy_treepo.gin`` (TreePO's transfer tree: the
+branching rules need it), every other arm ``configs/efficacy_slots_k8.gin``.
 """
 
 import collections
@@ -17,7 +18,13 @@ import sys
 ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adaptive clip", "@EchoShaping()"),
         "ear": ("ETTRL EAR", "@EntropyAdvantageReshaping()"), "rose": ("ROSE length penalty", "@RoseLengthPenalty()"),
         "prl": ("PRL KL-to-go", "@ProcessRewardShaping()"), "decs": ("DECS (estimator)", "estimator = 'decs'"),
-        "ttrl_ear": ("TTRL + EAR (no labels, T = 0.6)", "majority + @EntropyAdvantageReshaping()")}
+        "ttrl_ear": ("TTRL + EAR (no labels, T = 0.6)", "majority + @EntropyAdvantageReshaping()"),
+        "verl": ("VERL effective-rank bonus", "@EffectiveRankBonus()"),
+        "base_rerun": ("TreePO slots (baseline, rerun with the VERL runs)", "-"),
+        "ttrl_eval": ("test-time RL on the held-out problems (no labels)", "train_split = 'eval', majority"),
+        "tp_base": ("TreePO transfer tree (baseline of the two rules below)", "efficacy_treepo.gin"),
+        "tp_rose": ("ROSE cosine-entropy branching", "TreeConfig.branching = @RoseBranching()"),
+        "tp_arrol": ("ARRoL quality head + balanced pruning", "@QualityHead() + @QualityPrune()")}
 
 
 def main(folder: str) -> None:

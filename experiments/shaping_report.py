@@ -21,7 +21,9 @@ ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adapt
         "ttrl_ear": ("TTRL + EAR (no labels, T = 0.6)", "majority + @EntropyAdvantageReshaping()"),
         "verl": ("VERL effective-rank bonus", "@EffectiveRankBonus()"),
         "base_rerun": ("TreePO slots (baseline, rerun with the VERL runs)", "-"),
-        "ttrl_eval": ("test-time RL on the held-out problems (no labels)", "train_split = 'eval', majority"),
+        "ttrl_eval": ("test-time RL on the held-out problems (no labels, T = 1.0)", "train_split = 'eval', majority"),
+        "ttrl_eval_t06": ("test-time RL on the held-out problems (no labels, T = 0.6)",
+                          "train_split = 'eval', majority"),
         "tp_base": ("TreePO transfer tree (baseline of the two rules below)", "efficacy_treepo.gin"),
         "tp_rose": ("ROSE cosine-entropy branching", "TreeConfig.branching = @RoseBranching()"),
         "tp_arrol": ("ARRoL quality head + balanced pruning", "@QualityHead() + @QualityPrune()")}

@@ -87,7 +87,7 @@ def _extra(case):
             "shaper_arrol": ["RunConfig.num_steps = 2", "RunConfig.shapers = [@QualityHead()]",
                              "TreeConfig.branching = @QualityPrune()",
                              "QualityPrune.prune_depth = 1"],
-            "rose_branching": ["TreeConfig.branching = @RoseBranching()",
+            "rose_branching": ["TreeConfig.branching = @RoseBranching()", "RoseBranching.epsilon = 0.5",
                                "RunConfig.shapers = [@RoseLengthPenalty()]"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py

@@ -235,3 +235,29 @@ def test_rose_branching_matches_reference(metric):
             np.testing.assert_array_equal(got, want)
             branched += int((got > 1).sum())
     assert branched > 0
+
+
+def test_rose_epsilon_root_restarts_are_independent_exact_paths():
+    """``epsilon = 1``: every new child restarts at the root, so the forest is W independent chains (no node but the
+    root has two children), each path's recorded log-probs equal a full forward of prompt + path (the restarted
+    row's KV is exact), and the counter reports the restarts."""
+    params = transformer.init_params(CFG, jax.random.key(6))
+    tc = tree.TreeConfig(num_leaves=W, max_depth=4, segment_length=3, branch_factor=2, stop_ids=(63,),
+                         init_divergence=2, branching=B.RoseBranching(metric="entropy", epsilon=1.0))
+    forest, info = tree.make_tree_rollout(FNS, tc)(params, PROMPTS, LENS, jax.random.key(7))
+    assert bool(info.complete) and int(info.root_restarts) == P * (W - 2) == int(info.forks)
+    parent = np.asarray(forest.node_parent)
+    for p in range(P):
+        kids = parent[p][parent[p] >= 0]
+        assert np.bincount(kids)[1:].max(initial=0) <= 1  # below the root every node has at most one child
+        assert np.sum(kids == 0) == W  # W chains from the root
+    toks, lp, n = np.asarray(forest.tokens), np.asarray(forest.logprobs), np.asarray(forest.leaf_length)
+    for p in range(P):
+        for w_ in range(W):
+            seq = np.zeros((1, 32), np.int32)
+            seq[0, : LENS[p] + n[p, w_]] = np.concatenate([PROMPTS[p, : LENS[p]], toks[p, w_, : n[p, w_]]])
+            h = _jit_forward()(params, jnp.asarray(seq), jnp.arange(32, dtype=jnp.int32)[None, :])
+            z = np.asarray(transformer.logits(params, CFG, h[0]), np.float64)
+            ref = [z[LENS[p] - 1 + t, toks[p, w_, t]] - np.log(np.exp(z[LENS[p] - 1 + t] - z[LENS[p] - 1 + t].max()).sum())
+                   - z[LENS[p] - 1 + t].max() for t in range(n[p, w_])]
+            np.testing.assert_allclose(lp[p, w_, : n[p, w_]], ref, rtol=1e-4, atol=1e-4)

@@ -40,8 +40,8 @@ from treejax.sampling.strategies import Greedy
 from treejax.sampling.tree_state import RolloutInfo
 
 #: Host counters of the sampler's :class:`RolloutInfo` (scalars; summed over a step's rollout calls).
-SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "segments",
-                    "complete")
+SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "root_restarts",
+                    "segments", "complete")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,7 @@ class RolloutCounters:
     forks: int = 0
     fallbacks: int = 0
     fallback_from_root: int = 0
+    root_restarts: int = 0
     segments: int = 0
     complete: int = 0
     stops: dict = dataclasses.field(default_factory=dict)

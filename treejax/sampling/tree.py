@@ -156,7 +156,8 @@ def forest_and_info(s: TreeState, lengths: jax.Array, n_init_P: jax.Array, *, tc
     info = RolloutInfo(
         decoded_tokens=c.decoded, prefilled_tokens=jnp.sum(lengths - 1).astype(jnp.int32), forks=c.forks,
         fallbacks=c.fallbacks, fallback_from_root=c.from_root, segments=c.segment, stops_K=c.stops_K,
-        complete=jnp.all(s.nodes.leaves_P == W), num_nodes_P=s.nodes.next_P, init_divergence_P=n_init_P,
+        complete=jnp.all(s.nodes.leaves_P == W), root_restarts=c.root_restarts, num_nodes_P=s.nodes.next_P,
+        init_divergence_P=n_init_P,
         sampling_logprobs_PxWxT=jnp.where(valid, lp.slogp_RxT.reshape(P, W, T), 0.0),
         entropy_PxWxT=jnp.where(valid, lp.entropy_RxT.reshape(P, W, T), 0.0))
     return forest, info

@@ -422,6 +422,25 @@ def fork(cache, cache_order_R: jax.Array, rows: Rows, leaves: Leaves, src_R: jax
     return cache, moved
 
 
+def restart_at_root(rows: Rows, root_R: jax.Array, inputs: RolloutInputs, *, tc: TreeConfig) -> Rows:
+    """Rows ``root_R`` start a new path at the root: empty buffers, path = the root only, pending = the prompt's
+    last token at its position. Their KV holds the prompt (every row of a prompt does: it was forked from one);
+    only the position moves back, and the slots past it are overwritten as the new path decodes."""
+    R = root_R.shape[0]
+    row_prompt = _row_prompt(R, tc.num_leaves)
+
+    def clear(x):
+        m = root_R.reshape((R,) + (1,) * (x.ndim - 1))
+        return jnp.where(m, jnp.zeros((), x.dtype), x)
+
+    p = rows.paths
+    root_path = jnp.where(jnp.arange(p.path_RxD1.shape[1])[None, :] == 0, 0, -1)
+    p = jax.tree.map(clear, p).replace(path_RxD1=jnp.where(root_R[:, None], root_path, p.path_RxD1))
+    return rows.replace(paths=p, depth_R=jnp.where(root_R, 0, rows.depth_R),
+                        pending_R=jnp.where(root_R, inputs.prompt_token_P[row_prompt], rows.pending_R),
+                        position_R=jnp.where(root_R, inputs.prompt_position_P[row_prompt], rows.position_R))
+
+
 def release_rows(leaves: Leaves, alive_R: jax.Array) -> Leaves:
     """A leaf stays resident (a fallback candidate) only while no live path decodes in its row."""
     row = leaves.row_R
@@ -453,9 +472,16 @@ def segment_step(state: TreeState, inputs: RolloutInputs, *, model: decode.Model
         total = branch_budget(live, finished_now, nodes.leaves_P, tc=tc)
         counts = jnp.where(live, jnp.clip(rule.allocate(stats, total), 1, W), 0)
     src, forked, child = _children_rows(counts, live)
+    root = jnp.zeros_like(forked)
+    if rule.restarts and not tc.slots:  # the rule's root restarts: the prompt's first forked rows
+        n_root = jnp.clip(rule.root_restarts(stats, counts), 0, None)
+        forked_PxW = forked.reshape(live.shape)
+        root = (forked_PxW & (kernels.rank_within(forked_PxW) < n_root[:, None])).reshape(-1)
     fb = fall_back(leaves, nodes, jnp.sum(live, axis=-1).astype(jnp.int32), inputs.key, counters.segment, tc=tc)
     cache, new_rows = fork(cache, cache_order, rows.replace(alive_R=live.reshape(-1)), leaves, src, forked, fb,
                            inputs, model=model, tc=tc)
+    if rule.restarts and not tc.slots:
+        new_rows = restart_at_root(new_rows, root, inputs, tc=tc)
     if tc.slots:
         new_rows = new_rows.replace(slots_R=split_slots(rows.slots_R, counts.reshape(-1), src, child,
                                                         new_rows.alive_R))
@@ -463,6 +489,7 @@ def segment_step(state: TreeState, inputs: RolloutInputs, *, model: decode.Model
     counters = counters.replace(
         segment=counters.segment + 1, decoded=decoded, forks=counters.forks + jnp.sum(forked).astype(jnp.int32),
         fallbacks=counters.fallbacks + jnp.sum(fb.need_P).astype(jnp.int32),
-        from_root=counters.from_root + jnp.sum(fb.need_P & ~fb.has_leaf_P).astype(jnp.int32))
+        from_root=counters.from_root + jnp.sum(fb.need_P & ~fb.has_leaf_P).astype(jnp.int32),
+        root_restarts=counters.root_restarts + jnp.sum(root).astype(jnp.int32))
     return shard_state(model, TreeState(cache=cache, rows=rows, leaves=release_rows(leaves, rows.alive_R),
                                         nodes=nodes, counters=counters))

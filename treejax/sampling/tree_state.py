@@ -135,8 +135,9 @@ class Nodes:
 @struct.dataclass
 class Counters:
     """Scalar counters: ``segment`` loop iterations, ``decoded`` sampled tokens, ``forks`` rows copied at branch
-    points, ``fallbacks`` / ``from_root`` fallback events (from the root: no resident leaf), ``stops_K`` leaves
-    per :class:`NodeStatus` code."""
+    points, ``fallbacks`` / ``from_root`` fallback events (from the root: no resident leaf), ``root_restarts``
+    new paths a rule started at the root instead of forking them (ROSE's epsilon-root), ``stops_K`` leaves per
+    :class:`NodeStatus` code."""
 
     segment: jax.Array
     decoded: jax.Array
@@ -144,12 +145,13 @@ class Counters:
     fallbacks: jax.Array
     from_root: jax.Array
     stops_K: jax.Array
+    root_restarts: jax.Array
 
     @classmethod
     def zeros(cls) -> Counters:
         z = jnp.int32(0)
         return cls(segment=z, decoded=z, forks=z, fallbacks=z, from_root=z,
-                   stops_K=jnp.zeros((len(NodeStatus),), jnp.int32))
+                   stops_K=jnp.zeros((len(NodeStatus),), jnp.int32), root_restarts=z)
 
 
 @struct.dataclass
@@ -174,8 +176,9 @@ class RolloutInfo:
     """What one tree rollout did (the second output of ``make_tree_rollout``'s ``rollout``), as device arrays.
 
     Scalars: ``decoded_tokens`` (sampled tokens, each shared prefix once), ``prefilled_tokens``, ``forks`` (rows
-    copied at branch points), ``fallbacks`` / ``fallback_from_root`` (fallback events; from the root: no resident
-    leaf), ``segments`` (loop rounds), ``complete`` (every prompt has ``W`` leaves). ``stops_K``: leaves per
+    copied at branch points; root restarts included), ``fallbacks`` / ``fallback_from_root`` (fallback events;
+    from the root: no resident leaf), ``root_restarts`` (new paths started at the root by the rule, e.g. ROSE's
+    epsilon-root), ``segments`` (loop rounds), ``complete`` (every prompt has ``W`` leaves). ``stops_K``: leaves per
     :class:`NodeStatus` code (:attr:`stops` by name). Per prompt: ``num_nodes_P``, ``init_divergence_P``. Per leaf
     token ``[P, W, T]`` (0 past a leaf's end): ``sampling_logprobs_PxWxT`` (log q under the sampling strategy, e.g.
     after top-p) and ``entropy_PxWxT`` (of the policy at temperature 1; zeros unless ``TreeConfig.with_entropy`` or
@@ -189,6 +192,7 @@ class RolloutInfo:
     segments: jax.Array
     stops_K: jax.Array
     complete: jax.Array
+    root_restarts: jax.Array
     num_nodes_P: jax.Array
     init_divergence_P: jax.Array
     sampling_logprobs_PxWxT: jax.Array
@@ -202,7 +206,8 @@ class RolloutInfo:
     def as_dict(self) -> dict:
         """The counters under the names the rollout's ``info`` dict had (``stops`` a dict by name)."""
         return dict(decoded_tokens=self.decoded_tokens, prefilled_tokens=self.prefilled_tokens, forks=self.forks,
-                    fallbacks=self.fallbacks, fallback_from_root=self.fallback_from_root, segments=self.segments,
+                    fallbacks=self.fallbacks, fallback_from_root=self.fallback_from_root,
+                    root_restarts=self.root_restarts, segments=self.segments,
                     stops=self.stops, complete=self.complete, num_nodes=self.num_nodes_P,
                     init_divergence=self.init_divergence_P, sampling_logprobs=self.sampling_logprobs_PxWxT,
                     entropy=self.entropy_PxWxT)

@@ -131,13 +131,15 @@ class BranchingRule:
     ``needs_entropy`` / ``top_k`` / ``token_stats``: per-token statistics the rule reads (the decode step
     computes them only when asked; ``token_stats`` from :mod:`treejax.sampling.token_stats`). ``prunes``: whether :meth:`prune` can return True (static; ``False`` skips the pruning stage).
     ``splits_slots``: whether the rule implements :meth:`slot_children` (slot trees, ``TreeConfig.allocation =
-    "slots"``, accept only such rules).
+    "slots"``, accept only such rules). ``restarts``: whether :meth:`root_restarts` can turn new children into
+    fresh root paths (static; ``False`` skips the stage).
     """
 
     needs_entropy: ClassVar[bool] = False
     top_k: ClassVar[int] = 0
     token_stats: ClassVar[tuple[str, ...]] = ()
     prunes: ClassVar[bool] = False
+    restarts: ClassVar[bool] = False
     splits_slots: ClassVar[bool] = False
 
     def prune(self, stats: PathStats) -> jax.Array:
@@ -147,6 +149,12 @@ class BranchingRule:
     def allocate(self, stats: PathStats, total_P: jax.Array) -> jax.Array:
         """int32[P, W]: children per live path (``>= 1``; 0 elsewhere), summing to at most ``max(total, A)``."""
         raise NotImplementedError
+
+    def root_restarts(self, stats: PathStats, counts_PxW: jax.Array) -> jax.Array:
+        """int32[P]: how many of the prompt's new children (``sum(counts - 1)`` over its live paths) start afresh
+        at the root instead of forking (only read when ``restarts``; default none). The sampler turns the
+        prompt's first forked rows into root paths: same row budget, a new independent draw from the prompt."""
+        return jnp.zeros(counts_PxW.shape[:1], jnp.int32)
 
     def slot_children(self, stats: PathStats, slots_PxW: jax.Array) -> jax.Array:
         """int32[P, W]: children of each live path of a slot tree, in ``[1, min(b, slots)]`` (0 elsewhere).

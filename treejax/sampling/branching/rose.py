@@ -11,11 +11,15 @@ scores, ``branches - 1`` extra children each (:func:`capped_allocation`, as the 
 ``"cosine_entropy"`` (the product above), ``"cosine"`` (``-F_t``) or ``"entropy"`` (``H_t``) — the code's three
 ``branch_metric`` values.
 
+**Epsilon-root** (``epsilon``; the code's ``entropy_branching_epsilon``, 0.5 in its ``example.sh``, 0 = off
+here by default): in the code each iteration's new rollout starts from the bare prompt with probability
+``epsilon``; here each new child of a boundary does, independently, with probability ``epsilon`` (it takes its
+row as a fork would and restarts at the root: :meth:`BranchingRule.root_restarts`; counted in
+``root_restarts``).
+
 Deviations, stated: ``H_t`` is the full-vocabulary entropy (the code's is truncated to vLLM's 20 returned
-log-probs); forks happen at segment boundaries, not at the scored token itself; ROSE's epsilon-root exploration
-(with probability 0.5 a new rollout starts from the bare prompt) is not built (a segment tree's fresh roots are
-its ``init_divergence``). ROSE's length-aware advantage shaping is the shaper
-:class:`treejax.rl.shaping.RoseLengthPenalty`.
+log-probs); forks happen at segment boundaries, not at the scored token itself. ROSE's length-aware advantage
+shaping is the shaper :class:`treejax.rl.shaping.RoseLengthPenalty`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class RoseBranching(BranchingRule):
     metric: str = "cosine_entropy"
     branches: int | None = None
     spill: bool = True
+    epsilon: float = 0.0
 
     token_stats = ("semantic_similarity",)
 
@@ -44,6 +49,20 @@ class RoseBranching(BranchingRule):
         check_choice("RoseBranching.metric", self.metric, ("cosine_entropy", "cosine", "entropy"))
         if self.branches is not None and self.branches < 1:
             raise ValueError(f"RoseBranching.branches must be >= 1, got {self.branches}")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"RoseBranching.epsilon must be in [0, 1], got {self.epsilon}")
+
+    @property
+    def restarts(self) -> bool:  # type: ignore[override]
+        return self.epsilon > 0
+
+    def root_restarts(self, stats: PathStats, counts_PxW: jax.Array) -> jax.Array:
+        """int32[P]: each of the prompt's ``E = sum(counts - 1)`` new children restarts at the root with
+        probability ``epsilon`` (independent draws from the boundary's key)."""
+        extra = jnp.sum(jnp.maximum(counts_PxW - 1, 0), axis=-1)
+        draws = jax.random.uniform(jax.random.fold_in(stats.key, 0x0E5), counts_PxW.shape) < self.epsilon
+        first = jnp.arange(counts_PxW.shape[-1])[None, :] < extra[:, None]
+        return jnp.sum(draws & first, axis=-1).astype(jnp.int32)
 
     @property
     def needs_entropy(self) -> bool:  # type: ignore[override]

@@ -26,6 +26,7 @@ ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adapt
                           "train_split = 'eval', majority"),
         "tp_base": ("TreePO transfer tree (baseline of the two rules below)", "efficacy_treepo.gin"),
         "tp_rose": ("ROSE cosine-entropy branching", "TreeConfig.branching = @RoseBranching()"),
+        "tp_rose_eps": ("ROSE cosine-entropy branching + epsilon-root 0.5", "@RoseBranching(), epsilon = 0.5"),
         "tp_arrol": ("ARRoL quality head + balanced pruning", "@QualityHead() + @QualityPrune()")}
 
 

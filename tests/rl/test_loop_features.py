@@ -85,7 +85,8 @@ def _extra(case):
             "shaper_verl": ["RunConfig.shapers = [@EffectiveRankBonus()]", "EffectiveRankBonus.stride = 2"],
             # ARRoL: the head trains on the first step; its probe reaches the sampler (pruning waits for ready)
             "shaper_arrol": ["RunConfig.num_steps = 2", "RunConfig.shapers = [@QualityHead()]",
-                             "TreeConfig.branching = @QualityPrune()",
+                             "TreeConfig.branching = @QualityPrune()", "EvalConfig.k = 2",
+                             "EvalConfig.vote_probe = 'arrol_head'",
                              "QualityPrune.prune_depth = 1"],
             "rose_branching": ["TreeConfig.branching = @RoseBranching()", "RoseBranching.epsilon = 0.5",
                                "RunConfig.shapers = [@RoseLengthPenalty()]"],
@@ -99,6 +100,8 @@ def test_feature_runs_through_the_cli(case, tiny_checkpoint, tmp_path):
     # an entropy bonus gives every case a gradient although a random model solves nothing (all rewards equal)
     summary = _run(tiny_checkpoint, tmp_path, "LossConfig.entropy_coef = 0.01", *_extra(case))
     _check_row(case, summary["history"][0])
+    if case == "shaper_arrol":  # ARRoL's test-time vote, weighted by the trained head
+        assert 0.0 <= summary["evals"][-1]["wmaj@k"] <= 1.0
 
 
 @pytest.mark.slow

@@ -404,3 +404,25 @@ def test_stateful_shapers_need_their_state_and_appear_once():
         check_shapers([EffectiveRankBonus(), EffectiveRankBonus(stride=3)])
     with pytest.raises(ValueError, match="apply_to"):
         EffectiveRankBonus(apply_to="first")
+
+
+def test_probe_readers_need_the_shaper_that_trains_the_probe():
+    """ARRoL's pruning rule and the probe-weighted held-out vote name the quality head; without it the config is a
+    one-line ConfigError, and a vote without samples a ValueError."""
+    import dataclasses as dc
+
+    from treejax.errors import ConfigError
+    from treejax.rl.config import RunConfig
+    from treejax.rl.evaluation import EvalConfig
+    from treejax.rl.shaping import EffectiveRankBonus, QualityHead
+    from treejax.sampling.branching import QualityPrune
+
+    base = RunConfig()
+    with pytest.raises(ConfigError, match="QualityHead"):
+        RunConfig(rollout=dc.replace(base.rollout, branching=QualityPrune()))
+    with pytest.raises(ConfigError, match="vote_probe"):  # VERL is stateful but offers no probe
+        RunConfig(shapers=[EffectiveRankBonus()], eval=EvalConfig(k=4, vote_probe="arrol_head"))
+    with pytest.raises(ValueError, match="k >= 1"):
+        EvalConfig(vote_probe="arrol_head")
+    RunConfig(shapers=[QualityHead()], rollout=dc.replace(base.rollout, branching=QualityPrune()),
+              eval=EvalConfig(k=4, vote_probe="arrol_head"))

@@ -261,3 +261,23 @@ def test_rose_epsilon_root_restarts_are_independent_exact_paths():
             ref = [z[LENS[p] - 1 + t, toks[p, w_, t]] - np.log(np.exp(z[LENS[p] - 1 + t] - z[LENS[p] - 1 + t].max()).sum())
                    - z[LENS[p] - 1 + t].max() for t in range(n[p, w_])]
             np.testing.assert_allclose(lp[p, w_, : n[p, w_]], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_records_the_probe_and_weighted_votes_follow_it():
+    """The linear sampler's ``probe_logits`` equal the probe on a full forward's hidden states (the state that
+    sampled each token), and ``maj_at_k`` with weights lets a few heavy votes beat a light majority."""
+    from treejax.rl.evaluation import maj_at_k
+
+    params = transformer.init_params(CFG, jax.random.key(8))
+    w = np.asarray(jax.random.normal(jax.random.key(9), (CFG.hidden_size,)), np.float32)
+    probe = {"w": jnp.asarray(w), "b": jnp.float32(-0.2)}
+    out = decode.generate(params, FNS, PROMPTS, LENS, jax.random.key(10), 6, stop_ids=(63,), probe=probe)
+    z, n, toks = np.asarray(out.probe_logits), np.asarray(out.lengths), np.asarray(out.tokens)
+    for p in range(P):
+        pr, _ = _forward_channels(params, probe, PROMPTS[p], LENS[p], toks[p, : n[p]])
+        np.testing.assert_allclose(z[p, : n[p]], pr, rtol=2e-4, atol=2e-4)
+        assert float(out.last_probe_logit()[p]) == pytest.approx(float(z[p, n[p] - 1]))
+    assert decode.generate(params, FNS, PROMPTS, LENS, jax.random.key(10), 6, stop_ids=(63,)).probe_logits is None
+    answers, scores = [["1", "1", "2"]], [[0.0, 0.0, 1.0]]
+    assert maj_at_k(answers, scores)[0] == 0.0
+    assert maj_at_k(answers, scores, [[0.2, 0.3, 0.9]])[0] == 1.0

@@ -248,8 +248,14 @@ class RunConfig:
         self._check_schedule()
 
     def _check_probe(self) -> None:
-        """A branching rule that reads a shaper's probe (ARRoL's pruning reads the quality head) needs that
-        shaper among ``shapers``."""
+        """A branching rule that reads a shaper's probe (ARRoL's pruning reads the quality head), or a held-out
+        vote weighted by one (``EvalConfig.vote_probe``), needs that shaper among ``shapers``."""
+        stateful = [s.name for s in self.shapers if s.stateful and type(s).probe is not Shaper.probe]  # has a probe
+        vote = self.eval.vote_probe if self.eval is not None else None
+        if vote is not None and vote not in stateful:
+            raise ConfigError(f"EvalConfig.vote_probe = {vote!r} weights held-out votes by that shaper's probe, "
+                              f"which RunConfig.shapers does not train; fix: RunConfig.shapers = [@QualityHead()] "
+                              f"(shapers with a probe now: {stateful})")
         rule = self.rollout.rule
         if "probe" not in rule.token_stats:
             return

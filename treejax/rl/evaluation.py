@@ -11,7 +11,10 @@ Metrics (``n = k`` samples per problem, ``c`` of them correct; every metric is a
 * ``pass@j``     the unbiased estimator of Chen et al. 2021 (:func:`pass_at_k`) with ``n = k``, for ``j`` = 2, 4,
   8, ... ``< k``; ``pass@k`` itself (``j = n = k``) is ``1[c > 0]``: some sample is correct;
 * ``maj@k``      the majority answer among the ``k`` samples is correct (:func:`maj_at_k`: one vote of all ``k``
-  samples, answers extracted with the task's extraction mode; unparseable answers do not vote).
+  samples, answers extracted with the task's extraction mode; unparseable answers do not vote);
+* ``wmaj@k``     (``EvalConfig.vote_probe``) the same vote with each sample weighted by a quality probe's predicted
+  success ``sigmoid(w . h + b)`` at its last decoded token: ARRoL's test-time voting with its online head
+  (:class:`treejax.rl.shaping.QualityHead`).
 
 Decoding uses :func:`treejax.sampling.decode.generate` with a fixed batch of ``batch_size`` rows (the last batch is
 padded with copies of its first prompt), so each pass compiles once per prompt-length bucket. The sampled pass
@@ -60,6 +63,8 @@ class EvalConfig:
       k: samples per problem for pass@k / maj@k; 0 = greedy only.
       temperature: sampling temperature of the ``k`` samples (> 0).
       seed: key of the sampled pass.
+      vote_probe: name of the stateful shaper whose probe weights the votes (``"arrol_head"``: ARRoL's quality
+        head) for ``wmaj@k``; needs ``k > 0`` and that shaper in ``RunConfig.shapers``.
     """
 
     num_problems: int = 32
@@ -68,6 +73,7 @@ class EvalConfig:
     k: int = 0
     temperature: float = 1.0
     seed: int = 0
+    vote_probe: Optional[str] = None
 
     def __post_init__(self):
         for name, low in (("num_problems", 1), ("max_new_tokens", 1), ("batch_size", 1), ("k", 0)):
@@ -81,6 +87,9 @@ class EvalConfig:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float, np.floating)) \
                 or not math.isfinite(self.temperature) or self.temperature <= 0:
             raise ValueError(f"EvalConfig.temperature must be a finite number > 0, got {self.temperature!r}")
+        if self.vote_probe is not None and self.k < 1:
+            raise ValueError(f"EvalConfig.vote_probe = {self.vote_probe!r} weights the votes of k samples: set "
+                             "EvalConfig.k >= 1")
 
 
 # ----------------------------------------------------------------------------------------------- estimators
@@ -146,20 +155,22 @@ def majority_vote(answers: Sequence[Optional[str]], weights: Optional[Sequence[f
     return first[best]
 
 
-def maj_at_k(answers: Sequence[Sequence[Optional[str]]], scores: Sequence[Sequence[float]]) -> np.ndarray:
+def maj_at_k(answers: Sequence[Sequence[Optional[str]]], scores: Sequence[Sequence[float]],
+             weights: Optional[Sequence[Sequence[float]]] = None) -> np.ndarray:
     """Per-problem majority-vote correctness (0/1) over all the samples given (``n = k``: one vote of ``k``).
 
     ``answers[p][s]``: the answer extracted from sample ``s`` of problem ``p`` (None = unparseable);
     ``scores[p][s]``: that sample's verifier score. The vote (:func:`majority_vote`) picks a representative sample
     whose answer is the majority answer; the problem counts as solved iff that sample's score is ``>= 1.0`` (the
-    score of the voted answer as the task sees it, without re-scoring). No answer at all counts as wrong."""
+    score of the voted answer as the task sees it, without re-scoring). No answer at all counts as wrong.
+    ``weights[p][s]``: each sample's vote (default 1)."""
     if len(answers) != len(scores):
         raise ValueError(f"maj_at_k: {len(answers)} answer lists but {len(scores)} score lists")
     out = np.zeros(len(answers), np.float64)
     for p, (a, s) in enumerate(zip(answers, scores)):
         if len(a) != len(s):
             raise ValueError(f"maj_at_k: problem {p} has {len(a)} answers but {len(s)} scores")
-        rep = majority_vote(a)
+        rep = majority_vote(a, None if weights is None else weights[p])
         out[p] = float(rep is not None and s[rep] >= 1.0)
     return out
 
@@ -179,27 +190,33 @@ def prompt_width_for(tokenizer, examples, system_prompt=None, instruction=None) 
     return bucket_length(max(len(t) for t in encode_examples(tokenizer, examples, system_prompt, instruction)))
 
 
-def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_tokens, batch_size, strategy, key):
-    """Responses (texts, lengths) of ``token_lists`` in fixed batches of ``batch_size`` rows."""
+def _decode(params, model_config, tokenizer, token_lists, prompt_width, max_new_tokens, batch_size, strategy, key,
+            probe=None):
+    """Responses (texts, lengths) of ``token_lists`` in fixed batches of ``batch_size`` rows; with a ``probe``
+    also its logit at each response's last decoded token (a third list)."""
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     stop_ids = resolve_stop_ids(None, tokenizer=tokenizer)
-    texts, lengths = [], []
+    texts, lengths, probe_logits = [], [], []
     for b, start in enumerate(range(0, len(token_lists), batch_size)):
         chunk = list(token_lists[start: start + batch_size])
         real = len(chunk)
         chunk += [chunk[0]] * (batch_size - real)
         prompts, lens = pad_token_lists(chunk, prompt_width, pad_id)
         out = generate(params, model_config, prompts, lens, jax.random.fold_in(key, b), max_new_tokens, strategy,
-                       stop_ids=stop_ids)
+                       stop_ids=stop_ids, probe=probe)
         # all-gathered where the rows span other processes (every process decodes and scores the same problems)
         tokens, out_lens = host_tree((out.tokens, out.lengths))
         texts += decode_texts(tokenizer, tokens[:real], out_lens[:real])
         lengths += [int(n) for n in out_lens[:real]]
+        if probe is not None:
+            probe_logits += [float(z) for z in np.asarray(host_tree(out.last_probe_logit()))[:real]]
+    if probe is not None:
+        return texts, lengths, probe_logits
     return texts, lengths
 
 
 def evaluate(params, model_config, tokenizer, task, examples, prompt_width: int, config: EvalConfig,
-             system_prompt=None, instruction=None, *, with_details: bool = False) -> dict[str, Any]:
+             system_prompt=None, instruction=None, *, with_details: bool = False, probe=None) -> dict[str, Any]:
     """Greedy accuracy and, when ``config.k > 0``, pass@1 / pass@j / pass@k / maj@k of ``k`` samples per problem.
 
     ``examples``: held-out :class:`~treejax.data.tasks.Example` s (the first ``config.num_problems`` are used);
@@ -211,6 +228,8 @@ def evaluate(params, model_config, tokenizer, task, examples, prompt_width: int,
     ``"pass@8"``, ``"maj@8"``), the aliases ``"pass@k"`` / ``"maj@k"`` (same values, for callers that do not know
     ``k``) and ``"sample_mean_length"``. ``with_details=True`` adds ``"problems"``: per problem its uid, question,
     ground truth, greedy text/answer/score/length and the samples' texts/answers/scores/voted answer.
+    ``probe`` (``{"w", "b"}``, with ``config.vote_probe``): adds ``"wmaj@{k}"`` / ``"wmaj@k"``, the vote weighted
+    by each sample's predicted success (module docstring).
     """
     if not isinstance(config, EvalConfig):
         raise TypeError(f"config must be an EvalConfig, got {type(config).__name__}")
@@ -234,11 +253,14 @@ def evaluate(params, model_config, tokenizer, task, examples, prompt_width: int,
                for ex, t, s, n in zip(examples, g_texts, g_scores, g_lens)] if with_details else None
 
     k = config.k
+    if config.vote_probe is not None and probe is None:
+        raise ValueError(f"EvalConfig.vote_probe = {config.vote_probe!r} but evaluate got no probe")
     if k > 0:
         rows = [t for t in toks for _ in range(k)]
-        s_texts, s_lens = _decode(params, model_config, tokenizer, rows, prompt_width, config.max_new_tokens,
-                                  config.batch_size, Temperature(float(config.temperature)),
-                                  jax.random.key(config.seed))
+        decoded = _decode(params, model_config, tokenizer, rows, prompt_width, config.max_new_tokens,
+                          config.batch_size, Temperature(float(config.temperature)), jax.random.key(config.seed),
+                          probe if config.vote_probe is not None else None)
+        s_texts, s_lens = decoded[0], decoded[1]
         scores = np.array([task.score(t, examples[r // k]) for r, t in enumerate(s_texts)], np.float64).reshape(P, k)
         answers = [[extract_answer(task, t) for t in s_texts[p * k: (p + 1) * k]] for p in range(P)]
         c = np.sum(scores >= 1.0, axis=1)
@@ -250,6 +272,9 @@ def evaluate(params, model_config, tokenizer, task, examples, prompt_width: int,
         result[f"pass@{k}"] = result["pass@k"] = float(np.mean(pass_at_k(k, c, k)))
         maj = maj_at_k(answers, scores)
         result[f"maj@{k}"] = result["maj@k"] = float(np.mean(maj))
+        if config.vote_probe is not None:
+            w = 1.0 / (1.0 + np.exp(-np.asarray(decoded[2], np.float64).reshape(P, k)))
+            result[f"wmaj@{k}"] = result["wmaj@k"] = float(np.mean(maj_at_k(answers, scores, w.tolist())))
         result["sample_mean_length"] = float(np.mean(s_lens))
         if details is not None:
             for p, d in enumerate(details):

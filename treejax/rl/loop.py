@@ -57,6 +57,7 @@ from treejax.parallel import multihost
 from treejax.parallel.mesh import mesh_context
 from treejax.rl.config import RunConfig
 from treejax.rl.evaluation import evaluate
+from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.health import divergence, nonfinite_update_error
 from treejax.rl.report import step_line, write_tree_picture
 from treejax.rl.setup import Run, build_run, make_collector
@@ -221,8 +222,11 @@ class StepLogger:
 def evaluate_now(r: Run, step: int) -> dict:
     """Held-out evaluation with the sampler's weights; logged against the step and the wall clock."""
     t = time.perf_counter()
+    vote = r.cfg.eval.vote_probe
+    probe = shaping_probes(r.cfg.shapers, r.state.aux)[vote] if vote is not None else None
     out = evaluate(r.learner.sampler_params(r.state.params), r.sampler_fns, r.tokenizer, r.task, r.eval_examples,
-                   r.prompt_width, r.cfg.eval, system_prompt=r.cfg.system_prompt, instruction=r.cfg.instruction)
+                   r.prompt_width, r.cfg.eval, system_prompt=r.cfg.system_prompt, instruction=r.cfg.instruction,
+                   probe=probe)
     out = dict(out, step=step, wall_s=time.perf_counter() - r.t_start, eval_s=time.perf_counter() - t)
     scalars = {f"eval/{k}": v for k, v in out.items() if k not in ("n", "k", "step", "wall_s")}
     r.writer.write_scalars(step, scalars)

@@ -296,7 +296,8 @@ class GenerateOutput:
     ``tokens [B, N]`` (pad 0 past the end), ``logprobs [B, N]`` (policy, temperature 1), ``sampling_logprobs
     [B, N]``, ``entropy [B, N]`` (zeros unless requested), ``mask [B, N]`` (True on generated tokens),
     ``lengths [B]``, ``finish_reason [B]`` (:class:`FinishReason`), ``decoded_tokens`` (scalar),
-    ``prefilled_tokens`` (scalar)."""
+    ``prefilled_tokens`` (scalar); ``probe_logits [B, N]`` (with a ``probe``: ``w . h + b`` on the hidden state
+    that sampled each token, :mod:`treejax.sampling.token_stats`; else ``None``)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -307,6 +308,12 @@ class GenerateOutput:
     finish_reason: jax.Array
     decoded_tokens: jax.Array
     prefilled_tokens: jax.Array
+    probe_logits: jax.Array | None = None
+
+    def last_probe_logit(self) -> jax.Array:
+        """``[B]``: the probe at each row's last decoded token (0 for empty rows)."""
+        t = jnp.maximum(self.lengths - 1, 0)[:, None]
+        return jnp.where(self.lengths > 0, jnp.take_along_axis(self.probe_logits, t, axis=1)[:, 0], 0.0)
 
 
 def stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -318,8 +325,8 @@ def stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "strategy", "stop_ids", "with_entropy"),
                    compiler_options=SAMPLER_COMPILER_OPTIONS)
-def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_tokens: int, strategy: Strategy,
-                   stop_ids: tuple[int, ...], with_entropy: bool) -> GenerateOutput:
+def _generate_core(params, prompts, lengths, key, probe=None, *, model: ModelFns, max_new_tokens: int,
+                   strategy: Strategy, stop_ids: tuple[int, ...], with_entropy: bool) -> GenerateOutput:
     _count_trace("generate")
     B, Lb = prompts.shape
     N = max_new_tokens
@@ -332,8 +339,9 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
     f32 = jnp.zeros((B, N), jnp.float32)
     state = dict(t=jnp.int32(0), cache=cache, pending=pending, position=position, done=jnp.zeros((B,), bool),
                  reason=jnp.zeros((B,), jnp.int32), tokens=jnp.zeros((B, N), jnp.int32), logp=f32, slogp=f32,
-                 ent=f32, mask=jnp.zeros((B, N), bool))
-    row_keys = ("pending", "position", "done", "reason", "tokens", "logp", "slogp", "ent", "mask")
+                 ent=f32, mask=jnp.zeros((B, N), bool), probe=f32)
+    row_keys = ("pending", "position", "done", "reason", "tokens", "logp", "slogp", "ent", "mask", "probe")
+    stats = ("probe",) if probe is not None else ()
 
     def shard(s):  # per-row state sharded like the cache rows (identity without a mesh)
         return dict(s, **model.shard_rows({k: s[k] for k in row_keys}))
@@ -347,8 +355,9 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
         t = s["t"]
         live = ~s["done"]
         keys = token_keys(key, rows, epochs, jnp.full((B,), t, jnp.int32))
-        tok, lp, slp, ent, cache = decode_token(model, strategy, params, s["cache"], s["pending"], s["position"],
-                                                live, keys, with_entropy)
+        tok, lp, slp, ent, _, extra, cache = decode_token_stats(model, strategy, params, s["cache"], s["pending"],
+                                                                s["position"], live, keys, with_entropy, 0, stats,
+                                                                probe)
         tok = jnp.where(live, tok, 0)
         stopped = live & stop_mask(tok, stop_ids)
         at_len = live & ~stopped & (t + 1 >= N)
@@ -360,18 +369,20 @@ def _generate_core(params, prompts, lengths, key, *, model: ModelFns, max_new_to
                           logp=s["logp"].at[:, t].set(jnp.where(live, lp, zero)),
                           slogp=s["slogp"].at[:, t].set(jnp.where(live, slp, zero)),
                           ent=s["ent"].at[:, t].set(jnp.where(live & with_entropy, ent, zero)),
-                          mask=s["mask"].at[:, t].set(live)))
+                          mask=s["mask"].at[:, t].set(live),
+                          probe=s["probe"].at[:, t].set(jnp.where(live, extra[:, 0], zero)) if stats
+                          else s["probe"]))
 
     s = lax.while_loop(cond, body, state)
     n = jnp.sum(s["mask"], axis=-1).astype(jnp.int32)
     return GenerateOutput(tokens=s["tokens"], logprobs=s["logp"], sampling_logprobs=s["slogp"], entropy=s["ent"],
                           mask=s["mask"], lengths=n, finish_reason=s["reason"], decoded_tokens=jnp.sum(n),
-                          prefilled_tokens=jnp.sum(lengths - 1))
+                          prefilled_tokens=jnp.sum(lengths - 1), probe_logits=s["probe"] if stats else None)
 
 
 def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.Array, max_new_tokens: int,
              strategy: Strategy = Greedy(), stop_ids: tuple[int, ...] | None = None,
-             with_entropy: bool = False, mesh=None, rules: Rules = DEFAULT_RULES) -> GenerateOutput:
+             with_entropy: bool = False, mesh=None, rules: Rules = DEFAULT_RULES, probe=None) -> GenerateOutput:
     """Linear sampling of ``max_new_tokens`` after each right-padded prompt (``prompts [B, Lp]``, ``lengths [B]``).
 
     ``stop_ids`` default to the model config's ``eos_token_ids``. A row stops after sampling a stop token (kept in
@@ -379,6 +390,8 @@ def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.A
     exits early when every row is done. ``mesh`` / ``rules``: sample sharded on a ``jax.sharding.Mesh`` (cache
     rows over ``data x fsdp``, KV heads over ``tensor``, see :mod:`treejax.sampling.cache`; place ``params`` by
     ``transformer.param_logical_axes`` first); same as passing ``make_model_fns(config, mesh=mesh)``.
+    ``probe`` (``{"w": [E], "b": []}``, e.g. ARRoL's quality head): also record its logit at every token
+    (``GenerateOutput.probe_logits``; the fns need ``step_hidden``).
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -386,6 +399,6 @@ def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.A
     stop_ids = resolve_stop_ids(stop_ids, model)
     tokens, lens = validate_prompts(prompts, lengths)
     bucket = bucket_length(tokens.shape[1])
-    return _generate_core(params, jnp.asarray(pad_prompts(tokens, bucket)), jnp.asarray(lens), key, model=fns,
+    return _generate_core(params, jnp.asarray(pad_prompts(tokens, bucket)), jnp.asarray(lens), key, probe, model=fns,
                           max_new_tokens=int(max_new_tokens), strategy=strategy, stop_ids=stop_ids,
                           with_entropy=bool(with_entropy))

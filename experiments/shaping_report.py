@@ -27,7 +27,8 @@ ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adapt
         "tp_base": ("TreePO transfer tree (baseline of the two rules below)", "efficacy_treepo.gin"),
         "tp_rose": ("ROSE cosine-entropy branching", "TreeConfig.branching = @RoseBranching()"),
         "tp_rose_eps": ("ROSE cosine-entropy branching + epsilon-root 0.5", "@RoseBranching(), epsilon = 0.5"),
-        "tp_arrol": ("ARRoL quality head + balanced pruning", "@QualityHead() + @QualityPrune()")}
+        "tp_arrol": ("ARRoL quality head + balanced pruning", "@QualityHead() + @QualityPrune()"),
+        "tp_arrol_vote": ("ARRoL, as above, evaluated with k = 8 (see wmaj@8)", "EvalConfig.vote_probe")}
 
 
 def main(folder: str) -> None:

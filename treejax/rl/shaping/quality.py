@@ -19,7 +19,8 @@ section could not be read, so the architecture and training below are choices, s
 
 The head does not change the advantages. It offers the sampler a **probe** (``w``, ``b`` and ``ready`` once it
 has trained): the branching rule :class:`treejax.sampling.branching.arrol.QualityPrune` reads the probe's
-per-token predictions during decoding and prunes paths so the survivors are correctness-balanced.
+per-token predictions during decoding and prunes paths so the survivors are correctness-balanced, and the
+held-out evaluation weights each sample's vote by it (``EvalConfig.vote_probe = "arrol_head"``, ``wmaj@k``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Choices where the paper could not be read (its code is not released), stated her
 boundary (``prune_depth``), not a token count; the kept fraction is ``keep = 0.5`` (the paper launches about
 twice the rollouts it keeps); and, as for every treejax pruning rule, a pruned path stays in the forest as a
 ``PRUNED`` leaf with its partial response and the verifier's reward for it (ARRoL drops pruned rollouts from the
-update). Held-out voting weighted by the head is not built.
+update). The head's third use, weighting held-out votes, is ``EvalConfig.vote_probe`` (``eval/wmaj@k``).
 """
 
 from __future__ import annotations

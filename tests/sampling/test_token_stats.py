@@ -277,7 +277,6 @@ def test_generate_records_the_probe_and_weighted_votes_follow_it():
         pr, _ = _forward_channels(params, probe, PROMPTS[p], LENS[p], toks[p, : n[p]])
         np.testing.assert_allclose(z[p, : n[p]], pr, rtol=2e-4, atol=2e-4)
         assert float(out.last_probe_logit()[p]) == pytest.approx(float(z[p, n[p] - 1]))
-    assert decode.generate(params, FNS, PROMPTS, LENS, jax.random.key(10), 6, stop_ids=(63,)).probe_logits is None
     answers, scores = [["1", "1", "2"]], [[0.0, 0.0, 1.0]]
     assert maj_at_k(answers, scores)[0] == 0.0
     assert maj_at_k(answers, scores, [[0.2, 0.3, 0.9]])[0] == 1.0

@@ -48,7 +48,7 @@ def test_misspelled_binding_names_closest(tmp_path):
         train.parse([], ["TreeConfig.segment_lenght = 3"])
     with pytest.raises(ConfigError, match="'RunConfg.num_steps'; did you mean RunConfig.num_steps[?]"):
         train.parse([], ["RunConfg.num_steps = 3"])
-    with pytest.raises(ConfigError, match="did you mean OptimizerConfig.learning_rate[?]"):  # the wrong class
+    with pytest.raises(ConfigError, match=r"did you mean OptimizerConfig.learning_rate\b"):  # the wrong class first
         train.parse([], ["RunConfig.learning_rate = 1e-5"])
     with pytest.raises(ConfigError, match="unknown configurable @Temprature in TreeConfig.strategy; did you mean "
                                           "Temperature[?]"):

@@ -285,6 +285,7 @@ def test_smollm2_logits_match_transformers_gguf(smollm2):
         assert err <= 1e-4, f"prompt {i}: max relative logits error {err:.2e}"
 
 
+@pytest.mark.slow  # the default run checks the logits against transformers (test above); this decodes 32 tokens
 def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
     """treejax: greedy loop over the full forward (fixed padded length: one compilation, logits only at each
     row's last token); transformers: an argmax loop over its own KV-cached forward. No EOS stop on either side."""

@@ -128,8 +128,9 @@ def format_table(metrics: dict) -> str:
 
 
 def eval_defaults(run_cfg) -> dict:
-    """EvalConfig fields of a RunConfig's ``eval``."""
-    return dataclasses.asdict(run_cfg.eval)
+    """EvalConfig fields of a RunConfig's ``eval``, without ``vote_probe``: this evaluator restores the policy's
+    parameters only, not the shapers' state (``TrainState.aux``) that a probe-weighted vote reads."""
+    return dict(dataclasses.asdict(run_cfg.eval), vote_probe=None)
 
 
 def _run_config(args, checkpoint_root):
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     system_prompt = args.system_prompt if args.system_prompt is not None else run_cfg.system_prompt
     instruction = args.instruction if args.instruction is not None else run_cfg.instruction
     defaults = eval_defaults(run_cfg)
-    config = EvalConfig(**{name: getattr(args, name) if getattr(args, name) is not None else value
+    config = EvalConfig(**{name: getattr(args, name, None) if getattr(args, name, None) is not None else value
                            for name, value in defaults.items()})
 
     task = get_task(task_name, **task_options)  # a task error too comes before the model loads

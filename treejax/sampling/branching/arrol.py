@@ -24,7 +24,6 @@ update). The head's third use, weighting held-out votes, is ``EvalConfig.vote_pr
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -80,11 +79,3 @@ class QualityPrune(BranchingRule):
         live = stats.live_PxW
         return kernels.allocate_budget(jnp.ones(live.shape, jnp.float32), live, total_P, minimum=1)
 
-
-def survivors_reference(p_hat, keep: float, rho: float) -> set[int]:
-    """Slow reference of one prompt's survivors (indices into ``p_hat``): for tests and notebooks."""
-    n = len(p_hat)
-    k = max(math.ceil(keep * n - 1e-6), min(n, 1))
-    hi = math.ceil(rho * k - 1e-6)
-    order = sorted(range(n), key=lambda i: (-p_hat[i], i))
-    return set(order[:hi]) | set(order[n - (k - hi):]) if k - hi > 0 else set(order[:hi])

@@ -34,7 +34,7 @@ def test_builtin_list_is_complete():
 FAST_CLI = ("packed_update",)  # the rest: fast through rl_step (test_every_estimator_and_loss_term_through_rl_step;
 # the shapers: tests/rl/test_packing.py::test_rl_step_packed_equals_expanded)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
-                "rose_branching")
+                "rose_branching", "spo_chain")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES]
 
@@ -62,6 +62,8 @@ def _check_row(case, row):
                 assert any(k.startswith(f"shaping/{name}") for k in row), (name, sorted(row))
     if case == "decs":
         assert 0.0 <= row["rollout/redundant_token_frac"] <= 1.0
+    if case == "spo_chain":  # the Monte-Carlo continuations ran and count in the decoded tokens
+        assert 0 < row["rollout/continuation_tokens"] < row["rollout/decoded_tokens"]
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
@@ -90,6 +92,10 @@ def _extra(case):
                              "QualityPrune.prune_depth = 1"],
             "rose_branching": ["TreeConfig.branching = @RoseBranching()", "RoseBranching.epsilon = 0.5",
                                "RunConfig.shapers = [@RoseLengthPenalty()]"],
+            "spo_chain": ["RunConfig.estimator = 'spo_chain'", "RunConfig.estimator_options = @SPOChainOptions()",
+                          "SPOChainOptions.samples = 2", "SPOChainOptions.max_cuts = 2", "SPOChainOptions.interval = 2",
+                          "TreeConfig.branch_factor = 1", "TreeConfig.init_divergence = 4",
+                          "TreeConfig.fallback = False"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
             }.get(case, [f"RunConfig.estimator = '{case}'"])

@@ -33,7 +33,7 @@ from treejax.sampling.tree import TreeConfig
 #: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`).
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
-KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW")
+KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB")
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")
@@ -244,8 +244,35 @@ class RunConfig:
                               "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
         self._check_probe()
+        self._check_continuations()
         self._check_async()
         self._check_schedule()
+
+    def continuation_config(self):
+        """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads
+        values at cut points (SPO-chain: ``cut_value_PxWxB``), from its options; else ``None``."""
+        if "cut_value_PxWxB" not in estimator_spec(self.estimator).inputs:
+            return None
+        spec = estimator_spec(self.estimator)
+        options = spec.default_options() if self.estimator_options is None else self.estimator_options
+        return options.continuation_config()
+
+    def _check_continuations(self) -> None:
+        """SPO-chain forks its continuations from each leaf's KV, which is still resident at the end only for
+        independent chains, and scores them with the verifier."""
+        if self.continuation_config() is None:
+            return
+        tc = self.rollout
+        chains = (tc.branch_factor == 1 and tc.init_divergence_range is None
+                  and (tc.init_divergence or tc.branch_factor) == tc.num_leaves)
+        if not chains:
+            raise ConfigError(f"estimator {self.estimator!r} samples its Monte-Carlo continuations from inside each "
+                              "leaf, forked from the leaf's KV, which only independent chains keep to the end; fix: "
+                              f"TreeConfig.branch_factor = 1 and TreeConfig.init_divergence = {tc.num_leaves} "
+                              "(= num_leaves)")
+        if self.reward_source != "verifier":
+            raise ConfigError(f"estimator {self.estimator!r} scores its Monte-Carlo continuations with the verifier, "
+                              "which pseudo-label rewards do not use; fix: RunConfig.reward_source = 'verifier'")
 
     def _check_probe(self) -> None:
         """A branching rule that reads a shaper's probe (ARRoL's pruning reads the quality head), or a held-out
@@ -283,6 +310,11 @@ class RunConfig:
     def _check_choices(self) -> None:
         """Every enumerated field, one line each naming the valid choices (:func:`treejax.choices.check_choice`)."""
         check_choice("RunConfig.estimator", self.estimator, list_estimators())
+        options_cls = estimator_spec(self.estimator).options_cls
+        if self.estimator_options is not None and not isinstance(self.estimator_options, options_cls):
+            raise ConfigError(f"RunConfig.estimator_options = {self.estimator_options!r} is not an options object of "
+                              f"estimator {self.estimator!r}; fix: RunConfig.estimator_options = "
+                              f"@{options_cls.__name__}()")
         check_choice("RunConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_choice("RunConfig.remat", self.remat, (False, True, *REMAT_POLICIES))
         check_choice("RunConfig.attention_impl", self.attention_impl, TRAIN_ATTENTION_IMPLS)

@@ -41,14 +41,15 @@ from treejax.sampling.tree_state import RolloutInfo
 
 #: Host counters of the sampler's :class:`RolloutInfo` (scalars; summed over a step's rollout calls).
 SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "root_restarts",
-                    "segments", "complete")
+                    "segments", "complete", "continuation_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCounters:
     """What one step's rollouts cost and how they ended, as host ints (summed over dynamic sampling's calls).
 
-    ``stops``: leaves per end status (``NodeStatus`` names); ``rollout_calls``: sampler calls this step (1 +
+    ``decoded_tokens`` counts every sampled token, ``continuation_tokens`` (SPO-chain's Monte-Carlo continuations)
+    included; ``stops``: leaves per end status (``NodeStatus`` names); ``rollout_calls``: sampler calls this step (1 +
     refills); ``filler_prompts``: prompt slots dynamic sampling could not fill; ``scoring_s``: host seconds spent
     decoding and verifying."""
 
@@ -60,6 +61,7 @@ class RolloutCounters:
     root_restarts: int = 0
     segments: int = 0
     complete: int = 0
+    continuation_tokens: int = 0
     stops: dict = dataclasses.field(default_factory=dict)
     rollout_calls: int = 1
     filler_prompts: int = 0
@@ -80,7 +82,9 @@ class RolloutCounters:
 
     def metrics(self) -> dict[str, float]:
         """``rollout/...`` metrics (``filler_prompts`` only when dynamic sampling left slots empty)."""
-        out = {f"rollout/{k}": getattr(self, k) for k in SAMPLER_COUNTERS}
+        out = {f"rollout/{k}": getattr(self, k) for k in SAMPLER_COUNTERS if k != "continuation_tokens"}
+        if self.continuation_tokens:  # SPO-chain's Monte-Carlo continuations (also in decoded_tokens)
+            out["rollout/continuation_tokens"] = self.continuation_tokens
         out.update({f"rollout/stops/{k}": v for k, v in self.stops.items()})
         out["rollout/rollout_calls"] = self.rollout_calls
         if self.filler_prompts:
@@ -137,11 +141,16 @@ class TaskRollouts:
     """The loop's :class:`RolloutSource` (module docstring). ``estimator_inputs``: the names the estimator declares
     (``EstimatorSpec.inputs``); ``greedy_reward_P`` decodes one greedy completion per prompt (ReMax);
     ``answer_step_PxW`` runs the verifier's prefix hook on every correct leaf (DECS,
-    :func:`treejax.rl.scoring.answer_steps`)."""
+    :func:`treejax.rl.scoring.answer_steps`); ``cut_PxWxB`` / ``cut_value_PxWxB`` score the rollout's Monte-Carlo
+    continuations at each leaf's cut points (SPO-chain, :func:`treejax.rl.scoring.continuation_rewards`)."""
 
     def __init__(self, cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int, pad_id: int,
                  estimator_inputs: tuple[str, ...] = ()):
-        check_inputs(estimator_inputs, ("greedy_reward_P", "answer_step_PxW"), "TaskRollouts")
+        check_inputs(estimator_inputs, ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"),
+                     "TaskRollouts")
+        if "cut_value_PxWxB" in estimator_inputs and getattr(rollout, "continuations", None) is None:
+            raise ValueError("the estimator reads Monte-Carlo values at cut points (cut_value_PxWxB), but the rollout "
+                             "decodes no continuations: build it with make_tree_rollout(..., continuations=...)")
         self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
         self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
@@ -175,6 +184,11 @@ class TaskRollouts:
         if "answer_step_PxW" in self.estimator_inputs:
             leaf_inputs["answer_step_PxW"] = scoring.answer_steps(self.tokenizer, self.task, examples, tokens,
                                                                   leaf_lengths, reward_scores)
+        if "cut_value_PxWxB" in self.estimator_inputs:  # SPO-chain: score every continuation of every cut
+            cont = multihost.host_tree(info.continuations)
+            leaf_inputs["cut_PxWxB"] = np.asarray(cont.cut_PxWxB, np.int32)
+            leaf_inputs["cut_value_PxWxB"] = scoring.continuation_rewards(self.tokenizer, self.task, examples, tokens,
+                                                                          cont, self.rewards)
         counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
         return (forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
                 label_leaf, leaf_inputs)

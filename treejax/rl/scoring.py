@@ -63,6 +63,34 @@ def answer_steps(tokenizer, task, examples, tokens_PxWxT, lengths_PxW, scores_Px
     return out
 
 
+def continuation_rewards(tokenizer, task, examples, tokens_PxWxT, cont, reward_fn) -> np.ndarray:
+    """float32 ``[P, W, B]``: the mean reward of each cut's ``K`` continuations (SPO-chain's ``V(s)``,
+    :mod:`treejax.rl.advantages.spo_chain`), 0 where there is no cut. ``cont``: host
+    :class:`~treejax.sampling.continuation.Continuations`; continuation ``k`` of cut ``s`` of leaf ``(p, w)`` is
+    scored as the whole response ``tokens[p, w, :s]`` + its own tokens, against ``examples[p]``;
+    ``reward_fn(scores, lengths)`` shapes the scores (the leaves' own rewards, with the whole responses'
+    lengths)."""
+    cut, toks, lens = np.asarray(cont.cut_PxWxB), np.asarray(cont.tokens_PxWxBxKxT), np.asarray(cont.length_PxWxBxK)
+    tokens = np.asarray(tokens_PxWxT)
+    K = toks.shape[3]
+    where = np.argwhere(cut >= 0)
+    texts, total, owner = [], [], []
+    for p, w, b in where:
+        s = int(cut[p, w, b])
+        for k in range(K):
+            n = int(lens[p, w, b, k])
+            ids = tokens[p, w, :s].tolist() + toks[p, w, b, k, :n].tolist()
+            texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+            total.append(s + n)
+            owner.append(p)
+    scores = np.array([task.score(t, examples[p]) for t, p in zip(texts, owner)], np.float32)
+    values = np.zeros(cut.shape, np.float32)
+    if len(where):
+        r = np.asarray(reward_fn(scores, np.array(total, np.int32)), np.float32).reshape(len(where), K)
+        values[tuple(where.T)] = r.mean(axis=1)
+    return values
+
+
 def shaped_rewards(scores: np.ndarray, lengths: np.ndarray, style: str, max_length: int, overlong_buffer: int = 0,
                    overlong_factor: float = 1.0) -> np.ndarray:
     """Verifier reward (``style``: ``"pm1"`` or ``"01"``) of scores in [0, 1] plus DAPO's overlong penalty on the
@@ -79,5 +107,6 @@ def reward_range(style: str, overlong_buffer: int = 0, overlong_factor: float = 
     return (lo - (overlong_factor if overlong_buffer > 0 else 0.0), hi)
 
 
-__all__ = ["decode_texts", "leaf_texts", "score_texts", "score_forest", "answer_steps", "shaped_rewards",
+__all__ = ["decode_texts", "leaf_texts", "score_texts", "score_forest", "answer_steps", "continuation_rewards",
+           "shaped_rewards",
            "reward_range"]

@@ -169,7 +169,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)
     del params
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    source = TaskRollouts(cfg, make_tree_rollout(rollout_fns, cfg.rollout), rollout_fns, tokenizer, task, pipeline,
+    rollout = make_tree_rollout(rollout_fns, cfg.rollout, continuations=cfg.continuation_config())
+    source = TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline,
                           prompt_width, pad_id, estimator_inputs=learner.estimator_inputs)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)

@@ -91,6 +91,7 @@ from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode
 from treejax.sampling import probe as probe_lib
+from treejax.sampling.continuation import ContinuationConfig, leaf_continuations
 from treejax.sampling.tree_config import TreeConfig, independent_config
 from treejax.sampling.tree_stages import INIT_STREAM, RolloutInputs, segment_step
 from treejax.sampling.tree_state import Counters, Leaves, Nodes, Paths, RolloutInfo, Rows, TreeState, shard_state
@@ -164,9 +165,9 @@ def forest_and_info(s: TreeState, lengths: jax.Array, n_init_P: jax.Array, *, tc
 
 
 def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns, tc: TreeConfig,
-                  stop_ids: tuple[int, ...]):
+                  stop_ids: tuple[int, ...], cc: ContinuationConfig | None = None):
     """Prefill once per prompt, copy each prompt's KV into its rows, then ``segment_step`` until every prompt has
-    W leaves (or ``max_segments``)."""
+    W leaves (or ``max_segments``); with ``cc``, then the leaves' continuations from the final cache."""
     decode._count_trace("tree_rollout")
     P, Lb = prompts.shape
     W = tc.num_leaves
@@ -189,7 +190,13 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
 
     s = lax.while_loop(cond, functools.partial(segment_step, inputs=inputs, model=model, tc=tc, stop_ids=stop_ids),
                        state)
-    return forest_and_info(s, lengths, n_init, tc=tc)
+    forest, info = forest_and_info(s, lengths, n_init, tc=tc)
+    if cc is not None:  # the cache is in logical row order after the last segment's fork
+        cont = leaf_continuations(params, s.cache, s.leaves, last_tok_P, last_pos_P, key, model=model,
+                                  strategy=tc.strategy, stop_ids=stop_ids, cc=cc, num_leaves=W)
+        info = info.replace(continuations=cont, continuation_tokens=cont.decoded_tokens,
+                            decoded_tokens=info.decoded_tokens + cont.decoded_tokens)
+    return forest, info
 
 
 def _rule_probe(tc: TreeConfig, probes: dict):
@@ -205,7 +212,7 @@ def _rule_probe(tc: TreeConfig, probes: dict):
 
 
 def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeConfig, mesh=None,
-                      rules: Rules = DEFAULT_RULES):
+                      rules: Rules = DEFAULT_RULES, continuations: ContinuationConfig | None = None):
     """Returns ``rollout(params, prompt_tokens [P, Lp], prompt_lengths [P], key, step=0) -> (Forest, info)``.
     ``params`` may carry the shapers' probes (:mod:`treejax.sampling.probe`) for a rule that reads one.
 
@@ -215,12 +222,14 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     param_logical_axes`` (``logical_to_sharding(..., mesh, shapes=params)``). Prompts are right-padded; the padded width is bucketed (powers of two) so a new
     prompt length recompiles only when it crosses a bucket. ``step`` (the training step) drives the branching
     rule's temperature schedule. ``info`` holds the counters (see module docstring), ``sampling_logprobs`` and
-    ``entropy`` ``[P, W, T]``, and ``complete`` (every prompt has W leaves).
+    ``entropy`` ``[P, W, T]``, and ``complete`` (every prompt has W leaves). ``continuations``
+    (:class:`~treejax.sampling.continuation.ContinuationConfig`): after the tree, decode Monte-Carlo continuations
+    from cut points inside the leaves, forked from their resident KV (SPO-chain; ``info.continuations``).
     """
     fns = decode.as_model_fns(model, mesh, rules)
     tc = tree_config
     stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
-    core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids),
+    core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids, cc=continuations),
                    compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
 
     def rollout(params, prompt_tokens, prompt_lengths, key, step=0):
@@ -238,6 +247,7 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     rollout.core = core
     rollout.tree_config = tc
     rollout.model_fns = fns
+    rollout.continuations = continuations
     return rollout
 
 

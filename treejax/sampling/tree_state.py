@@ -18,6 +18,8 @@ per token (0 unless a branching rule asks for them).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -182,7 +184,9 @@ class RolloutInfo:
     :class:`NodeStatus` code (:attr:`stops` by name). Per prompt: ``num_nodes_P``, ``init_divergence_P``. Per leaf
     token ``[P, W, T]`` (0 past a leaf's end): ``sampling_logprobs_PxWxT`` (log q under the sampling strategy, e.g.
     after top-p) and ``entropy_PxWxT`` (of the policy at temperature 1; zeros unless ``TreeConfig.with_entropy`` or
-    the branching rule needs it)."""
+    the branching rule needs it). With continuations (``make_tree_rollout(..., continuations=...)``):
+    ``continuations`` (:class:`~treejax.sampling.continuation.Continuations`) and ``continuation_tokens`` (their
+    decoded tokens, also counted in ``decoded_tokens``); else ``None`` and 0."""
 
     decoded_tokens: jax.Array
     prefilled_tokens: jax.Array
@@ -197,6 +201,8 @@ class RolloutInfo:
     init_divergence_P: jax.Array
     sampling_logprobs_PxWxT: jax.Array
     entropy_PxWxT: jax.Array
+    continuation_tokens: jax.Array | int = 0
+    continuations: Any = None
 
     @property
     def stops(self) -> dict[str, jax.Array]:

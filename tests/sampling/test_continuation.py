@@ -1,0 +1,107 @@
+"""Continuations from cut points inside leaves (treejax.sampling.continuation, SPO-chain's Monte-Carlo rollouts):
+the cuts equal a per-token loop, and every continuation equals a slow reference that runs a full forward of the
+prompt + the leaf's kept prefix + the continuation so far and draws each token with the documented key."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treejax.models import presets, transformer
+from treejax.sampling import continuation as C
+from treejax.sampling import decode, tree
+from treejax.sampling.strategies import Temperature, mask_vocab
+
+CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
+FNS = decode.make_model_fns(CFG, attention="dense", cache_dtype="float32")  # fp32 KV: exact against a forward
+PROMPTS = np.array([[1, 5, 9, 2, 7], [1, 11, 3, 4, 0]], np.int32)
+LENS = np.array([5, 4], np.int32)
+STOP = (7,)
+WIDTH = 32
+_FWD = jax.jit(lambda p, s: transformer.forward(p, CFG, s, jnp.arange(WIDTH)[None, :], jnp.ones_like(s)))
+
+
+def _cuts_reference(logp, length, threshold, interval, max_cuts):
+    cand = [t for t in range(length) if np.exp(logp[t]) < threshold]
+    kept = cand[::interval][:max_cuts]
+    return kept + [-1] * (max_cuts - len(kept))
+
+
+def test_low_probability_cuts_match_a_loop():
+    rng = np.random.default_rng(0)
+    logp = np.log(rng.uniform(0.01, 1.0, size=(5, 40))).astype(np.float32)
+    length = np.array([40, 0, 7, 25, 39], np.int32)
+    for threshold, interval, max_cuts in [(0.9, 5, 4), (0.5, 1, 40), (0.3, 3, 2), (1.0, 2, 8)]:
+        got = np.asarray(C.low_probability_cuts(jnp.asarray(logp), jnp.asarray(length), threshold, interval, max_cuts))
+        want = [_cuts_reference(logp[r], length[r], threshold, interval, max_cuts) for r in range(5)]
+        np.testing.assert_array_equal(got, np.array(want, np.int32))
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="threshold"):
+        C.ContinuationConfig(threshold=0.0)
+    with pytest.raises(ValueError, match="samples"):
+        C.ContinuationConfig(samples=0)
+    with pytest.raises(ValueError, match="multiple"):
+        C.ContinuationConfig(samples=3, rows_per_round=4)
+
+
+def _reference(params, prompt, prefix, key, row_id, room, strategy):
+    """One continuation by full forwards: token t drawn from pi(. | prompt + prefix + drawn so far) with
+    ``token_keys(fold_in(key, CONTINUATION_STREAM), row_id, 0, t)``."""
+    base = jax.random.fold_in(key, C.CONTINUATION_STREAM)
+    seq, out = list(prompt) + list(prefix), []
+    for t in range(room):
+        padded = np.zeros((1, WIDTH), np.int32)
+        padded[0, :len(seq)] = seq  # causal: the padding after the sequence does not change its last position
+        h = _FWD(params, jnp.asarray(padded))
+        logits = transformer.logits(params, CFG, h[:, len(seq) - 1].astype(jnp.float32))
+        logits = mask_vocab(logits, FNS.sampling_vocab_size)
+        k = decode.token_keys(base, jnp.array([row_id]), jnp.array([0]), jnp.array([t]))
+        tok = int(strategy.sample(k, logits)[0])
+        out.append(tok)
+        seq.append(tok)
+        if tok in STOP:
+            return out, True
+    return out, False
+
+
+@pytest.mark.parametrize("rows_per_round", [0, 2])
+def test_continuations_equal_full_forward_reference(rows_per_round):
+    """Every continuation of every cut equals the slow reference (fp32 cache), whether all pairs are decoded in
+    one round or one pair per round; leaves' own tokens are those of the rollout without continuations."""
+    params = transformer.init_params(CFG, jax.random.key(1))
+    strategy = Temperature(1.0)
+    tc = tree.independent_config(3, 12, segment_length=4, strategy=strategy, stop_ids=STOP)
+    cc = C.ContinuationConfig(threshold=0.2, interval=2, max_cuts=3, samples=2, rows_per_round=rows_per_round)
+    key = jax.random.key(5)
+    forest, info = tree.make_tree_rollout(FNS, tc, continuations=cc)(params, PROMPTS, LENS, key)
+    plain, plain_info = tree.make_tree_rollout(FNS, tc)(params, PROMPTS, LENS, key)
+    np.testing.assert_array_equal(np.asarray(forest.tokens), np.asarray(plain.tokens))
+    cont = jax.device_get(info.continuations)
+    cut, toks, lens, stopped = cont.cut_PxWxB, cont.tokens_PxWxBxKxT, cont.length_PxWxBxK, cont.stopped_PxWxBxK
+    f = jax.device_get(forest)
+    T = f.tokens.shape[-1]
+    checked = 0
+    for p in range(2):
+        for w in range(3):
+            want_cuts = _cuts_reference(f.logprobs[p, w], f.leaf_length[p, w], 0.2, 2, 3)
+            np.testing.assert_array_equal(cut[p, w], want_cuts)
+            for b in range(3):
+                s = int(cut[p, w, b])
+                if s < 0:
+                    assert (lens[p, w, b] == 0).all() and (toks[p, w, b] == 0).all()
+                    continue
+                for k in range(2):
+                    row_id = ((p * 3 + w) * 3 + b) * 2 + k
+                    out, stop = _reference(params, PROMPTS[p, :LENS[p]], f.tokens[p, w, :s], key, row_id, T - s,
+                                           strategy)
+                    n = int(lens[p, w, b, k])
+                    assert toks[p, w, b, k, :n].tolist() == out and bool(stopped[p, w, b, k]) == stop
+                    assert (toks[p, w, b, k, n:] == 0).all()
+                    checked += 1
+    assert checked >= 6
+    assert int(info.continuation_tokens) == int(lens.sum())
+    assert int(info.decoded_tokens) == int(plain_info.decoded_tokens) + int(lens.sum())

@@ -6,7 +6,8 @@ Reads the ``<arm>-s<seed>.json`` run summaries that ``experiments/shaping_runs.s
 markdown table: held-out greedy accuracy after 40 steps (mean, each seed), decoded tokens, the policy's mean
 sampled response length over the last 5 steps, and the run's seconds (runs shared one GPU with 2-4 others, so
 seconds compare only roughly). The ``tp_*`` arms ran ``configs/efficacy_treepo.gin`` (TreePO's transfer tree: the
-branching rules need it), every other arm ``configs/efficacy_slots_k8.gin``.
+branching rules need it), the ``grpo`` and ``spo_chain*`` arms (``experiments/results/spo_chain``)
+``configs/efficacy_grpo.gin`` / ``configs/efficacy_spo_chain.gin``, every other arm ``configs/efficacy_slots_k8.gin``.
 """
 
 import collections
@@ -28,7 +29,10 @@ ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adapt
         "tp_rose": ("ROSE cosine-entropy branching", "TreeConfig.branching = @RoseBranching()"),
         "tp_rose_eps": ("ROSE cosine-entropy branching + epsilon-root 0.5", "@RoseBranching(), epsilon = 0.5"),
         "tp_arrol": ("ARRoL quality head + balanced pruning", "@QualityHead() + @QualityPrune()"),
-        "tp_arrol_vote": ("ARRoL, as above, evaluated with k = 8 (see wmaj@8)", "EvalConfig.vote_probe")}
+        "tp_arrol_vote": ("ARRoL, as above, evaluated with k = 8 (see wmaj@8)", "EvalConfig.vote_probe"),
+        "grpo": ("GRPO, 16 independent chains (baseline of SPO-chain)", "efficacy_grpo.gin"),
+        "spo_chain": ("SPO-chain: 8 chains, int5 cuts (<= 8), K = 9 continuations", "efficacy_spo_chain.gin"),
+        "spo_chain_k4": ("SPO-chain, smaller: <= 4 cuts, K = 4", "SPOChainOptions.samples = 4, max_cuts = 4")}
 
 
 def main(folder: str) -> None:

@@ -73,6 +73,7 @@ def _batch(B=8, L=16, seed=0):
     )
 
 
+@pytest.mark.slow  # 8-device updates stay in the default run: test_packing.py::test_packed_update_on_8_devices_*
 @pytest.mark.devices(8)
 def test_same_update_on_1_and_8_devices():
     # eps=1 keeps Adam's first step smooth in the gradient (see tests/rl/test_update.py)

@@ -56,8 +56,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.packing import PackingConfig
     from treejax.sampling import branching, strategies
     from treejax.sampling.tree import TreeConfig
+    from treejax.sft import OTRConfig, SFTConfig
 
-    classes = {"RunConfig": RunConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
+    classes = {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
                "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Precision": Precision,
                "PackingConfig": PackingConfig, "AsyncConfig": AsyncConfig,
                "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,
@@ -311,19 +312,19 @@ def _gin_message(e: Exception) -> str:
     return _one_line(str(e).split("\n  In call to configurable")[0])
 
 
-def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True):
-    """Checks and parses gin files and bindings; returns the built, type-checked ``RunConfig``.
+def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True, root: str = "RunConfig"):
+    """Checks and parses gin files and bindings; returns the built, type-checked ``RunConfig`` (``root``: the
+    configurable to build, e.g. ``"SFTConfig"`` for ``treejax-sft``).
 
     Everything wrong in them (syntax, names, types, ``__post_init__`` checks, bindings nothing uses, the task
     name and, with ``check_mesh``, the mesh against this process's devices) raises a
     :class:`~treejax.errors.UserError` here, before any model is loaded.
     """
     classes = register_configurables()
-    from treejax.rl.config import RunConfig
-
-    root = logging.getLogger()
-    if not any(isinstance(f, _GinSearchNoise) for f in root.filters):
-        root.addFilter(_GinSearchNoise())
+    top = classes[root]
+    logger = logging.getLogger()
+    if not any(isinstance(f, _GinSearchNoise) for f in logger.filters):
+        logger.addFilter(_GinSearchNoise())
     for path in gin_files:
         if not os.path.isfile(path):
             raise UserFileError(f"gin file not found: {path}")
@@ -335,7 +336,7 @@ def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True):
     except (ValueError, SyntaxError, OSError) as e:  # what gin itself rejects beyond check_config
         raise ConfigError(f"gin: {_one_line(e)}") from e
     try:
-        cfg = gin.get_configurable(RunConfig)()
+        cfg = gin.get_configurable(top)()
     except ValueError as e:  # a config's __post_init__ rejected a value
         raise ConfigError(_gin_message(e)) from e
     check_types(cfg)

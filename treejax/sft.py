@@ -1,0 +1,332 @@
+"""Supervised fine-tuning on a task's demonstrations: plain cross-entropy, or OTR's one-token rollouts.
+
+``treejax-sft [FILE.gin ...] [--gin_param "SFTConfig.field = value"]``: the model (an embedded name, an HF folder or a
+``.gguf``) trains on the task's training problems, each answered by its *demonstration* (``SFTConfig.demonstration``,
+a format string over the record: ``{answer}``, ``{question}`` and the task's metadata keys, e.g. a file task's
+solution column), and is evaluated on the held-out problems (greedy accuracy, ``EvalConfig``) before, every
+``eval_every`` steps and after. Writes TensorBoard metrics and ``summary.json`` to ``log_dir`` and, with
+``export_hf``, the weights as an HF folder (``log_dir/hf_export``) that ``treejax-train`` can start from.
+
+Objectives, over the demonstration's tokens ``y_t`` (``t`` in the loss mask: the demonstration and its EOS, never
+the prompt), with ``pi = softmax(z_t)`` the model at temperature 1 given the gold prefix (teacher forcing):
+
+* ``"nll"``: ``L = -(1/N) sum_t log pi(y_t)``.
+* ``"otr"`` (One-Token Rollout, arXiv 2509.26313): every position is a one-step episode. ``K`` candidate tokens
+  ``a_{t,1..K}`` are drawn from ``q_t = softmax(z_t / tau)`` (no gradient through the draw); a candidate earns
+  ``R = 1`` when it is the gold token and ``R = beta`` otherwise; the policy-gradient loss is
+  ``L = -(1/N) sum_t (1/K) sum_k R(a_{t,k}) log pi(a_{t,k})`` (no baseline). ``samples = 0`` takes the
+  expectation over ``q_t`` exactly instead of drawing,
+  ``L = -(1/N) sum_t [ q_t(y_t) log pi(y_t) + beta sum_{a != y_t} q_t(a) log pi(a) ]``, the same gradient in
+  expectation without sampling noise. Constants (``K``, ``tau``, ``beta``) in :class:`OTRConfig`, with their source.
+
+Batches: ``batch_size`` records per step from the grain pipeline (:func:`treejax.data.make_prompt_pipeline`, the
+RL loop's, so the order depends only on ``seed``), prompt (chat template) + demonstration + EOS right-padded to a
+power-of-two width; demonstrations longer than ``max_demo_tokens`` are an error naming the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treejax.choices import check_choice
+from treejax.config_types import check_types
+from treejax.errors import ConfigError, DataError, UserError
+from treejax.precision import Precision
+from treejax.rl.evaluation import EvalConfig
+from treejax.rl.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+
+log = logging.getLogger("treejax.sft")
+
+#: ``SFTConfig.objective`` values.
+OBJECTIVES = ("nll", "otr")
+
+
+@dataclasses.dataclass(frozen=True)
+class OTRConfig:
+    """One-Token Rollout's constants: ``samples`` K candidates per position (0: the exact expectation over
+    ``q``), drawn at ``temperature`` tau, each non-gold candidate rewarded ``beta``.
+
+    Sources (the paper's text itself could not be read offline; its v1 abstract, its ICLR 2026 reviews and a summary
+    of it were): K = 256 candidates per position from ``softmax(z / tau)`` with ``tau > 1`` (1.3 is the example
+    given), reward 1 for the gold token and a slightly negative ``beta`` for any other (an ablation found it
+    stabilises training), ``log pi`` at temperature 1 in the loss, no baseline, no importance weight for sampling at
+    tau, OTR replacing the cross-entropy loss (not added to it). ``beta = -0.1`` is treejax's choice: the value was
+    not found. A reviewer's closed form of the expectation is what ``samples = 0`` computes."""
+
+    samples: int = 256
+    temperature: float = 1.3
+    beta: float = -0.1
+
+    def __post_init__(self):
+        if self.samples < 0:
+            raise ValueError(f"OTRConfig.samples must be >= 0 (0: exact expectation), got {self.samples}")
+        if self.temperature <= 0:
+            raise ValueError(f"OTRConfig.temperature must be > 0, got {self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """The gin-facing surface of ``treejax-sft`` (module docstring for the objectives and the data)."""
+
+    model: str = "smollm2-135m-instruct"
+    precision: Precision = Precision()
+    task: str = "chain_sum_2x1"
+    task_options: dict = dataclasses.field(default_factory=lambda: {
+        "size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
+        "instruction": "Answer with just the number.", "extraction": "last_number"})
+    system_prompt: str | None = None
+    instruction: str | None = None
+    demonstration: str = "{answer}"
+    max_demo_tokens: int = 256
+    batch_size: int = 16
+    num_steps: int = 10
+    objective: str = "nll"
+    otr: OTRConfig = OTRConfig()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-5, warmup_steps=0, total_steps=10)
+    eval: EvalConfig = EvalConfig(num_problems=32, max_new_tokens=32)
+    eval_every: int = 0
+    seed: int = 0
+    log_dir: str = "runs/sft"
+    export_hf: bool = False
+
+    def __post_init__(self):
+        check_types(self)
+        check_choice("SFTConfig.objective", self.objective, OBJECTIVES)
+        for name in ("batch_size", "max_demo_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_steps < 0 or self.eval_every < 0:
+            raise ConfigError("SFTConfig.num_steps and eval_every must be >= 0")
+        try:
+            self.demonstration.format_map(_Probe())
+        except (ValueError, IndexError) as e:
+            raise ConfigError(f"SFTConfig.demonstration = {self.demonstration!r} is not a format string: {e}") from e
+
+
+class _Probe(dict):
+    def __missing__(self, key):
+        return ""
+
+
+# ----------------------------------------------------------------------------------------------- the losses
+def nll_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+    """``-(1/N) sum_t mask_t log softmax(z_t)[y_t]``, ``N = sum mask``."""
+    logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    gold = jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1)[..., 0]
+    return -jnp.sum(gold * mask_BxL) / jnp.maximum(jnp.sum(mask_BxL), 1.0)
+
+
+def otr_candidates(key: jax.Array, logits_BxLxV: jax.Array, samples: int, temperature: float) -> jax.Array:
+    """int32 ``[B, L, K]``: ``K`` draws per position from ``softmax(z / tau)`` (inverse CDF on ``K`` uniforms; no
+    gradient)."""
+    q = jax.nn.softmax(jax.lax.stop_gradient(logits_BxLxV.astype(jnp.float32)) / temperature, axis=-1)
+    cdf = jnp.cumsum(q, axis=-1)
+    u = jax.random.uniform(key, logits_BxLxV.shape[:-1] + (samples,)) * cdf[..., -1:]
+    flat_cdf = cdf.reshape(-1, cdf.shape[-1])
+    flat_u = u.reshape(-1, samples)
+    idx = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(flat_cdf, flat_u)
+    return jnp.minimum(idx, cdf.shape[-1] - 1).reshape(u.shape).astype(jnp.int32)
+
+
+def otr_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array, key: jax.Array,
+             otr: OTRConfig) -> jax.Array:
+    """OTR's loss (module docstring): sampled with ``otr.samples = K > 0``, the exact expectation with 0."""
+    z = logits_BxLxV.astype(jnp.float32)
+    logp = jax.nn.log_softmax(z, axis=-1)
+    n = jnp.maximum(jnp.sum(mask_BxL), 1.0)
+    if otr.samples == 0:
+        q = jax.lax.stop_gradient(jax.nn.softmax(z / otr.temperature, axis=-1))
+        gold = jax.nn.one_hot(targets_BxL, z.shape[-1], dtype=jnp.float32)
+        reward = gold + otr.beta * (1.0 - gold)
+        per_pos = jnp.sum(jnp.where(q > 0, q * reward * logp, 0.0), axis=-1)
+    else:
+        a = otr_candidates(key, z, otr.samples, otr.temperature)
+        reward = jnp.where(a == targets_BxL[..., None], 1.0, otr.beta)
+        per_pos = jnp.mean(reward * jnp.take_along_axis(logp, a, axis=-1), axis=-1)
+    return -jnp.sum(per_pos * mask_BxL) / n
+
+
+# ----------------------------------------------------------------------------------------------- data
+def demonstration_text(template: str, record: dict) -> str:
+    """The demonstration of a record: ``template`` formatted with its ``answer``, ``question`` and metadata keys."""
+    fields = dict(json.loads(record.get("metadata") or "{}"), answer=record["answer"], question=record["question"])
+    try:
+        return template.format_map(fields)
+    except KeyError as e:
+        raise DataError(f"SFTConfig.demonstration = {template!r} names {e} which record {record.get('uid')!r} does "
+                        f"not have (fields: {sorted(fields)})") from None
+
+
+def sft_batch(tokenizer, task, records: list[dict], cfg: SFTConfig, pad_id: int):
+    """``(tokens [B, Lb], targets [B, Lb], mask [B, Lb])``: prompt + demonstration + EOS, right-padded to a power of
+    two; ``targets[t] = tokens[t + 1]`` and ``mask`` is 1 where that target is a demonstration token or its EOS."""
+    from treejax.data.prompts import encode_prompts
+    from treejax.sampling.decode import bucket_length
+
+    _, prompts = encode_prompts(tokenizer, task, records, cfg.system_prompt, cfg.instruction)
+    eos = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
+    rows, starts = [], []
+    for rec, p in zip(records, prompts):
+        demo = tokenizer.encode(demonstration_text(cfg.demonstration, rec)) + ([eos] if eos is not None else [])
+        if len(demo) > cfg.max_demo_tokens:
+            raise DataError(f"the demonstration of record {rec['uid']!r} has {len(demo)} tokens > "
+                            f"SFTConfig.max_demo_tokens={cfg.max_demo_tokens}")
+        rows.append(p + demo)
+        starts.append(len(p))
+    width = bucket_length(max(len(r) for r in rows) + 1)
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.float32)
+    for i, (r, s) in enumerate(zip(rows, starts)):
+        tokens[i, :len(r)] = r
+        mask[i, s - 1:len(r) - 1] = 1.0  # position t predicts token t + 1: the demonstration's tokens
+    targets = np.concatenate([tokens[:, 1:], np.full((len(rows), 1), pad_id, np.int32)], axis=1)
+    return tokens, targets, mask
+
+
+# ----------------------------------------------------------------------------------------------- the step
+def make_sft_step(model_config, cfg: SFTConfig, optimizer):
+    """``step(params, opt_state, tokens, targets, mask, key) -> (params, opt_state, metrics)``, jitted."""
+    from treejax.models import transformer
+
+    def loss_fn(params, tokens, targets, mask, key):  # the layers cast the master weights to the compute dtype
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :], tokens.shape)
+        h = transformer.forward(params, model_config, tokens, pos, jnp.ones_like(tokens))  # causal: padding is last
+        z = transformer.logits(params, model_config, h)
+        nll = nll_loss(z, targets, mask)
+        loss = nll if cfg.objective == "nll" else otr_loss(z, targets, mask, key, cfg.otr)
+        gold_p = jnp.exp(-nll)
+        return loss, {"sft/nll": nll, "sft/gold_prob_geomean": gold_p}
+
+    @jax.jit
+    def step(params, opt_state, tokens, targets, mask, key):
+        (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, targets, mask, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        return params, opt_state, dict(m, **{"sft/loss": loss, "sft/grad_norm": gnorm,
+                                             "sft/tokens": jnp.sum(mask)})
+
+    return step
+
+
+def run(cfg: SFTConfig) -> dict:
+    """Trains and evaluates (module docstring); returns the summary also written to ``log_dir/summary.json``."""
+    from treejax import metrics as metrics_lib
+    from treejax.data import get_task, make_prompt_pipeline
+    from treejax.models.export import export_hf
+    from treejax.models.registry import load_model, load_tokenizer
+    from treejax.rl.evaluation import evaluate, prompt_width_for
+
+    t0 = time.perf_counter()
+    prec = cfg.precision.resolve()
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    task = get_task(cfg.task, **dict(cfg.task_options))
+    train = task.records("train")
+    if len(train) < cfg.batch_size:
+        raise DataError(f"task {cfg.task!r} has {len(train)} training problems, fewer than batch_size={cfg.batch_size}")
+    eval_examples = list(task.examples("eval"))[: cfg.eval.num_problems]
+    if not eval_examples:
+        raise DataError(f"task {cfg.task!r} has no held-out problems: {task.eval_options}")
+    for rec in train[:1]:
+        demonstration_text(cfg.demonstration, rec)  # a bad template fails before the weights load
+    tokenizer = load_tokenizer(cfg.model)
+    model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
+                                                 compute_dtype=prec.compute_dtype, tokenizer=tokenizer)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    optimizer = make_optimizer(cfg.optimizer)
+    opt_state = optimizer.init(params)
+    step_fn = make_sft_step(model_config, cfg, optimizer)
+    lr = learning_rate_schedule(cfg.optimizer)
+    width = prompt_width_for(tokenizer, eval_examples, cfg.system_prompt, cfg.instruction)
+    pipeline = make_prompt_pipeline(train, batch_size=cfg.batch_size, seed=cfg.seed)
+    writer = metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
+                                       console_keys=("sft/loss", "sft/nll", "sft/grad_norm", "eval/accuracy"))
+    key = jax.random.key(cfg.seed)
+
+    def evaluate_now(step):
+        with prec.matmul_context():
+            e = evaluate(params, model_config, tokenizer, task, eval_examples, width, cfg.eval, cfg.system_prompt,
+                         cfg.instruction)
+        e["step"] = step
+        log.info("step %d: held-out greedy accuracy %.1f%% (n = %d)", step, 100 * e["accuracy"], e["n"])
+        return e
+
+    evals, history = [evaluate_now(0)], []
+    for step in range(1, cfg.num_steps + 1):
+        records = next(pipeline)
+        records = [dict(zip(records, vals)) for vals in zip(*records.values())]
+        tokens, targets, mask = sft_batch(tokenizer, task, records, cfg, pad_id)
+        with prec.matmul_context():
+            params, opt_state, m = step_fn(params, opt_state, jnp.asarray(tokens), jnp.asarray(targets),
+                                           jnp.asarray(mask), jax.random.fold_in(key, step))
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        m["sft/learning_rate"] = float(lr(step - 1))
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
+            e = evaluate_now(step)
+            evals.append(e)
+            m["eval/accuracy"] = e["accuracy"]
+        history.append(dict(m, step=step))
+        writer.write_scalars(step, m)
+    if evals[-1]["step"] != cfg.num_steps:
+        evals.append(evaluate_now(cfg.num_steps))
+    writer.close()
+    if cfg.export_hf:
+        export_hf(jax.device_get(params), model_config, os.path.join(cfg.log_dir, "hf_export"), tokenizer)
+    summary = {"model": cfg.model, "task": cfg.task, "objective": cfg.objective, "steps": cfg.num_steps,
+               "device": jax.devices()[0].device_kind, "otr": dataclasses.asdict(cfg.otr),
+               "eval_before": evals[0], "eval_after": evals[-1], "evals": evals, "history": history,
+               "total_s": time.perf_counter() - t0}
+    with open(os.path.join(cfg.log_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------- the CLI
+def main(argv: list[str] | None = None) -> dict:
+    import gin
+
+    from treejax.log import configure_logging
+    from treejax.train import parse
+
+    parser = argparse.ArgumentParser(prog="treejax-sft", description=__doc__.split("\n\n")[0])
+    parser.add_argument("gin_files", nargs="*", metavar="FILE.gin", help="gin config file(s)")
+    parser.add_argument("--gin_param", action="append", default=[], help='a binding, e.g. "SFTConfig.num_steps = 5"')
+    parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
+    args = parser.parse_args(argv)
+    configure_logging(args.quiet)
+    cfg = parse(args.gin_files, args.gin_param, check_mesh=False, root="SFTConfig")
+    summary = run(cfg)
+    with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
+        f.write(gin.config_str())
+    b, a = summary["eval_before"], summary["eval_after"]
+    print(f"treejax sft: {cfg.model} on {cfg.task} with {cfg.objective}, {cfg.num_steps} steps in "
+          f"{summary['total_s']:.0f} s\n  held-out greedy accuracy: {b['accuracy']:.1%} before -> "
+          f"{a['accuracy']:.1%} after (n = {a['n']})\n  logs: {cfg.log_dir}")
+    return summary
+
+
+def console_main(argv: list[str] | None = None) -> None:
+    """The ``treejax-sft`` entry point: a user error is one line and exit status 2."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"treejax-sft: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+__all__ = ["OBJECTIVES", "OTRConfig", "SFTConfig", "demonstration_text", "make_sft_step", "nll_loss", "otr_candidates",
+           "otr_loss", "run", "sft_batch"]
+
+if __name__ == "__main__":
+    console_main()

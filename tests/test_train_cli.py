@@ -46,7 +46,8 @@ def test_misspelled_binding_names_closest(tmp_path):
         train.parse([], ["RunConfig.num_stpes = 3"])
     with pytest.raises(ValueError, match="TreeConfig.segment_length"):
         train.parse([], ["TreeConfig.segment_lenght = 3"])
-    with pytest.raises(ConfigError, match="'RunConfg.num_steps'; did you mean RunConfig.num_steps[?]"):
+    # the closest first (treejax-sft's SFTConfig.num_steps may follow as a second suggestion)
+    with pytest.raises(ConfigError, match="'RunConfg.num_steps'; did you mean RunConfig.num_steps( or SFTConfig.num_steps)?[?]"):
         train.parse([], ["RunConfg.num_steps = 3"])
     with pytest.raises(ConfigError, match=r"did you mean OptimizerConfig.learning_rate\b"):  # the wrong class first
         train.parse([], ["RunConfig.learning_rate = 1e-5"])

@@ -56,9 +56,10 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.packing import PackingConfig
     from treejax.sampling import branching, strategies
     from treejax.sampling.tree import TreeConfig
+    from treejax.rl.nudge import NudgeConfig
     from treejax.sft import OTRConfig, SFTConfig
 
-    classes = {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
+    classes = {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig, "NudgeConfig": NudgeConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
                "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Precision": Precision,
                "PackingConfig": PackingConfig, "AsyncConfig": AsyncConfig,
                "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,

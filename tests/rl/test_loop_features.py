@@ -34,7 +34,7 @@ def test_builtin_list_is_complete():
 FAST_CLI = ("packed_update",)  # the rest: fast through rl_step (test_every_estimator_and_loss_term_through_rl_step;
 # the shapers: tests/rl/test_packing.py::test_rl_step_packed_equals_expanded)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
-                "rose_branching", "spo_chain")
+                "rose_branching", "spo_chain", "nudge")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES]
 
@@ -62,6 +62,8 @@ def _check_row(case, row):
                 assert any(k.startswith(f"shaping/{name}") for k in row), (name, sorted(row))
     if case == "decs":
         assert 0.0 <= row["rollout/redundant_token_frac"] <= 1.0
+    if case == "nudge":  # 2 problems x 4 rollouts, and their 8 plain-prompt distillation rows
+        assert row["rollout/decoded_tokens"] > 0 and row["reward/mean"] == row["reward/mean"]
     if case == "spo_chain":  # the Monte-Carlo continuations ran and count in the decoded tokens
         assert 0 < row["rollout/continuation_tokens"] < row["rollout/decoded_tokens"]
     if case == "sampler_old_logp":
@@ -96,6 +98,10 @@ def _extra(case):
                           "SPOChainOptions.samples = 2", "SPOChainOptions.max_cuts = 2", "SPOChainOptions.interval = 2",
                           "TreeConfig.branch_factor = 1", "TreeConfig.init_divergence = 4",
                           "TreeConfig.fallback = False"],
+            "nudge": ["RunConfig.estimator = 'nudge'", "RunConfig.nudge = @NudgeConfig()",
+                      "NudgeConfig.hints = ['Add the ones first.', 'Add the tens first.']",
+                      "NudgeConfig.rollouts_per_hint = 2", "TreeConfig.num_leaves = 1", "TreeConfig.branch_factor = 1",
+                      "LossConfig.aggregation = 'seq-mean-token-mean'"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
             }.get(case, [f"RunConfig.estimator = '{case}'"])

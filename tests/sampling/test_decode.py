@@ -356,3 +356,22 @@ def test_no_recompile_within_bucket_and_bad_input():
         decode.generate(params, fns, np.ones((2, 4)), np.array([4, 5]), jax.random.key(0), 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         decode.generate(params, fns, np.ones((2, 4)), np.array([4, 4]), jax.random.key(0), 0)
+
+
+def test_score_tokens_equals_full_forward_and_generate():
+    """Teacher-forced log-probs equal a full forward of prompt + tokens, and the sampler's own record of them."""
+    cfg, params = _tiny(true_vocab_size=200)
+    fns = decode.make_model_fns(cfg, attention="dense", cache_dtype="float32")
+    rng = np.random.RandomState(3)
+    lengths = np.array([9, 4, 6])
+    prompts = rng.randint(3, 200, (3, 9))
+    out = decode.generate(params, fns, prompts, lengths, jax.random.key(2), 10, S.Temperature(1.0), stop_ids=(5,))
+    got = np.asarray(decode.score_tokens(params, fns, prompts, lengths, out.tokens, out.lengths))
+    np.testing.assert_allclose(got, np.asarray(out.logprobs), atol=1e-5)
+    for b in range(3):
+        n = int(out.lengths[b])
+        ref, _ = _full_forward_logprobs(params, cfg, prompts[b, : lengths[b]], np.asarray(out.tokens[b, :n]))
+        np.testing.assert_allclose(got[b, :n], ref, atol=1e-4)
+        assert not got[b, n:].any()
+    with pytest.raises(ValueError, match="token_lengths"):
+        decode.score_tokens(params, fns, prompts, lengths, out.tokens, np.array([11, 1, 1]))

@@ -22,6 +22,7 @@ from treejax.rl.advantages import estimator_spec
 from treejax.rl.advantages.registry import list_estimators
 from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
+from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
@@ -33,7 +34,8 @@ from treejax.sampling.tree import TreeConfig
 #: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`).
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
-KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB")
+KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
+                "nudge_context_PxW", "nudge_source_PxW")
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")
@@ -220,6 +222,7 @@ class RunConfig:
     compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
     async_rollouts: AsyncConfig = AsyncConfig()  # sampler / learner overlap with bounded staleness (AsyncConfig)
     shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order
+    nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -227,8 +230,11 @@ class RunConfig:
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
         rows = self.prompts_per_step * self.rollout.num_leaves
+        if self.nudge is not None:  # each problem: M K hinted/plain rollouts (and as many distillation rows)
+            rows *= self.nudge.rows_per_problem()
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
-            raise ValueError(f"RunConfig: {rows} rollout rows (prompts_per_step x num_leaves) must split into "
+            raise ValueError(f"RunConfig: {rows} rollout rows (prompts_per_step x num_leaves"
+                             f"{' x NudgeConfig rows per problem' if self.nudge else ''}) must split into "
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         self._check_choices()
         if self.max_prompt_length < 1:
@@ -245,6 +251,7 @@ class RunConfig:
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
         self._check_probe()
         self._check_continuations()
+        self._check_nudge()
         self._check_async()
         self._check_schedule()
 
@@ -256,6 +263,26 @@ class RunConfig:
         spec = estimator_spec(self.estimator)
         options = spec.default_options() if self.estimator_options is None else self.estimator_options
         return options.continuation_config()
+
+    def _check_nudge(self) -> None:
+        """NudgeRL: its source and its estimator come together, on one chain per prompt row, without what would
+        drop or re-pack its rows."""
+        if (self.nudge is None) != (self.estimator != "nudge"):
+            raise ConfigError("RunConfig.nudge (NudgeRL's hinted rollouts) and RunConfig.estimator = 'nudge' go "
+                              "together; fix: set both (RunConfig.nudge = @NudgeConfig()) or neither")
+        if self.nudge is None:
+            return
+        tc = self.rollout
+        if tc.num_leaves != 1 or tc.branch_factor != 1:
+            raise ConfigError("NudgeRL rolls out each hinted or plain prompt as its own row (one chain each); fix: "
+                              "TreeConfig.num_leaves = 1 and TreeConfig.branch_factor = 1 (rollouts per problem: "
+                              "NudgeConfig.num_hints x rollouts_per_hint)")
+        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (a problem's rows are one group)"),
+                         (self.packed_update, "RunConfig.packed_update = False (its rows share no prompt)"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
+                         (self.train_split != "train", "RunConfig.train_split = 'train'")):
+            if bad:
+                raise ConfigError(f"NudgeRL: fix: {why}")
 
     def _check_continuations(self) -> None:
         """SPO-chain forks its continuations from each leaf's KV, which is still resident at the end only for

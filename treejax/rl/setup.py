@@ -36,6 +36,7 @@ from treejax.rl import collect
 from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
+from treejax.rl.nudge import NudgeRollouts
 from treejax.rl.rollouts import TaskRollouts
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
@@ -170,8 +171,12 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     del params
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     rollout = make_tree_rollout(rollout_fns, cfg.rollout, continuations=cfg.continuation_config())
-    source = TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline,
-                          prompt_width, pad_id, estimator_inputs=learner.estimator_inputs)
+    if cfg.nudge is None:
+        source = TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width, pad_id,
+                              estimator_inputs=learner.estimator_inputs)
+    else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
+        source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
+                                            pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)
               if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files

@@ -402,3 +402,45 @@ def generate(params, model: ModelConfig | ModelFns, prompts, lengths, key: jax.A
     return _generate_core(params, jnp.asarray(pad_prompts(tokens, bucket)), jnp.asarray(lens), key, probe, model=fns,
                           max_new_tokens=int(max_new_tokens), strategy=strategy, stop_ids=stop_ids,
                           with_entropy=bool(with_entropy))
+
+
+# ----------------------------------------------------------------------------------------------- teacher forcing
+@functools.partial(jax.jit, static_argnames=("model",), compiler_options=SAMPLER_COMPILER_OPTIONS)
+def _score_core(params, prompts, lengths, tokens, token_lengths, *, model: ModelFns) -> jax.Array:
+    _count_trace("score_tokens")
+    B, Lb = prompts.shape
+    T = tokens.shape[1]
+    L = attention_lib.round_cache_length(Lb + T, model.cache_multiple)
+    cache = model.shard_cache(model.init_cache(B, L))
+    params = model.prepare(params)
+    cache, pending, position = prefill_prompts(model, params, cache, prompts, lengths, jnp.arange(B, dtype=jnp.int32))
+
+    def body(s):
+        t, cache, pending, logp = s
+        live = t < token_lengths
+        logits, cache = model.step(params, pending, jnp.where(live, position + t, L), cache)
+        logits = mask_vocab(logits.astype(jnp.float32), model.sampling_vocab_size)
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, t][:, None], axis=1)[:, 0]
+        return (t + 1, model.shard_cache(cache), jnp.where(live, tokens[:, t], pending),
+                logp.at[:, t].set(jnp.where(live, lp, 0.0)))
+
+    s = lax.while_loop(lambda s: s[0] < jnp.max(token_lengths), body,
+                       (jnp.int32(0), cache, pending, jnp.zeros((B, T), jnp.float32)))
+    return s[3]
+
+
+def score_tokens(params, model: ModelConfig | ModelFns, prompts, lengths, tokens, token_lengths) -> jax.Array:
+    """float32 ``[B, T]``: ``log pi(tokens[b, t] | prompt_b, tokens[b, :t])`` under the policy at temperature 1 on
+    the true vocabulary (as :func:`generate` records it), for ``t < token_lengths[b]`` (0 after), by teacher forcing
+    through the sampler: each prompt prefilled once, then one decode step per token. Scores a response under a
+    prompt it was not sampled from (NudgeRL's plain prompt, :mod:`treejax.rl.nudge`) in the sampler's numerics."""
+    fns = as_model_fns(model)
+    p, lens = validate_prompts(prompts, lengths)
+    toks = np.asarray(tokens, np.int32)
+    n = np.asarray(token_lengths, np.int32)
+    if toks.ndim != 2 or toks.shape[0] != p.shape[0] or n.shape != (p.shape[0],) or (n > toks.shape[1]).any():
+        raise ValueError(f"score_tokens: tokens {toks.shape} and token_lengths {n.shape} must be [B, T] and [B] with "
+                         f"lengths <= T for B = {p.shape[0]} prompts")
+    bucket = bucket_length(p.shape[1])
+    return _score_core(params, jnp.asarray(pad_prompts(p, bucket)), jnp.asarray(lens), jnp.asarray(toks),
+                       jnp.asarray(n), model=fns)

@@ -2,7 +2,7 @@
 
 Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mod:`.registry`).
 Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
-Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain.
+Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain. Hinted contexts: nudge.
 """
 
 from treejax.rl.advantages.common import masked_whiten
@@ -28,6 +28,7 @@ from treejax.rl.advantages.registry import (
     register_estimator,
 )
 from treejax.rl.advantages.spo import SPOTreeOptions, spo_probability_mask, spo_tree
+from treejax.rl.advantages.nudge import NudgeOptions, nudge
 from treejax.rl.advantages.spo_chain import SPOChainOptions, spo_chain
 from treejax.rl.advantages.tree import TreePOOptions, TreePOSegmentOptions, treepo, treepo_segment
 
@@ -35,7 +36,7 @@ __all__ = [
     "Advantages", "EstimatorSpec", "estimator_spec", "get_estimator", "list_estimators", "register_estimator",
     "masked_whiten", "spo_probability_mask",
     "grpo", "rloo", "reinforce_pp_baseline", "mc_grpo", "remax", "decs", "treepo", "treepo_segment", "spo_tree",
-    "spo_chain", "SPOChainOptions",
+    "spo_chain", "SPOChainOptions", "nudge", "NudgeOptions",
     "GRPOOptions", "DECSOptions", "RLOOOptions", "ReinforcePPBaselineOptions", "MCGRPOOptions", "ReMaxOptions",
     "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
 ]

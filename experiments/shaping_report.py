@@ -6,7 +6,8 @@ Reads the ``<arm>-s<seed>.json`` run summaries that ``experiments/shaping_runs.s
 markdown table: held-out greedy accuracy after 40 steps (mean, each seed), decoded tokens, the policy's mean
 sampled response length over the last 5 steps, and the run's seconds (runs shared one GPU with 2-4 others, so
 seconds compare only roughly). The ``tp_*`` arms ran ``configs/efficacy_treepo.gin`` (TreePO's transfer tree: the
-branching rules need it), the ``grpo`` and ``spo_chain*`` arms (``experiments/results/spo_chain``)
+branching rules need it), the ``grpo`` and ``spo_chain*`` arms (``experiments/results/spo_chain``), the ``grpo8x16*`` and ``nudge*`` arms
+(``experiments/results/nudge``)
 ``configs/efficacy_grpo.gin`` / ``configs/efficacy_spo_chain.gin``, every other arm ``configs/efficacy_slots_k8.gin``.
 """
 
@@ -32,7 +33,13 @@ ARMS = {"base": ("TreePO slots (baseline)", "-"), "echo": ("ECHO shaping + adapt
         "tp_arrol_vote": ("ARRoL, as above, evaluated with k = 8 (see wmaj@8)", "EvalConfig.vote_probe"),
         "grpo": ("GRPO, 16 independent chains (baseline of SPO-chain)", "efficacy_grpo.gin"),
         "spo_chain": ("SPO-chain: 8 chains, int5 cuts (<= 8), K = 9 continuations", "efficacy_spo_chain.gin"),
-        "spo_chain_k4": ("SPO-chain, smaller: <= 4 cuts, K = 4", "SPOChainOptions.samples = 4, max_cuts = 4")}
+        "spo_chain_k4": ("SPO-chain, smaller: <= 4 cuts, K = 4", "SPOChainOptions.samples = 4, max_cuts = 4"),
+        "grpo8x16_nods": ("GRPO, 16 problems x 8 chains, no dynamic sampling (baseline of NudgeRL)",
+                          "efficacy_grpo_8.gin, prompts_per_step = 16, dynamic_sampling = False"),
+        "grpo8x16": ("GRPO, 16 problems x 8 chains, dynamic sampling (2 refills)",
+                     "efficacy_grpo_8.gin, prompts_per_step = 16"),
+        "nudge": ("NudgeRL: 2 hints x 4 rollouts, p_drop 0.5, lambda 1.1, distillation 0.1", "efficacy_nudge.gin"),
+        "nudge_nodistill": ("NudgeRL without the distillation rows", "NudgeConfig.distill = False")}
 
 
 def main(folder: str) -> None:

@@ -43,6 +43,7 @@ from treejax.choices import check_choice
 from treejax.config_types import check_types
 from treejax.errors import ConfigError, DataError, UserError
 from treejax.precision import Precision
+from treejax.rl.config import DEFAULT_TASK_OPTIONS
 from treejax.rl.evaluation import EvalConfig
 from treejax.rl.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 
@@ -82,9 +83,7 @@ class SFTConfig:
     model: str = "smollm2-135m-instruct"
     precision: Precision = Precision()
     task: str = "chain_sum_2x1"
-    task_options: dict = dataclasses.field(default_factory=lambda: {
-        "size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
-        "instruction": "Answer with just the number.", "extraction": "last_number"})
+    task_options: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_TASK_OPTIONS))
     system_prompt: str | None = None
     instruction: str | None = None
     demonstration: str = "{answer}"

@@ -31,6 +31,9 @@ from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
 
+#: The default task's options (``RunConfig`` and ``treejax.sft.SFTConfig``): a small chain_sum_2x1 set.
+DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
+                        "instruction": "Answer with just the number.", "extraction": "last_number"}
 #: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`).
 OLD_LOGP_SOURCES = ("trainer", "sampler")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
@@ -174,9 +177,7 @@ class RunConfig:
     model: str = "smollm2-135m-instruct"
     precision: Precision = Precision()
     task: str = "chain_sum_2x1"
-    task_options: dict = dataclasses.field(default_factory=lambda: {
-        "size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
-        "instruction": "Answer with just the number.", "extraction": "last_number"})
+    task_options: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_TASK_OPTIONS))
     system_prompt: str | None = None  # None: the task's own
     instruction: str | None = None  # None: the task's own
     prompts_per_step: int = 2

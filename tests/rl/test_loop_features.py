@@ -31,8 +31,10 @@ def test_builtin_list_is_complete():
     assert set(BUILT_IN) <= set(list_estimators())
 
 
-FAST_CLI = ("packed_update",)  # the rest: fast through rl_step (test_every_estimator_and_loss_term_through_rl_step;
-# the shapers: tests/rl/test_packing.py::test_rl_step_packed_equals_expanded)
+FAST_CLI = ()  # every case is slow here; the default run covers them through rl_step
+# (test_every_estimator_and_loss_term_through_rl_step; the packed update and the shapers:
+# tests/rl/test_packing.py::test_rl_step_packed_equals_expanded; SPO-chain's source: tests/sampling/test_continuation.py
+# and tests/rl/test_spo_chain.py; the whole CLI: tests/test_train_cli.py)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
                 "rose_branching", "spo_chain", "nudge")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from treejax.choices import check_choice
 from treejax.config_types import check_types
@@ -211,9 +212,8 @@ def make_sft_step(model_config, cfg: SFTConfig, optimizer):
     def step(params, opt_state, tokens, targets, mask, key):
         (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, targets, mask, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        return params, opt_state, dict(m, **{"sft/loss": loss, "sft/grad_norm": gnorm,
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, dict(m, **{"sft/loss": loss, "sft/grad_norm": optax.global_norm(grads),
                                              "sft/tokens": jnp.sum(mask)})
 
     return step

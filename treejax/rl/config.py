@@ -259,9 +259,9 @@ class RunConfig:
     def continuation_config(self):
         """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads
         values at cut points (SPO-chain: ``cut_value_PxWxB``), from its options; else ``None``."""
-        if "cut_value_PxWxB" not in estimator_spec(self.estimator).inputs:
-            return None
         spec = estimator_spec(self.estimator)
+        if "cut_value_PxWxB" not in spec.inputs:
+            return None
         options = spec.default_options() if self.estimator_options is None else self.estimator_options
         return options.continuation_config()
 

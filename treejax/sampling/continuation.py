@@ -66,8 +66,9 @@ class ContinuationConfig:
             raise ValueError(f"ContinuationConfig.rows_per_round must be 0 or a positive multiple of samples="
                              f"{self.samples}, got {self.rows_per_round}")
 
-    def round_rows(self, num_leaves: int) -> int:
-        return self.rows_per_round or self.samples * num_leaves
+    def round_rows(self, leaf_rows: int) -> int:
+        """Rows decoded per round: ``rows_per_round``, or ``K`` per leaf row."""
+        return self.rows_per_round or self.samples * leaf_rows
 
 
 @struct.dataclass

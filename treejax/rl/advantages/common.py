@@ -70,6 +70,15 @@ def scaled_sum(x: jax.Array, divisor: int, axis=None) -> jax.Array:
     return materialize(pairwise_sum(x, axis=axis) * np.float32(1.0 / max(int(divisor), 1)))
 
 
+def count_scaled_sum(x: jax.Array, count: jax.Array, axis=None) -> jax.Array:
+    """``pairwise_sum(x) * float32(1 / count)`` for a *traced* integer ``count`` (a group's used slots), clamped
+    to >= 1. ``1 / float32(count)`` is the correctly rounded reciprocal, the same bits as the static
+    ``np.float32(1 / n)`` of :func:`scaled_sum` (checked for every count up to 70,000), so a full group gives
+    exactly :func:`scaled_sum`'s result."""
+    inv = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+    return materialize(pairwise_sum(x, axis=axis) * inv)
+
+
 def centered_by_groups(rewards_W: jax.Array, group_DxWxW: jax.Array) -> tuple[jax.Array, jax.Array]:
     """For one prompt: ``a[d, i] = R_i - mean_{j in G_d(i)} R_j`` and ``|G_d(i)|`` ([D', W] each).
 

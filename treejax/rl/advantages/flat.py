@@ -15,6 +15,7 @@ from treejax.forest import Forest
 from treejax.rl.advantages.common import (
     broadcast_leaves,
     check_baseline,
+    count_scaled_sum,
     check_rewards,
     materialize,
     other_subtrees_deviation,
@@ -24,9 +25,19 @@ from treejax.rl.advantages.common import (
 from treejax.rl.advantages.registry import Advantages, register_estimator
 
 
-def _mean_deviation(r_W: jax.Array) -> jax.Array:
-    """``R_i - mean(R) = mean_j (R_i - R_j)``: exactly 0 when all rewards are equal."""
-    return scaled_sum(r_W[:, None] - r_W[None, :], r_W.shape[0], axis=-1)
+def _mean_deviation(r_W: jax.Array, used_W: jax.Array | None = None) -> jax.Array:
+    """``R_i - mean(R) = mean_j (R_i - R_j)`` over the used slots ``j`` (all when ``used_W`` is None): exactly 0
+    when all rewards are equal; 0 on unused slots."""
+    if used_W is None:
+        return scaled_sum(r_W[:, None] - r_W[None, :], r_W.shape[0], axis=-1)
+    diff = jnp.where(used_W[None, :], r_W[:, None] - r_W[None, :], 0.0)
+    return jnp.where(used_W, count_scaled_sum(diff, jnp.sum(used_W, dtype=jnp.int32), axis=-1), 0.0)
+
+
+def used_leaves(leaf_path_PxWxD1: jax.Array) -> jax.Array:
+    """bool[..., W]: the leaf slots that hold a rollout (``leaf_path[..., 0] >= 0``; allocation's groups mark the
+    slots a prompt did not get with -1, :mod:`treejax.rl.allocation.groups`)."""
+    return leaf_path_PxWxD1[..., 0] >= 0
 
 
 # --------------------------------------------------------------------------------------------------- grpo
@@ -44,17 +55,23 @@ class GRPOOptions:
 
 
 def grpo_core(r_W: jax.Array, options: GRPOOptions, leaf_path_WxD1: jax.Array | None = None) -> jax.Array:
-    dev = _mean_deviation(r_W)
+    """One prompt's GRPO advantages [W] over its used leaf slots (all slots without ``leaf_path_WxD1``)."""
+    used = None if leaf_path_WxD1 is None else used_leaves(leaf_path_WxD1)
+    dev = _mean_deviation(r_W, used)
     centred = dev if options.baseline == "group" else other_subtrees_deviation(leaf_path_WxD1, r_W)
     if not options.scale_by_std:
         return centred
-    w = r_W.shape[0]
     sq = materialize(dev * dev)
-    var = scaled_sum(sq, w - 1 if options.unbiased_std else w)
+    if used is None:
+        w = r_W.shape[0]
+        var = scaled_sum(sq, w - 1 if options.unbiased_std else w)
+    else:
+        n = jnp.sum(used, dtype=jnp.int32)
+        var = count_scaled_sum(sq, n - 1 if options.unbiased_std else n)
     return centred * materialize(1.0 / (jnp.sqrt(var) + options.eps))  # see common.materialize
 
 
-@register_estimator("grpo", GRPOOptions)
+@register_estimator("grpo", GRPOOptions, ragged=True)
 def grpo(forest: Forest, rewards_PxW: jax.Array, options: GRPOOptions = GRPOOptions()) -> Advantages:
     """GRPO (Shao et al. 2024, DeepSeekMath): ``A_i = (R_i - mean_G R) / (std_G R + eps)``, G = the W leaves of
     the prompt; Dr.GRPO option: ``A_i = R_i - mean_G R``.
@@ -84,12 +101,16 @@ class RLOOOptions:
         check_baseline("RLOOOptions", self.baseline)
 
 
-def rloo_core(r_W: jax.Array) -> jax.Array:
-    w = r_W.shape[0]
-    return scaled_sum(r_W[:, None] - r_W[None, :], w - 1, axis=-1)
+def rloo_core(r_W: jax.Array, used_W: jax.Array | None = None) -> jax.Array:
+    """One prompt's leave-one-out advantages [W] over its used leaf slots (all without ``used_W``)."""
+    if used_W is None:
+        w = r_W.shape[0]
+        return scaled_sum(r_W[:, None] - r_W[None, :], w - 1, axis=-1)
+    diff = jnp.where(used_W[None, :], r_W[:, None] - r_W[None, :], 0.0)
+    return jnp.where(used_W, count_scaled_sum(diff, jnp.sum(used_W, dtype=jnp.int32) - 1, axis=-1), 0.0)
 
 
-@register_estimator("rloo", RLOOOptions)
+@register_estimator("rloo", RLOOOptions, ragged=True)
 def rloo(forest: Forest, rewards_PxW: jax.Array, options: RLOOOptions = RLOOOptions()) -> Advantages:
     """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): ``A_i = R_i - (1/(W-1)) sum_{j != i} R_j``
     ``= W/(W-1) (R_i - mean R)``. W = 1 gives 0 (verl gives ``A = R`` there). No whitening.
@@ -99,7 +120,7 @@ def rloo(forest: Forest, rewards_PxW: jax.Array, options: RLOOOptions = RLOOOpti
     if options.baseline == "other_subtrees":
         leaves = jax.vmap(other_subtrees_deviation)(forest.leaf_path, r)
     else:
-        leaves = jax.vmap(rloo_core)(r)
+        leaves = jax.vmap(rloo_core)(r, used_leaves(forest.leaf_path))
     return Advantages(tokens=broadcast_leaves(leaves, forest.loss_mask), loss_mask=forest.loss_mask, leaves=leaves)
 
 
@@ -114,7 +135,7 @@ class ReinforcePPBaselineOptions:
         check_baseline("ReinforcePPBaselineOptions", self.baseline)
 
 
-@register_estimator("reinforce_pp_baseline", ReinforcePPBaselineOptions)
+@register_estimator("reinforce_pp_baseline", ReinforcePPBaselineOptions, ragged=True)
 def reinforce_pp_baseline(
     forest: Forest, rewards_PxW: jax.Array, options: ReinforcePPBaselineOptions = ReinforcePPBaselineOptions()
 ) -> Advantages:
@@ -129,7 +150,7 @@ def reinforce_pp_baseline(
     if options.baseline == "other_subtrees":
         a = jax.vmap(other_subtrees_deviation)(forest.leaf_path, r)
     else:
-        a = jax.vmap(_mean_deviation)(r)
+        a = jax.vmap(_mean_deviation)(r, used_leaves(forest.leaf_path))
     return _whitened_leaf_advantages(a, forest, options.whiten, options.whiten_eps)
 
 
@@ -202,7 +223,7 @@ class ReMaxOptions:
     pass
 
 
-@register_estimator("remax", ReMaxOptions, inputs=("greedy_reward_P",))
+@register_estimator("remax", ReMaxOptions, inputs=("greedy_reward_P",), ragged=True)
 def remax(
     forest: Forest, rewards_PxW: jax.Array, options: ReMaxOptions = ReMaxOptions(), *, greedy_reward_P: jax.Array
 ) -> Advantages:

@@ -47,6 +47,7 @@ class EstimatorSpec:
     fn: Callable[..., Advantages]
     options_cls: type
     inputs: tuple[str, ...] = ()
+    ragged: bool = False  # honours unused leaf slots (leaf_path[..., 0] = -1): prompt-level allocation's groups
 
     def default_options(self, **overrides: Any):
         return self.options_cls(**overrides)
@@ -55,8 +56,12 @@ class EstimatorSpec:
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
-def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (), *, overwrite: bool = False):
-    """Decorator registering ``fn`` under ``name``. ``options_cls`` must be a frozen dataclass.
+def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (), *, ragged: bool = False,
+                       overwrite: bool = False):
+    """Decorator registering ``fn`` under ``name``. ``options_cls`` must be a frozen dataclass. ``ragged``: the
+    estimator honours unused leaf slots (``leaf_path[p, w, 0] = -1``: no rollout there; every group statistic
+    runs over the used slots only and unused slots get 0), so prompts may hold different numbers of rollouts
+    (prompt-level allocation, :mod:`treejax.rl.allocation`).
 
     Registering a second function under an existing name is an error (names are the gin-facing API), unless
     ``overwrite=True`` (a notebook cell run twice, or a deliberate replacement).
@@ -68,7 +73,8 @@ def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (
         if name in _REGISTRY and _REGISTRY[name].fn is not fn and not overwrite:
             raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name].fn!r}); pass "
                              "overwrite=True to replace it (e.g. when a notebook cell runs again)")
-        _REGISTRY[name] = EstimatorSpec(name=name, fn=fn, options_cls=options_cls, inputs=tuple(inputs))
+        _REGISTRY[name] = EstimatorSpec(name=name, fn=fn, options_cls=options_cls, inputs=tuple(inputs),
+                                        ragged=ragged)
         return fn
 
     return decorator

@@ -88,7 +88,7 @@ def spo_tree_core(leaf_path_WxD1, rewards_W, num_nodes: int, options: SPOTreeOpt
     return jnp.where(valid, seg, 0.0)
 
 
-@register_estimator("spo_tree", SPOTreeOptions)
+@register_estimator("spo_tree", SPOTreeOptions, ragged=True)
 def spo_tree(forest: Forest, rewards_PxW: jax.Array, options: SPOTreeOptions = SPOTreeOptions()) -> Advantages:
     r"""SPO-tree segment advantage: ``A(child) = V(child) - V(parent)``, broadcast over the child's segment.
 

@@ -64,7 +64,7 @@ def treepo_core(leaf_path_WxD1: jax.Array, rewards_W: jax.Array, options: TreePO
     return pairwise_sum(masked_product(weight, a, include), axis=0) / jnp.sum(weight, axis=0)
 
 
-@register_estimator("treepo", TreePOOptions)
+@register_estimator("treepo", TreePOOptions, ragged=True)
 def treepo(forest: Forest, rewards_PxW: jax.Array, options: TreePOOptions = TreePOOptions()) -> Advantages:
     r"""TreePO subgroup advantage: one scalar per leaf, broadcast over the leaf's tokens, whitened batch-globally.
 
@@ -173,7 +173,7 @@ def treepo_segment_core(leaf_path_WxD1, rewards_W, num_nodes: int, options: Tree
     return jnp.where(valid, seg, 0.0)
 
 
-@register_estimator("treepo_segment", TreePOSegmentOptions)
+@register_estimator("treepo_segment", TreePOSegmentOptions, ragged=True)
 def treepo_segment(
     forest: Forest, rewards_PxW: jax.Array, options: TreePOSegmentOptions = TreePOSegmentOptions()
 ) -> Advantages:

@@ -1,0 +1,178 @@
+"""Prompt-level allocation: the allocators against slow references of their formulas, the chunk planner's budget
+invariants, the group forest, and the ragged estimators (unused slots change nothing)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treejax.rl import advantages as adv
+from treejax.rl.advantages.registry import estimator_spec, list_estimators
+from treejax.rl.allocation import (DARS, PromptStats, dars_extra, group_forest, group_leaves, plan_chunks, ungroup)
+from treejax.testing.forests import random_forest, random_rewards
+
+
+# ----------------------------------------------------------------------------------------------------- DARS
+def dars_reference(a: float, n: int, variant: str, std: bool) -> int:
+    """DARS's schedule for one prompt, written from the paper / schedule_ET, schedule_HW (module docstring)."""
+    if a == 0:
+        a = 0.5 / n
+    if a >= 0.5:
+        return 0
+    s = 2 * math.sqrt(a * (1 - a)) if std else 2 * a * (1 - a)
+    peak = n if std else n / 2
+    target = peak if variant == "et" else 2 * (1 - a) * peak
+    return max(0, math.ceil((target - n * s) / s))
+
+
+@pytest.mark.parametrize("variant", ["hw", "et"])
+@pytest.mark.parametrize("std", [True, False])
+def test_dars_matches_reference(variant, std):
+    n = 8
+    acc = np.array([k / n for k in range(n + 1)])
+    got = dars_extra(acc, np.full(len(acc), n), variant, std)
+    want = [dars_reference(float(a), n, variant, std) for a in acc]
+    assert got.tolist() == want
+    assert got[0] > got[1] > 0 and np.all(got[acc >= 0.5] == 0)
+    if variant == "hw":  # harder prompts get more; HW >= ET
+        assert np.all(got >= dars_extra(acc, np.full(len(acc), n), "et", std))
+
+
+def test_dars_allocator_reads_stats():
+    stats = PromptStats.from_leaves(correct_PxW=[[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8],
+                                    rewards_PxW=np.zeros((3, 8)))
+    extra, state = DARS("hw").extra_rollouts(stats, {}, budget=100)
+    assert extra.tolist() == [dars_reference(0.0, 8, "hw", True), dars_reference(0.125, 8, "hw", True), 0]
+    assert state == {}
+
+
+# ------------------------------------------------------------------------------------------------- planner
+def test_plan_chunks_rounds_up_and_caps():
+    got = plan_chunks(np.array([0, 1, 8, 9, 100]), np.zeros(5), num_leaves=8, max_chunks=3, budget_rows=100)
+    assert got.tolist() == [0, 1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_chunks_never_exceeds_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    extra = rng.integers(0, 40, 12)
+    acc = rng.random(12)
+    for budget in (0, 1, 3, 7, 50):
+        got = plan_chunks(extra, acc, 4, 5, budget)
+        want = np.minimum(-(-extra // 4), 5)
+        assert got.sum() == min(budget, want.sum()) and np.all(got <= want) and np.all(got >= 0)
+
+
+def test_plan_chunks_shares_a_tight_budget_by_unmet_request():
+    # requests in rollouts 20, 20, 4 (W = 4): 5, 5, 1 chunks wanted, 4 granted -> 2, 2, 0 (largest unmet first)
+    assert plan_chunks(np.array([20, 20, 4]), np.zeros(3), 4, 9, 4).tolist() == [2, 2, 0]
+    # ties broken by the lower accuracy
+    assert plan_chunks(np.array([8, 8]), np.array([0.4, 0.1]), 4, 9, 1).tolist() == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------------- groups
+def _forest(seed=0, rows=6, W=4, D=3, S=2):
+    rng = np.random.default_rng(seed)
+    return random_forest(rng, rows, W, D, S), rng
+
+
+def test_group_forest_of_one_chunk_is_the_forest():
+    f, _ = _forest()
+    g = group_forest(f, np.arange(6)[:, None])
+    for name in ("node_parent", "node_depth", "node_status", "leaf_path", "leaf_length", "tokens", "loss_mask",
+                 "segment_index", "logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(g, name)), np.asarray(getattr(f, name)), err_msg=name)
+
+
+def test_group_forest_merges_trees_under_one_root_and_marks_unused_slots():
+    f, _ = _forest()
+    rows = np.array([[0, 3, -1], [1, -1, 5]])
+    g = group_forest(f, rows)
+    W, N = 4, f.node_parent.shape[1]
+    path = np.asarray(g.leaf_path)
+    assert np.all(path[0, 8:] == -1) and np.all(path[1, 4:8] == -1)
+    assert np.all(np.asarray(g.loss_mask)[0, 8:] == 0) and np.all(np.asarray(g.leaf_weight)[0, 8:] == 0)
+    assert np.all(path[:, :, 0][path[:, :, 0] != -1] == 0)
+    parent = np.asarray(g.node_parent)
+    # every used node's parent chain reaches the group's root 0
+    for p in range(2):
+        for n in np.nonzero(np.asarray(g.node_depth)[p] > 0)[0]:
+            k = n
+            while k != 0:
+                k = parent[p, k]
+                assert k >= 0
+    # leaf tokens and node ids of chunk 1 of prompt 0 are row 3's, shifted by N
+    np.testing.assert_array_equal(np.asarray(g.tokens)[0, W:2 * W], np.asarray(f.tokens)[3])
+    src = np.asarray(f.leaf_path)[3]
+    np.testing.assert_array_equal(path[0, W:2 * W], np.where(src > 0, src + N, src))
+    # ungroup puts the values back; rows in no group (2, 4) get 0
+    x = group_leaves(np.asarray(f.leaf_length, np.float32), rows)
+    back = np.asarray(ungroup(x, rows, 6))
+    for r in (0, 1, 3, 5):
+        np.testing.assert_array_equal(back[r], np.asarray(f.leaf_length, np.float32)[r])
+    assert np.all(back[[2, 4]] == 0)
+
+
+RAGGED = [(n, o) for n, o in [
+    ("grpo", adv.GRPOOptions()), ("grpo", adv.GRPOOptions(scale_by_std=False)), ("rloo", adv.RLOOOptions()),
+    ("rloo", adv.RLOOOptions(baseline="other_subtrees")), ("reinforce_pp_baseline", adv.ReinforcePPBaselineOptions()),
+    ("treepo", adv.TreePOOptions()), ("treepo", adv.TreePOOptions(weighting="group_size", reject_zero_std=True)),
+    ("treepo_segment", adv.TreePOSegmentOptions()),
+    ("treepo_segment", adv.TreePOSegmentOptions(node_value="child_mean")),
+    ("spo_tree", adv.SPOTreeOptions()), ("remax", adv.ReMaxOptions())]]
+
+
+def test_ragged_flags():
+    assert {n for n in list_estimators() if estimator_spec(n).ragged} == {n for n, _ in RAGGED}
+
+
+@pytest.mark.parametrize("name,options", RAGGED, ids=[f"{n}-{i}" for i, (n, _) in enumerate(RAGGED)])
+def test_unused_slots_change_nothing(name, options):
+    """The same rollouts as full groups ([P, 2W], no unused slot) and with an unused chunk between and after them
+    ([P, 4W]): identical advantages on every used leaf, 0 on the unused ones."""
+    f, rng = _forest(seed=3)
+    R = jnp.asarray(random_rewards(rng, (6, 4), "mixed"), jnp.float32)
+    compact = np.array([[0, 1], [2, 3], [4, 5]])
+    ragged = np.array([[0, -1, 1, -1], [-1, 2, 3, -1], [4, 5, -1, -1]])
+    fn = adv.get_estimator(name)
+
+    def run(rows):
+        kw = {"greedy_reward_P": R[jnp.asarray(rows).max(axis=1), 0]} if name == "remax" else {}
+        out = jax.jit(lambda f, r, kw: fn(f, r, options, **kw))(group_forest(f, rows), group_leaves(R, rows), kw)
+        return {k: None if v is None else np.asarray(ungroup(v, rows, 6)) for k, v in
+                (("tokens", out.tokens), ("loss_mask", out.loss_mask), ("leaves", out.leaves))}
+
+    a, b = run(compact), run(ragged)
+    for k in a:
+        if a[k] is not None:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    g = group_forest(f, ragged)
+    out = fn(g, group_leaves(R, ragged), options,
+             **({"greedy_reward_P": R[:3, 0]} if name == "remax" else {}))
+    unused = np.asarray(g.leaf_path)[:, :, 0] < 0
+    assert np.all(np.asarray(out.tokens)[unused] == 0) and np.all(np.asarray(out.loss_mask)[unused] == 0)
+
+
+def test_traced_group_sizes_give_the_static_sizes_bits():
+    """The ragged cores count the used slots at run time; on full groups they give the static-size formulas'
+    exact bits (count_scaled_sum's reciprocal is the correctly rounded one, as scaled_sum's)."""
+    from treejax.rl.advantages import flat
+
+    rng = np.random.default_rng(4)
+    for W in (2, 3, 6, 7, 16):
+        r = jnp.asarray(rng.normal(size=(5, W)), jnp.float32)
+        used = jnp.ones((5, W), bool)
+        for fn in (flat._mean_deviation, flat.rloo_core):
+            np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(fn))(r, used)),
+                                          np.asarray(jax.jit(jax.vmap(fn))(r)))
+        path = jnp.zeros((5, W, 2), jnp.int32)
+        for o in (adv.GRPOOptions(), adv.GRPOOptions(unbiased_std=False)):
+            dev = jax.vmap(flat._mean_deviation)(r)
+            var = jax.vmap(lambda d: flat.scaled_sum(flat.materialize(d * d), W - 1 if o.unbiased_std else W))(dev)
+            static = dev * flat.materialize(1.0 / (jnp.sqrt(var) + o.eps))[:, None]
+            np.testing.assert_array_equal(np.asarray(jax.vmap(lambda x, p: flat.grpo_core(x, o, p))(r, path)),
+                                          np.asarray(static))

@@ -1,0 +1,17 @@
+"""Where the rollout budget goes: prompt-level allocators (one file each, registered by name) and the group forest
+that lets a prompt's rollouts span several rows. Interface: :mod:`treejax.rl.allocation.base`.
+
+  ``uniform``      :class:`Uniform`       every prompt W rollouts (treejax without allocation);
+  ``dars``         :class:`DARS`          DARS-ET / DARS-HW: extra rollouts for hard prompts (a < 0.5);
+  ``xrpo``         :class:`XRPOAllocator` XRPO: chunks to the prompts whose reward CI shrinks most, plus a bonus;
+  ``rollout_gdro`` :class:`RolloutGDRO`   Rollout-GDRO: pass-rate bins, square-root rule under a mean budget.
+"""
+
+from treejax.rl.allocation.base import (AllocationConfig, Allocator, PromptStats, allocator_classes, get_allocator,
+                                        plan_chunks, prompt_key, register)
+from treejax.rl.allocation.dars import DARS, dars_extra
+from treejax.rl.allocation.groups import group_forest, group_leaves, ungroup
+from treejax.rl.allocation.uniform import Uniform
+
+__all__ = ["AllocationConfig", "Allocator", "DARS", "PromptStats", "Uniform", "allocator_classes", "dars_extra",
+           "get_allocator", "group_forest", "group_leaves", "plan_chunks", "prompt_key", "register", "ungroup"]

@@ -1,0 +1,175 @@
+"""The prompt-level allocator interface, its registry, and the planner that turns requests into rollout rows.
+
+A step with allocation (:class:`AllocationConfig`) rolls out in two rounds:
+
+1. the *pre-rollout*: ``P`` prompts x ``W`` leaves, the usual sampler call;
+2. the allocator reads each prompt's statistics of round 1 (:class:`PromptStats`: rollouts, leaf-weighted
+   accuracy, reward mean / std, a stable prompt key for its history) and its own state, and asks for
+   ``extra_P[p] >= 0`` more rollouts of prompt ``p``; :func:`plan_chunks` turns the requests into *chunks*
+   (one chunk = one more prompt row of ``W`` leaves, sampled by the same tree program) under two static caps:
+   ``max_rollouts`` per prompt and ``extra_rows`` chunks per step (the row budget). Requests are rounded up
+   to whole chunks; when they exceed the budget, chunks go one at a time to the prompt with the largest
+   unmet request (ties: lower accuracy, then lower index), so a tight budget is shared rather than spent on
+   the first prompts.
+
+A prompt's group is then its round-1 row plus its chunks (:mod:`treejax.rl.allocation.groups`): the
+estimator sees ``[P, C * W]`` leaves per prompt (``C = max_rollouts / W``) with the unused slots marked
+(``leaf_path[..., 0] = -1``), so every group statistic is over the rollouts the prompt actually got.
+
+An allocator is a frozen dataclass registered by name (gin knows it by its class name, ``AllocationConfig.
+allocator = @DARS()``) with two methods: ``init_state() -> dict`` (JSON-serialisable: it is saved in the
+checkpoint's data state) and ``extra_rollouts(stats, state) -> (extra_P, state)``, a host function (NumPy):
+allocation happens between two sampler calls, on a few numbers per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, ClassVar
+
+import numpy as np
+
+from treejax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStats:
+    """Per-prompt statistics of one step's pre-rollout (host arrays over the ``P`` prompts).
+
+    ``rollouts_P``: rollouts sampled (``W``); ``accuracy_P``: fraction of correct leaves, each leaf weighted by
+    ``Forest.leaf_weight`` (so a tree's estimate is the policy's pass rate); ``reward_mean_P`` /
+    ``reward_std_P``: the same weighting over the shaped rewards (population std); ``keys``: a stable key per
+    prompt (:func:`prompt_key`) for allocators with a history; ``step``: the training step."""
+
+    rollouts_P: np.ndarray
+    accuracy_P: np.ndarray
+    reward_mean_P: np.ndarray
+    reward_std_P: np.ndarray
+    keys: tuple[str, ...] = ()
+    step: int = 0
+
+    @classmethod
+    def from_leaves(cls, correct_PxW, rewards_PxW, weight_PxW=None, keys=(), step: int = 0) -> "PromptStats":
+        correct = np.asarray(correct_PxW, np.float64)
+        rewards = np.asarray(rewards_PxW, np.float64)
+        w = np.ones_like(rewards) if weight_PxW is None else np.asarray(weight_PxW, np.float64)
+        total = np.maximum(w.sum(-1), 1e-12)
+        mean = (w * rewards).sum(-1) / total
+        var = (w * (rewards - mean[:, None]) ** 2).sum(-1) / total
+        n = (w > 0).sum(-1)
+        return cls(rollouts_P=n.astype(np.int64), accuracy_P=(w * correct).sum(-1) / total, reward_mean_P=mean,
+                   reward_std_P=np.sqrt(np.maximum(var, 0.0)), keys=tuple(keys), step=int(step))
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.accuracy_P)
+
+
+def prompt_key(example: Any) -> str:
+    """A stable key of a task example (its question text), for allocators that keep per-prompt history."""
+    text = example.get("question", repr(example)) if isinstance(example, dict) else repr(example)
+    return hashlib.sha1(str(text).encode()).hexdigest()[:16]
+
+
+class Allocator:
+    """Base of the prompt-level allocators (module docstring). ``name`` is set by :func:`register`."""
+
+    name: ClassVar[str] = ""
+
+    def init_state(self) -> dict:
+        return {}
+
+    def extra_rollouts(self, stats: PromptStats, state: dict, *, budget: int) -> tuple[np.ndarray, dict]:
+        """``(extra_P, new_state)``: how many more rollouts each prompt should get (ints >= 0). ``budget``: the
+        step's extra rollouts at most (``extra_rows * W``), for allocators that spend a fixed budget."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str, *, overwrite: bool = False):
+    """Class decorator: registers a frozen-dataclass :class:`Allocator` under ``name``."""
+
+    def decorator(cls):
+        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, Allocator)):
+            raise TypeError(f"allocator {name!r} must be a frozen dataclass subclassing Allocator")
+        if name in _REGISTRY and _REGISTRY[name] is not cls and not overwrite:
+            raise ValueError(f"an allocator named {name!r} is already registered ({_REGISTRY[name]!r}); pass "
+                             "overwrite=True to replace it")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def allocator_classes() -> dict[str, type]:
+    """``{registered name: class}`` (gin registers the classes by their class names)."""
+    return dict(_REGISTRY)
+
+
+def get_allocator(name: str, **kwargs) -> Allocator:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown allocator {name!r}; valid: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationConfig:
+    """Prompt-level rollout allocation (module docstring). ``allocator``: an :class:`Allocator` (gin:
+    ``@DARS()``, ``@XRPOAllocator()``, ``@RolloutGDRO()``, ``@Uniform()``); ``max_rollouts``: rollouts per
+    prompt at most (a multiple of ``W``: its group then holds ``max_rollouts / W`` rows); ``extra_rows``: the
+    extra prompt rows of ``W`` leaves one step may sample (its row budget: ``extra_rows * W`` extra rollouts);
+    ``call_prompts``: prompt rows per extra sampler call (0: ``prompts_per_step``; a call's unused rows decode
+    copies that train on nothing, so smaller calls waste less, at one compile per distinct size)."""
+
+    allocator: Allocator | None = None
+    max_rollouts: int = 32
+    extra_rows: int = 8
+    call_prompts: int = 0
+
+    def check(self, num_leaves: int, prompts_per_step: int) -> None:
+        if self.allocator is None:
+            raise ConfigError("AllocationConfig.allocator is not set; fix: AllocationConfig.allocator = @DARS() "
+                              f"(allocators: {sorted(_REGISTRY)})")
+        if self.max_rollouts < num_leaves or self.max_rollouts % num_leaves:
+            raise ConfigError(f"AllocationConfig.max_rollouts = {self.max_rollouts} must be a multiple of "
+                              f"TreeConfig.num_leaves = {num_leaves} (a prompt's rows hold W leaves each); fix: "
+                              f"AllocationConfig.max_rollouts = {max(1, self.max_rollouts // num_leaves) * num_leaves}")
+        if self.extra_rows < 0 or self.call_prompts < 0:
+            raise ConfigError("AllocationConfig.extra_rows and call_prompts must be >= 0")
+
+    def chunks_per_prompt(self, num_leaves: int) -> int:
+        """``C``: rows per prompt group, the pre-rollout's included."""
+        return self.max_rollouts // num_leaves
+
+
+def plan_chunks(extra_P: np.ndarray, accuracy_P: np.ndarray, num_leaves: int, max_chunks: int,
+                budget_rows: int) -> np.ndarray:
+    """int[P]: extra rows (chunks of ``num_leaves`` rollouts) per prompt for the requested ``extra_P``.
+
+    ``ceil(extra / W)`` chunks each, at most ``max_chunks`` per prompt and ``budget_rows`` in all; over the
+    budget, chunks go one at a time to the prompt with the largest unmet request in rollouts (ties: lower
+    accuracy, then lower index)."""
+    extra = np.maximum(np.asarray(extra_P, np.int64), 0)
+    want = np.minimum(-(-extra // num_leaves), max_chunks)
+    if want.sum() <= budget_rows:
+        return want
+    got = np.zeros_like(want)
+    unmet = extra.astype(np.float64)
+    acc = np.asarray(accuracy_P, np.float64)
+    for _ in range(budget_rows):
+        open_ = got < want
+        if not open_.any():
+            break
+        order = np.lexsort((np.arange(len(want)), acc, -unmet))  # last key first: largest unmet, low acc, index
+        p = next(i for i in order if open_[i])
+        got[p] += 1
+        unmet[p] -= num_leaves
+    return got
+
+
+__all__ = ["Allocator", "AllocationConfig", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
+           "prompt_key", "register"]

@@ -12,7 +12,7 @@ import pytest
 
 from treejax.rl import advantages as adv
 from treejax.rl.advantages.registry import estimator_spec, list_estimators
-from treejax.rl.allocation import (DARS, PromptStats, dars_extra, group_forest, group_leaves, plan_chunks, ungroup)
+from treejax.rl.allocation import (DARS, Budget, PromptStats, RolloutGDRO, XRPOAllocator, sqrt_rule, dars_extra, group_forest, group_leaves, plan_chunks, ungroup)
 from treejax.testing.forests import random_forest, random_rewards
 
 
@@ -45,9 +45,92 @@ def test_dars_matches_reference(variant, std):
 def test_dars_allocator_reads_stats():
     stats = PromptStats.from_leaves(correct_PxW=[[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1] * 8],
                                     rewards_PxW=np.zeros((3, 8)))
-    extra, state = DARS("hw").extra_rollouts(stats, {}, budget=100)
-    assert extra.tolist() == [dars_reference(0.0, 8, "hw", True), dars_reference(0.125, 8, "hw", True), 0]
+    extra, state = DARS("hw").extra_rollouts(stats, {}, Budget(100, 8, 64))
+    assert extra.tolist() == [dars_reference(0.0, 8, "hw", False), dars_reference(0.125, 8, "hw", False), 0]
+    # the official scripts' worked values (N = 8, no std): k = 0, 1, 2, 3 correct -> HW 56 / 24 / 8 / 3 (under
+    # N_max = 64) and ET 24 / 11 / 3 / 1 (under N_max = 32)
+    acc = np.array([0, 1, 2, 3]) / 8
+    assert np.minimum(dars_extra(acc, np.full(4, 8), "hw", False), 56).tolist() == [56, 24, 8, 3]
+    assert np.minimum(dars_extra(acc, np.full(4, 8), "et", False), 24).tolist() == [24, 11, 3, 1]
     assert state == {}
+
+
+# ----------------------------------------------------------------------------------------------------- XRPO
+def xrpo_reference(n, s, chunk, phases, alpha, lam, room):
+    """One phase at a time, every prompt's priority written out per prompt."""
+    from scipy.stats import t as student_t
+
+    def h(k, sd):
+        return student_t.ppf(1 - alpha / 2, k - 1) * sd / math.sqrt(k) if k >= 2 else math.inf
+
+    n, room, extra, total = list(map(float, n)), list(map(float, room)), [0] * len(n), float(sum(n))
+    for _ in range(phases):
+        best, best_q = -math.inf, None
+        for q in range(len(n)):
+            if room[q] < chunk:
+                continue
+            shrink = h(n[q], s[q]) - h(n[q] + chunk, s[q])
+            pr = (1e9 if math.isinf(shrink) else shrink) + lam * math.sqrt(math.log(1 + total) / n[q])
+            if pr > best:
+                best, best_q = pr, q
+        if best_q is None:
+            break
+        extra[best_q] += chunk
+        n[best_q] += chunk
+        room[best_q] -= chunk
+        total += chunk
+    return extra
+
+
+def test_xrpo_matches_reference_and_spends_the_budget():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        n = np.full(7, 4)
+        s = np.where(rng.random(7) < 0.3, 0.0, rng.random(7))
+        room = rng.choice([0, 4, 8, 12], 7)
+        got = xrpo_extra(n, s, 4, 6, 0.05, 0.1, room)
+        want = xrpo_reference(n, s, 4, 6, 0.05, 0.1, room)
+        assert got.tolist() == want
+        assert got.sum() == min(24, sum(r // 4 * 4 for r in room)) and np.all(got <= room)
+
+
+def test_xrpo_prefers_mixed_prompts_and_reaches_constant_ones_through_the_bonus():
+    stats = PromptStats.from_leaves(correct_PxW=[[1, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]],
+                                    rewards_PxW=[[1, -1, 1, -1], [1, 1, 1, 1], [-1, -1, -1, -1]])
+    extra, _ = XRPOAllocator().extra_rollouts(stats, {}, Budget(4, 4, 16))
+    assert extra.tolist() == [4, 0, 0]
+    extra, _ = XRPOAllocator(lam=10.0).extra_rollouts(stats, {}, Budget(12, 4, 8))
+    assert extra.tolist() == [4, 4, 4]  # each prompt's room is one chunk; the bonus spreads the budget
+
+
+# ------------------------------------------------------------------------------------------------ GDRO
+def test_sqrt_rule_closed_form_inside_the_box():
+    q, v = np.array([3.0, 5.0, 2.0]), np.array([0.04, 0.25, 0.09])
+    total = 10 * q.sum()
+    got = sqrt_rule(q, v, total, 1.0, 1000.0)
+    want = 10 * np.sqrt(v) / (q * np.sqrt(v)).sum() * q.sum()
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    boxed = sqrt_rule(q, v, total, 8.0, 12.0)
+    assert np.all((boxed >= 8) & (boxed <= 12)) and abs((q * boxed).sum() - total) < 1e-6
+    assert boxed[1] >= boxed[2] >= boxed[0]
+
+
+def test_rollout_gdro_bins_history_and_budget():
+    import json
+
+    gdro = RolloutGDRO()
+    state = gdro.init_state()
+    acc = np.array([0.0, 0.125, 0.5, 0.5, 0.875, 1.0, 0.25, 0.375])
+    stats = PromptStats(np.full(8, 8), acc, np.zeros(8), np.zeros(8), keys=tuple("abcdefgh"))
+    extra, state = gdro.extra_rollouts(stats, state, Budget(64, 8, 32))
+    json.dumps(state)  # saved in the checkpoint's JSON data state
+    assert extra.sum() <= 64 + 8 * 4 and np.all(extra % 8 == 0)  # nearest chunks; the planner enforces the budget
+    assert extra[0] == 0 and extra[5] == 0  # a(1 - a) = 0: no signal, no extra rollouts
+    assert extra[2] >= extra[1] and extra[2] >= extra[4]  # the mixed prompts' bin gets the most
+    assert state["passes"]["a"] == [0.0] and state["passes"]["c"] == [1.0]
+    # history: "a" drawn again after a success now sits in the bin of its windowed pass rate (0.5)
+    stats2 = PromptStats(np.full(1, 8), np.array([0.125]), np.zeros(1), np.zeros(1), keys=("a",))
+    assert gdro.bins(stats2, state["passes"]).tolist() == [np.searchsorted(gdro.edges, 0.5, side="right")]
 
 
 # ------------------------------------------------------------------------------------------------- planner

@@ -72,6 +72,16 @@ def prompt_key(example: Any) -> str:
     return hashlib.sha1(str(text).encode()).hexdigest()[:16]
 
 
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What one step may spend: ``extra`` rollouts at most (``extra_rows * W``), in ``chunk``s of ``W``, at most
+    ``max_rollouts`` per prompt (the pre-rollout's included)."""
+
+    extra: int
+    chunk: int
+    max_rollouts: int
+
+
 class Allocator:
     """Base of the prompt-level allocators (module docstring). ``name`` is set by :func:`register`."""
 
@@ -80,9 +90,10 @@ class Allocator:
     def init_state(self) -> dict:
         return {}
 
-    def extra_rollouts(self, stats: PromptStats, state: dict, *, budget: int) -> tuple[np.ndarray, dict]:
-        """``(extra_P, new_state)``: how many more rollouts each prompt should get (ints >= 0). ``budget``: the
-        step's extra rollouts at most (``extra_rows * W``), for allocators that spend a fixed budget."""
+    def extra_rollouts(self, stats: PromptStats, state: dict, budget: Budget) -> tuple[np.ndarray, dict]:
+        """``(extra_P, new_state)``: how many more rollouts each prompt should get (ints >= 0; the planner rounds
+        them to chunks and enforces the budget's caps). ``state``: the allocator's state after the last step
+        (never mutated: the new one is returned)."""
         raise NotImplementedError
 
 
@@ -171,5 +182,5 @@ def plan_chunks(extra_P: np.ndarray, accuracy_P: np.ndarray, num_leaves: int, ma
     return got
 
 
-__all__ = ["Allocator", "AllocationConfig", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
+__all__ = ["Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
            "prompt_key", "register"]

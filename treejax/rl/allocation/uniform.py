@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from treejax.rl.allocation.base import Allocator, PromptStats, register
+from treejax.rl.allocation.base import Allocator, Budget, PromptStats, register
 
 
 @register("uniform")
@@ -14,5 +14,5 @@ from treejax.rl.allocation.base import Allocator, PromptStats, register
 class Uniform(Allocator):
     """No extra rollouts: ``extra_P = 0`` (the baseline every allocator is compared with)."""
 
-    def extra_rollouts(self, stats: PromptStats, state: dict, *, budget: int):
+    def extra_rollouts(self, stats: PromptStats, state: dict, budget: Budget):
         return np.zeros(stats.num_prompts, np.int64), state

@@ -71,6 +71,11 @@ def register_configurables() -> dict[str, type]:
 
     for cls in shaper_classes().values():  # RunConfig.shapers = [@EchoShaping(), ...]
         classes.setdefault(cls.__name__, cls)
+    from treejax.rl.allocation import AllocationConfig, allocator_classes
+
+    classes.setdefault("AllocationConfig", AllocationConfig)
+    for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
+        classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():
         cls = adv_registry.estimator_spec(name).options_cls
         classes.setdefault(cls.__name__, cls)

@@ -37,8 +37,9 @@ FAST_CLI = ()  # every case is slow here; the default run covers them through rl
 # and tests/rl/test_spo_chain.py; the whole CLI: tests/test_train_cli.py)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
                 "rose_branching", "spo_chain", "nudge")
+ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
-             "majority_reward", "test_time", *SHAPER_CASES]
+             "majority_reward", "test_time", *SHAPER_CASES, *ALLOCATION_CASES]
 
 
 def _check_row(case, row):
@@ -68,6 +69,12 @@ def _check_row(case, row):
         assert row["rollout/decoded_tokens"] > 0 and row["reward/mean"] == row["reward/mean"]
     if case == "spo_chain":  # the Monte-Carlo continuations ran and count in the decoded tokens
         assert 0 < row["rollout/continuation_tokens"] < row["rollout/decoded_tokens"]
+    if case.startswith("alloc_"):  # 2 prompts, 2 extra rows of 4 leaves: the budget is spent or left unused
+        assert row["alloc/extra_rows"] + row["alloc/unused_rows"] == 2
+        assert row["rollout/rollout_calls"] == 1 + row["alloc/extra_rows"]  # one prompt row per extra call
+        assert row["alloc/rollouts_per_prompt_max"] <= 12
+    if case == "alloc_dars":  # a random model solves nothing: a = 0.5 / N, every prompt asks for more
+        assert row["alloc/extra_rows"] == 2 and row["alloc/prompts_with_extra"] == 2
     if case == "sampler_old_logp":
         assert "mismatch/abs_max" not in row
     else:
@@ -106,7 +113,16 @@ def _extra(case):
                       "LossConfig.aggregation = 'seq-mean-token-mean'"],
             "packed_update": ["RunConfig.packed_update = True", "RunConfig.packing = @PackingConfig()",
                               "PackingConfig.granule = 16"],  # KL, TIS, micro-batches: tests/rl/test_packing.py
+            "alloc_dars": [*ALLOCATION, "RunConfig.estimator = 'grpo'", "AllocationConfig.allocator = @DARS()"],
+            "alloc_xrpo_packed": [*ALLOCATION, "RunConfig.estimator = 'rloo'",
+                                  "AllocationConfig.allocator = @XRPOAllocator()", "RunConfig.packed_update = True",
+                                  "RunConfig.packing = @PackingConfig()", "PackingConfig.granule = 16"],
+            "alloc_gdro_treepo": [*ALLOCATION, "AllocationConfig.allocator = @RolloutGDRO()"],
             }.get(case, [f"RunConfig.estimator = '{case}'"])
+
+
+ALLOCATION = ["RunConfig.allocation = @AllocationConfig()", "AllocationConfig.max_rollouts = 12",
+              "AllocationConfig.extra_rows = 2", "AllocationConfig.call_prompts = 1"]
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_CLI else pytest.param(c, marks=pytest.mark.slow) for c in CLI_CASES])

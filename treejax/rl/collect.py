@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import dataclasses
 import logging
 import pickle
@@ -79,6 +80,15 @@ class Collected:
         if "reward/mean" not in self.host:
             self.host.update(rollout_metrics(self.rollouts))
         return self.host
+
+
+def source_state(source) -> dict:
+    """What a checkpoint saves of a rollout source: its prompt pipeline's state and, with prompt-level allocation,
+    the allocator's state (a deep copy: the sampler thread may go on changing its own)."""
+    out = {"pipeline": source.pipeline.get_state()}
+    if getattr(source, "allocation_state", None) is not None:
+        out["allocation"] = copy.deepcopy(source.allocation_state)
+    return out
 
 
 def split_devices(cfg: AsyncConfig, devices: list, process_count: int = 1) -> tuple[list, list]:
@@ -144,7 +154,7 @@ class SyncCollector:
         """Nothing to send: the next ``collect`` reads ``state`` itself."""
 
     def checkpoint_state(self) -> dict:
-        out = {"pipeline": self.source.pipeline.get_state()}
+        out = source_state(self.source)
         if self.queued:
             out["rollout_queue"] = encode_queue([self.queued[s] for s in sorted(self.queued)])
         return out
@@ -228,7 +238,7 @@ class AsyncCollector:
                 self._next >= self.num_steps or self._version(self._next) not in self._weights))
             self._raise_worker_error()
             items = [self._ready[s] for s in sorted(self._ready)]
-            out = {"pipeline": self.source.pipeline.get_state()}
+            out = source_state(self.source)
         if items:
             out["rollout_queue"] = encode_queue(items)
         return out

@@ -20,6 +20,7 @@ from treejax.parallel.mesh import MeshConfig
 from treejax.precision import Precision
 from treejax.rl.advantages import estimator_spec
 from treejax.rl.advantages.registry import list_estimators
+from treejax.rl.allocation import AllocationConfig
 from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
@@ -224,17 +225,19 @@ class RunConfig:
     async_rollouts: AsyncConfig = AsyncConfig()  # sampler / learner overlap with bounded staleness (AsyncConfig)
     shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order
     nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
+    allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
         check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
-        rows = self.prompts_per_step * self.rollout.num_leaves
+        rows = self.step_rows() * self.rollout.num_leaves
         if self.nudge is not None:  # each problem: M K hinted/plain rollouts (and as many distillation rows)
             rows *= self.nudge.rows_per_problem()
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
-            raise ValueError(f"RunConfig: {rows} rollout rows (prompts_per_step x num_leaves"
+            raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step"
+                             f"{' + AllocationConfig.extra_rows' if self.allocation else ''}) x num_leaves"
                              f"{' x NudgeConfig rows per problem' if self.nudge else ''}) must split into "
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         self._check_choices()
@@ -242,9 +245,11 @@ class RunConfig:
             raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
             raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
-        if self.packed_update and self.prompts_per_step % self.mini_batches:
+        if self.packed_update and self.step_rows() % self.mini_batches:
             raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
-                             f"{self.prompts_per_step} does not split into mini_batches={self.mini_batches}")
+                             f"{self.prompts_per_step}"
+                             f"{f' + AllocationConfig.extra_rows={self.allocation.extra_rows}' if self.allocation else ''}"
+                             f" does not split into mini_batches={self.mini_batches}")
         if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
             raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
                               "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
@@ -253,8 +258,34 @@ class RunConfig:
         self._check_probe()
         self._check_continuations()
         self._check_nudge()
+        self._check_allocation()
         self._check_async()
         self._check_schedule()
+
+    def step_rows(self) -> int:
+        """Prompt rows of one step's rollouts: ``prompts_per_step``, plus ``AllocationConfig.extra_rows``."""
+        return self.prompts_per_step + (self.allocation.extra_rows if self.allocation is not None else 0)
+
+    def _check_allocation(self) -> None:
+        """Prompt-level allocation needs an estimator that honours unused slots, and nothing else that decides
+        which rows a step keeps."""
+        a = self.allocation
+        if a is None:
+            return
+        a.check(self.rollout.num_leaves, self.prompts_per_step)
+        if not estimator_spec(self.estimator).ragged:
+            ok = sorted(n for n in list_estimators() if estimator_spec(n).ragged)
+            raise ConfigError(f"RunConfig.allocation gives prompts different numbers of rollouts, which estimator "
+                              f"{self.estimator!r} does not support (its groups are the W leaves of one row); fix: "
+                              f"RunConfig.estimator = one of {ok}")
+        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the allocator decides the "
+                          "rows; AllocationConfig.drop_equal_groups drops all-equal groups)"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier' (the allocator "
+                          "reads the verifier's accuracy)"),
+                         (self.nudge is not None, "RunConfig.nudge = None (NudgeRL has its own rows)"),
+                         (self.continuation_config() is not None, "an estimator without continuations")):
+            if bad:
+                raise ConfigError(f"RunConfig.allocation: fix: {why}")
 
     def continuation_config(self):
         """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -129,10 +128,7 @@ class NudgeRollouts:
 
     def sample(self, params, key, step):
         from treejax.data.prompts import encode_examples, pad_token_lists
-        from treejax.parallel import multihost
-        from treejax.rl import scoring
-        from treejax.rl.health import check_sampled_ids
-        from treejax.rl.rollouts import RolloutCounters, Rollouts, concat_forests
+        from treejax.rl.rollouts import Rollouts, concat_forests
         from treejax.sampling import probe as probe_lib
         from treejax.sampling.decode import bucket_length, score_tokens
 
@@ -151,13 +147,7 @@ class NudgeRollouts:
         toks = encode_examples(b.tokenizer, examples, b.cfg.system_prompt, b.cfg.instruction)
         width = max(b.prompt_width, bucket_length(max(len(t) for t in toks)))
         prompts, lens = pad_token_lists(toks, width, b.pad_id)
-        forest, info = b.rollout(params, prompts, lens, key, step)
-        check_sampled_ids(forest, b.sampler_fns.sampling_vocab_size, step)
-        t = time.perf_counter()
-        tokens, leaf_lengths = multihost.host_tree((forest.tokens, forest.leaf_length))
-        texts = scoring.decode_texts(b.tokenizer, tokens, leaf_lengths)
-        scores = scoring.score_texts(b.task, examples, texts)
-        rewards = b.rewards(scores, leaf_lengths)
+        forest, rewards, scores, _, _, _, counters, _, _ = b.roll_and_score(params, examples, prompts, lens, key, step)
         R = len(examples)
         problem_PxW, context_PxW = np.array(problem)[:, None], np.array(context)[:, None]
         source_PxW = np.full((R, 1), -1, np.int32)
@@ -176,7 +166,6 @@ class NudgeRollouts:
             context_PxW = np.concatenate([context_PxW, np.full((R, 1), -1, np.int32)])
             source_PxW = np.concatenate([source_PxW, np.arange(R, dtype=np.int32)[:, None]])
             scores, rewards = np.concatenate([scores, scores]), np.concatenate([rewards, rewards])
-        counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
         return Rollouts(forest=concat_forests(forests), rewards_PxW=jnp.asarray(rewards), scores_PxW=scores,
                         prompts_PxLp=np.concatenate(all_prompts), lengths_P=np.concatenate(all_lens),
                         counters=counters, examples=all_examples,

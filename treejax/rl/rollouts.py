@@ -40,6 +40,8 @@ from treejax.sampling.strategies import Greedy
 from treejax.sampling.tree_state import RolloutInfo
 
 #: Host counters of the sampler's :class:`RolloutInfo` (scalars; summed over a step's rollout calls).
+ALLOCATION_STREAM = 0xA110C  # fold_in stream of the extra rollout calls of prompt-level allocation
+
 SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "root_restarts",
                     "segments", "complete", "continuation_tokens")
 
@@ -104,6 +106,10 @@ class Rollouts:
     :mod:`treejax.rl.pseudo_labels`) the index of a leaf carrying each prompt's majority answer (-1: none), so
     the verifier's ``scores_PxW`` measure the labels' accuracy; ``None`` with verifier rewards.
     ``reward_scores_PxW``: the scores the rewards came from (the pseudo-scores with pseudo-label rewards).
+    ``groups_PxC`` (prompt-level allocation, :mod:`treejax.rl.allocation`): prompt ``p``'s rows, its pre-rollout
+    ``p`` first, then its extra chunks (``-1``: none); the learner's estimator then runs over each prompt's whole
+    group (:func:`treejax.rl.allocation.group_forest`). Rows ``P..`` are the extra chunks and the budget's unused
+    rows (masked out of the loss).
     """
 
     forest: Forest
@@ -116,6 +122,17 @@ class Rollouts:
     examples: list | None = None
     label_leaf_P: np.ndarray | None = None  # pseudo-label rewards: a leaf carrying each prompt's majority answer
     reward_scores_PxW: np.ndarray | None = None  # the scores the rewards were computed from (None: scores_PxW)
+    groups_PxC: np.ndarray | None = None  # allocation: the rows of each prompt's group (-1: none)
+    allocation_metrics: dict | None = None  # allocation: ``alloc/...`` host metrics of the step
+
+    @property
+    def main_rows(self) -> int:
+        """The rows of the step's uniform sample (the pre-rollout with allocation; every row without it)."""
+        return self.num_rows if self.groups_PxC is None else self.groups_PxC.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rewards_PxW.shape[0])
 
     @property
     def correct_PxW(self) -> np.ndarray | None:
@@ -145,7 +162,7 @@ class TaskRollouts:
     continuations at each leaf's cut points (SPO-chain, :func:`treejax.rl.scoring.continuation_rewards`)."""
 
     def __init__(self, cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int, pad_id: int,
-                 estimator_inputs: tuple[str, ...] = ()):
+                 estimator_inputs: tuple[str, ...] = (), allocation=None):
         check_inputs(estimator_inputs, ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"),
                      "TaskRollouts")
         if "cut_value_PxWxB" in estimator_inputs and getattr(rollout, "continuations", None) is None:
@@ -154,21 +171,27 @@ class TaskRollouts:
         self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
         self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
+        self.allocation = allocation  # AllocationConfig or None (treejax.rl.allocation)
+        self.allocation_state = allocation.allocator.init_state() if allocation is not None else None
 
     def rewards(self, scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         return scoring.shaped_rewards(scores, lengths, cfg.reward_style, cfg.rollout.max_length, cfg.overlong_buffer,
                                       cfg.overlong_factor)
 
-    def _one_call(self, params, key, step):
-        """One batch of prompts, rolled out and scored: (forest, rewards, scores, examples, prompts, lengths,
-        counters, label leaves or None, per-leaf estimator inputs). The rewards come from the verifier's scores, or with
-        ``reward_source = "majority"`` from the prompts' majority answers (the verifier's scores then only measure)."""
+    def draw(self):
+        """The next batch of prompts from the pipeline: ``(examples, prompts [P, Lp], lengths [P])``."""
         records = next(self.pipeline)
         records = [dict(zip(records, vals)) for vals in zip(*records.values())]
         examples, toks = encode_prompts(self.tokenizer, self.task, records, self.cfg.system_prompt,
                                         self.cfg.instruction)
         prompts, lens = pad_token_lists(toks, self.prompt_width, self.pad_id)
+        return examples, prompts, lens
+
+    def roll_and_score(self, params, examples, prompts, lens, key, step):
+        """``prompts`` rolled out and scored: (forest, rewards, scores, examples, prompts, lengths, counters, label
+        leaves or None, per-leaf estimator inputs). The rewards come from the verifier's scores, or with
+        ``reward_source = "majority"`` from the prompts' majority answers (the verifier's scores then only measure)."""
         forest, info = self.rollout(params, prompts, lens, key, step)
         check_sampled_ids(forest, self.sampler_fns.sampling_vocab_size, step)
         t = time.perf_counter()
@@ -193,7 +216,13 @@ class TaskRollouts:
         return (forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
                 label_leaf, leaf_inputs)
 
+    def _one_call(self, params, key, step):
+        """One batch of prompts, drawn, rolled out and scored (:meth:`roll_and_score`)."""
+        return self.roll_and_score(params, *self.draw(), key, step)
+
     def sample(self, params, key, step) -> Rollouts:
+        if self.allocation is not None:
+            return self._allocated_sample(params, key, step)
         cfg, P = self.cfg, self.cfg.prompts_per_step
         kept: list[tuple] = []
         counters = None
@@ -229,6 +258,76 @@ class TaskRollouts:
                       estimator_inputs={k: jnp.asarray(np.concatenate([d[k] for d in leaf_inputs]))
                                         for k in leaf_inputs[0] if k != "reward_scores"},
                       reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]))
+        if "greedy_reward_P" in self.estimator_inputs:
+            t = time.perf_counter()
+            ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)
+            ro.counters = dataclasses.replace(ro.counters, scoring_s=ro.counters.scoring_s + time.perf_counter() - t)
+        return ro
+
+    def _allocated_sample(self, params, key, step) -> Rollouts:
+        """Prompt-level allocation (:mod:`treejax.rl.allocation`): the pre-rollout of ``P`` prompts, the
+        allocator's extra chunks (rows of ``W`` leaves) decoded in calls of ``call_prompts`` rows, and the step's
+        ``P + extra_rows`` rows with each prompt's group (``Rollouts.groups_PxC``); rows the budget left unused
+        are copies of row 0 that train on nothing."""
+        from treejax.rl import allocation as alloc
+
+        a, P, W = self.allocation, self.cfg.prompts_per_step, self.cfg.rollout.num_leaves
+        C, E = a.chunks_per_prompt(W), a.extra_rows
+        first = self.roll_and_score(params, *self.draw(), jax.random.fold_in(key, 0), step)
+        forest, rewards, scores, examples, prompts, lens, counters, _, leaf_inputs = first
+        weights = np.asarray(multihost.host_tree(forest.leaf_weights()))
+        stats = alloc.PromptStats.from_leaves(np.asarray(leaf_inputs["reward_scores"]) >= 1.0, rewards, weights,
+                                              keys=[alloc.prompt_key(e) for e in examples], step=step)
+        extra, self.allocation_state = a.allocator.extra_rollouts(stats, self.allocation_state,
+                                                                  alloc.Budget(E * W, W, a.max_rollouts))
+        chunks = alloc.plan_chunks(extra, stats.accuracy_P, W, C - 1, E)
+        owner = np.repeat(np.arange(P), chunks)  # the prompt of each extra row
+        parts, calls, size = [first], 0, a.call_prompts or P
+        for start in range(0, len(owner), size):
+            idx = owner[start:start + size]
+            pad = np.concatenate([idx, np.full(size - len(idx), idx[-1])])  # a call's unused rows: copies
+            out = self.roll_and_score(params, [examples[i] for i in pad], prompts[pad], lens[pad],
+                                      jax.random.fold_in(jax.random.fold_in(key, ALLOCATION_STREAM), calls), step)
+            counters = counters + out[6]
+            calls += 1
+            keep = np.arange(len(idx))
+            parts.append((take_prompts(out[0], keep), out[1][keep], out[2][keep], [out[3][i] for i in keep],
+                          out[4][keep], out[5][keep], None, None, {k: v[keep] for k, v in out[8].items()}))
+        unused = E - len(owner)
+        if unused:  # the budget's unused rows: row 0's copies, masked out of the loss
+            filler = take_prompts(forest, np.zeros(unused, np.int64))
+            idx = np.zeros(unused, np.int64)
+            parts.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
+                          [examples[0]] * unused, prompts[idx], lens[idx], None, None,
+                          {k: v[idx] for k, v in leaf_inputs.items()}))
+        groups = np.full((P, C), -1, np.int64)
+        groups[:, 0] = np.arange(P)
+        taken = np.zeros(P, np.int64)
+        for r, p in enumerate(owner):
+            taken[p] += 1
+            groups[p, taken[p]] = P + r
+        all_rewards = np.concatenate([np.asarray(p[1]) for p in parts])
+        dropped = np.zeros(P, bool)
+        if a.drop_equal_groups:  # DARS: a group whose rewards are all equal trains on nothing
+            for p in range(P):
+                merged = all_rewards[groups[p][groups[p] >= 0]].ravel()
+                dropped[p] = np.all(merged == merged[0])
+        counters = dataclasses.replace(counters, rollout_calls=1 + calls, filler_prompts=unused)
+        forests = [p[0] for p in parts]
+        ro = Rollouts(forest=concat_forests(forests), rewards_PxW=jnp.asarray(np.concatenate([p[1] for p in parts])),
+                      scores_PxW=np.concatenate([p[2] for p in parts]),
+                      prompts_PxLp=np.concatenate([p[4] for p in parts]),
+                      lengths_P=np.concatenate([p[5] for p in parts]), counters=counters,
+                      examples=[e for p in parts for e in p[3]],
+                      estimator_inputs={k: jnp.asarray(np.concatenate([p[8][k] for p in parts]))
+                                        for k in leaf_inputs if k != "reward_scores"},
+                      reward_scores_PxW=np.concatenate([p[8]["reward_scores"] for p in parts]),
+                      groups_PxC=groups, allocation_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
+        if dropped.any():
+            rows = groups[dropped]
+            rows = rows[rows >= 0]
+            mask = ro.forest.loss_mask.at[jnp.asarray(rows)].set(0.0)
+            ro.forest = ro.forest.replace(loss_mask=mask)
         if "greedy_reward_P" in self.estimator_inputs:
             t = time.perf_counter()
             ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)

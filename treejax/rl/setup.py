@@ -173,7 +173,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     rollout = make_tree_rollout(rollout_fns, cfg.rollout, continuations=cfg.continuation_config())
     if cfg.nudge is None:
         source = TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width, pad_id,
-                              estimator_inputs=learner.estimator_inputs)
+                              estimator_inputs=learner.estimator_inputs, allocation=cfg.allocation)
     else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
         source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
@@ -186,6 +186,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
+        if "allocation" in data_state:  # the allocator's state (per-prompt history, bin EMAs) continues
+            source.allocation_state = data_state["allocation"]
         log.info("resumed from step %d", int(data_state["rl_step"]))
     else:
         log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))

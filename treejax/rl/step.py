@@ -47,6 +47,8 @@ from treejax.parallel import multihost
 from treejax.precision import ResolvedPrecision
 from treejax.rl import tree_stats
 from treejax.rl.advantages import estimator_spec
+from treejax.rl.advantages.registry import Advantages
+from treejax.rl.allocation.groups import group_forest, group_leaves, ungroup
 from treejax.rl.batch import Batch
 from treejax.rl.config import StepConfig
 from treejax.rl.layouts import Layout, make_layout
@@ -152,6 +154,7 @@ class Learner:
     place: Callable[[Batch], Batch]
     sampler_params: Callable[[Any], Any]
     stats: Callable | None = None
+    grouped_estimator: Callable | None = None  # (forest, rewards, inputs, rows_PxC) -> Advantages (allocation)
 
     @property
     def estimator_inputs(self) -> tuple[str, ...]:
@@ -176,6 +179,7 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
     spec = estimator_spec(cfg.estimator)
     options = cfg.estimator_options if cfg.estimator_options is not None else spec.default_options()
     estimator = jax.jit(lambda f, r, inputs: spec.fn(f, r, options, **inputs))
+    grouped = jax.jit(lambda f, r, inputs, rows: grouped_advantages(spec.fn, options, f, r, inputs, rows))
     place = batch_sharding or (lambda b: b)
     if sampler_shardings is not None:  # cast (and gather) once per step
         sampler_params = jax.jit(precision.sampler_params, out_shardings=sampler_shardings)
@@ -185,7 +189,26 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
         sampler_params = jax.jit(precision.sampler_params)  # cast once per step
     return Learner(cfg, precision, layout, estimator, jax.jit(make_logprob_fn(layout, cfg.micro_batches)),
                    lambda state, batch: update(state, place(batch)), place, sampler_params,
-                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3, 4)))
+                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3, 4)), grouped)
+
+
+def grouped_advantages(fn: Callable, options: Any, forest: Forest, rewards_RxW: jax.Array, inputs: dict,
+                       rows_PxC: jax.Array) -> Advantages:
+    """The estimator over each prompt's whole group of rows (prompt-level allocation): the rows merged into
+    ``[P, C * W]`` groups with unused slots (:func:`treejax.rl.allocation.group_forest`), the estimator run
+    there (it must honour unused slots: ``EstimatorSpec.ragged``), its per-leaf outputs put back in the rows'
+    layout (rows in no group get 0 and a zero loss mask). Per-leaf inputs ``[R, W, ...]`` are grouped like the
+    rewards; per-prompt inputs ``[R]`` (ReMax's greedy reward) are read at each prompt's first row."""
+    R = rewards_RxW.shape[0]
+
+    def group_input(x):
+        return x[rows_PxC[:, 0]] if x.ndim == 1 else group_leaves(x, rows_PxC)
+
+    out = fn(group_forest(forest, rows_PxC), group_leaves(rewards_RxW, rows_PxC), options,
+             **{k: group_input(v) for k, v in inputs.items()})
+    back = lambda x: None if x is None else ungroup(x, rows_PxC, R)  # noqa: E731
+    return Advantages(tokens=back(out.tokens), loss_mask=back(out.loss_mask) * forest.loss_mask,
+                      leaves=back(out.leaves), segments=back(out.segments))
 
 
 def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False,
@@ -206,7 +229,13 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
         raise ValueError(f"estimator {cfg.estimator!r} needs inputs {missing} that the rollout source did not supply "
                          f"(Rollouts.estimator_inputs has {sorted(ro.estimator_inputs)})")
     inputs = {name: ro.estimator_inputs[name] for name in learner.estimator_inputs}
-    adv = learner.estimator(ro.forest, ro.rewards_PxW, inputs)
+    if ro.groups_PxC is None:
+        adv = learner.estimator(ro.forest, ro.rewards_PxW, inputs)
+    else:  # prompt-level allocation: each prompt's advantages over all of its rows
+        if not estimator_spec(cfg.estimator).ragged:
+            raise ValueError(f"estimator {cfg.estimator!r} does not honour unused leaf slots, so it cannot take "
+                             "prompt-level allocation's groups (EstimatorSpec.ragged)")
+        adv = learner.grouped_estimator(ro.forest, ro.rewards_PxW, inputs, jnp.asarray(ro.groups_PxC, jnp.int32))
     if cfg.leaf_weighting == "mass":
         adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
     P, W = ro.rewards_PxW.shape
@@ -296,14 +325,17 @@ def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step
 
 
 def rollout_metrics(ro: Rollouts) -> dict:
-    """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (with
+    """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (over the
+    pre-rollout's rows with prompt-level allocation, whose ``alloc/...`` metrics come along; with
     verifier scores; with pseudo-label rewards also ``reward/label_accuracy``; with DECS's prefix hook
     ``rollout/redundant_token_frac``, the correct leaves' tokens after their answer step), the rollout counters
     and the tree's shape (:func:`tree_metrics`)."""
-    host = {"time/scoring_s": ro.counters.scoring_s, "reward/mean": float(np.asarray(ro.rewards_PxW).mean()),
-            **ro.counters.metrics(), **tree_metrics(ro.forest, ro.rewards_PxW)}
+    main = ro.main_rows  # with allocation: the pre-rollout, the step's uniform sample of the policy
+    host = {"time/scoring_s": ro.counters.scoring_s,
+            "reward/mean": float(np.asarray(ro.rewards_PxW)[:main].mean()), **ro.counters.metrics(),
+            **tree_metrics(ro.forest, ro.rewards_PxW), **(ro.allocation_metrics or {})}
     if ro.scores_PxW is not None:
-        host["reward/accuracy"] = float((np.asarray(ro.scores_PxW) >= 1.0).mean())
+        host["reward/accuracy"] = float((np.asarray(ro.scores_PxW)[:main] >= 1.0).mean())
         if ro.label_leaf_P is not None:
             host["reward/label_accuracy"] = label_accuracy(ro.scores_PxW, ro.label_leaf_P)
     if "answer_step_PxW" in ro.estimator_inputs:  # DECS: tokens of correct leaves after the answer is stated

@@ -134,12 +134,15 @@ class AllocationConfig:
     prompt at most (a multiple of ``W``: its group then holds ``max_rollouts / W`` rows); ``extra_rows``: the
     extra prompt rows of ``W`` leaves one step may sample (its row budget: ``extra_rows * W`` extra rollouts);
     ``call_prompts``: prompt rows per extra sampler call (0: ``prompts_per_step``; a call's unused rows decode
-    copies that train on nothing, so smaller calls waste less, at one compile per distinct size)."""
+    copies that train on nothing, so smaller calls waste less, at one compile per distinct size);
+    ``drop_equal_groups``: a prompt whose merged group's rewards are all equal trains on nothing (DARS's filter
+    after the second round; its tokens otherwise count in a token-mean loss's denominator)."""
 
     allocator: Allocator | None = None
     max_rollouts: int = 32
     extra_rows: int = 8
     call_prompts: int = 0
+    drop_equal_groups: bool = False
 
     def check(self, num_leaves: int, prompts_per_step: int) -> None:
         if self.allocator is None:
@@ -182,5 +185,18 @@ def plan_chunks(extra_P: np.ndarray, accuracy_P: np.ndarray, num_leaves: int, ma
     return got
 
 
-__all__ = ["Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
+def allocation_metrics(chunks_P: np.ndarray, num_leaves: int, dropped_P: np.ndarray, unused_rows: int) -> dict:
+    """The step's ``alloc/...`` metrics: rollouts per prompt (mean, max, and a histogram in multiples of ``W``:
+    ``alloc/prompts_with_{k}W``), prompts that got extra rollouts, dropped prompts, extra rows used and unused."""
+    n = (1 + np.asarray(chunks_P)) * num_leaves
+    out = {"alloc/rollouts_per_prompt_mean": float(n.mean()), "alloc/rollouts_per_prompt_max": int(n.max()),
+           "alloc/prompts_with_extra": int((np.asarray(chunks_P) > 0).sum()),
+           "alloc/dropped_prompts": int(np.asarray(dropped_P).sum()), "alloc/extra_rows": int(np.sum(chunks_P)),
+           "alloc/unused_rows": int(unused_rows)}
+    for k, c in zip(*np.unique(1 + np.asarray(chunks_P), return_counts=True)):
+        out[f"alloc/prompts_with_{int(k)}W"] = int(c)
+    return out
+
+
+__all__ = ["allocation_metrics", "Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
            "prompt_key", "register"]

@@ -259,3 +259,82 @@ def test_traced_group_sizes_give_the_static_sizes_bits():
             static = dev * flat.materialize(1.0 / (jnp.sqrt(var) + o.eps))[:, None]
             np.testing.assert_array_equal(np.asarray(jax.vmap(lambda x, p: flat.grpo_core(x, o, p))(r, path)),
                                           np.asarray(static))
+
+
+# ------------------------------------------------------------------------------------------ the source, resume
+def _alloc_params(tiny_checkpoint, log_dir, *extra):
+    return [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{log_dir}'", "RunConfig.num_steps = 1",
+            "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
+            "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2",
+            "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "RunConfig.estimator = 'grpo'",
+            "RunConfig.allocation = @AllocationConfig()", "AllocationConfig.max_rollouts = 12",
+            "AllocationConfig.extra_rows = 3", "AllocationConfig.call_prompts = 2", *extra]
+
+
+def test_allocated_rollouts_hold_each_prompts_group(tiny_checkpoint, tmp_path):
+    """The loop's source with DARS on a tiny random model (it solves nothing: every prompt asks for the most):
+    2 prompts + 3 extra rows, decoded in calls of 2 rows; each extra row is its prompt's, unused rows train on
+    nothing, and the learner's grouped estimator gives each prompt's advantages over its whole group."""
+    import os
+
+    from treejax import train
+    from treejax.rl.setup import build_run
+
+    cfg = train.parse([os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.gin")],
+                      _alloc_params(tiny_checkpoint, tmp_path / "run", "AllocationConfig.allocator = @DARS()"))
+    r = build_run(cfg)
+    ro = r.source.sample(r.learner.sampler_params(r.state.params), jax.random.key(0), 0)
+    assert ro.num_rows == 5 and ro.main_rows == 2 and ro.groups_PxC.shape == (2, 3)
+    extra = ro.groups_PxC[:, 1:]
+    used = np.sort(extra[extra >= 0])
+    assert used.tolist() == [2, 3, 4]  # the 3-row budget, shared by the largest unmet requests
+    for p in range(2):
+        for row in ro.groups_PxC[p][ro.groups_PxC[p] >= 0]:
+            np.testing.assert_array_equal(ro.prompts_PxLp[row], ro.prompts_PxLp[p])
+    assert ro.counters.rollout_calls == 1 + 2  # 3 extra rows in calls of 2
+    assert ro.allocation_metrics["alloc/extra_rows"] == 3 and ro.allocation_metrics["alloc/unused_rows"] == 0
+    assert ro.allocation_metrics["alloc/rollouts_per_prompt_max"] == 12
+    # the estimator over each whole group equals GRPO run on the merged groups directly
+    R = jnp.asarray(np.random.default_rng(0).choice([-1.0, 1.0], (5, 4)), jnp.float32)
+    got = r.learner.grouped_estimator(ro.forest, R, {}, jnp.asarray(ro.groups_PxC, jnp.int32))
+    g = group_forest(ro.forest, ro.groups_PxC)
+    want = adv.get_estimator("grpo")(g, group_leaves(R, ro.groups_PxC), adv.GRPOOptions())
+    np.testing.assert_allclose(np.asarray(got.tokens), np.asarray(ungroup(want.tokens, ro.groups_PxC, 5)), atol=1e-6)
+    assert r.source.allocation_state == {}
+
+
+@pytest.mark.slow  # three short runs of the whole loop (~90 s)
+def test_allocator_state_is_checkpointed_and_resumed(tiny_checkpoint, tmp_path):
+    """Rollout-GDRO keeps per-prompt pass histories and bin EMAs: a run interrupted after step 1 and resumed saves
+    and restores them, and ends where the uninterrupted run does (same history rows, same final state)."""
+    import os
+
+    from treejax import train
+
+    gin = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.gin")
+
+    def main(log_dir, steps, *flags):
+        params = _alloc_params(tiny_checkpoint, log_dir, "AllocationConfig.allocator = @RolloutGDRO()",
+                               f"RunConfig.num_steps = {steps}", "RunConfig.checkpoint_every = 1",
+                               "LossConfig.entropy_coef = 0.01", "OptimizerConfig.learning_rate = 1e-3")
+        return train.main(["--gin_file", gin, "--quiet", *flags] + sum((["--gin_param", p] for p in params), []))
+
+    straight = main(str(tmp_path / "straight"), 2)
+    main(str(tmp_path / "resumed"), 1)
+    saved = _data_state(tmp_path / "resumed")
+    assert saved["allocation"]["passes"] and len(saved["allocation"]["v"]) == 7
+    resumed = main(str(tmp_path / "resumed"), 2, "--resume")
+    drop = lambda row: {k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("per_s")}  # noqa
+    assert drop(resumed["history"][1]) == drop(straight["history"][1])
+    assert _data_state(tmp_path / "resumed")["allocation"] == _data_state(tmp_path / "straight")["allocation"]
+
+
+def _data_state(log_dir) -> dict:
+    """The JSON data state of the newest checkpoint in ``log_dir`` (what a resume restores)."""
+    import glob
+    import json
+    import os
+
+    steps = sorted(glob.glob(os.path.join(str(log_dir), "checkpoints", "*", "data", "metadata")),
+                   key=lambda f: int(f.split(os.sep)[-3]))
+    return json.load(open(steps[-1]))

@@ -9,8 +9,9 @@ from the GPU) and prints two markdown tables:
    step, seconds;
 2. the accuracy-compute front: each method's mean curve (held-out accuracy every 5 steps against the mean
    cumulative decoded tokens at that step), the accuracy each method has at a few token budgets (linear
-   interpolation on its mean curve), and the tokens each method needs to first reach the GRPO baseline's final
-   accuracy (``-`` when its curve never does).
+   interpolation on its mean curve), and the tokens and the seconds since the run started (``time/step_s``:
+   loading, compiles and evaluations included; runs shared one GPU 3 at a time, so seconds compare roughly) each
+   method needs to first reach the GRPO baseline's final accuracy (``-`` when its curve never does).
 """
 
 from __future__ import annotations
@@ -29,22 +30,25 @@ ARMS = {"grpo": ("GRPO, 8 prompts x 16 chains, dynamic sampling (the baseline)",
         "gdro": ("Rollout-GDRO: 8 x 8 + <= 8 extra rows, <= 32 per prompt", "efficacy_gdro.gin"),
         "xrpo": ("XRPO allocator: 8 x 8 + 8 extra rows, <= 32 per prompt", "efficacy_xrpo.gin"),
         "xrpo80": ("XRPO allocator, 80 steps (same config)", "efficacy_xrpo.gin, num_steps = 80"),
-        "dars80": ("DARS-HW, 80 steps (same config)", "efficacy_dars.gin, num_steps = 80")}
+        "dars80": ("DARS-HW, 80 steps (same config)", "efficacy_dars.gin, num_steps = 80"),
+        "gdro80": ("Rollout-GDRO, 80 steps (same config)", "efficacy_gdro.gin, num_steps = 80")}
 BASELINE = "grpo"
 
 
-def curve(summary: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(cumulative decoded tokens, held-out accuracy) at each evaluation step of one run."""
-    cum, tokens = 0, {0: 0}
+def curve(summary: dict, x: str = "rollout/decoded_tokens") -> tuple[np.ndarray, np.ndarray]:
+    """(``x`` so far, held-out accuracy) at each evaluation step of one run: the cumulative decoded tokens, or with
+    ``x = "time/step_s"`` the run's seconds since it started (already cumulative: loading, compiles and the
+    evaluations included)."""
+    cum, total = 0.0, {0: 0.0}
     for row in summary["history"]:
-        cum += row["rollout/decoded_tokens"]
-        tokens[int(row["step"])] = cum
+        cum = row[x] if x == "time/step_s" else cum + row[x]
+        total[int(row["step"])] = cum
     steps = [e["step"] for e in summary["evals"]]
-    return np.array([tokens[s] for s in steps], float), np.array([e["accuracy"] for e in summary["evals"]])
+    return np.array([total[s] for s in steps], float), np.array([e["accuracy"] for e in summary["evals"]])
 
 
-def mean_curve(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    curves = [curve(s) for s in runs]
+def mean_curve(runs: list[dict], x: str = "rollout/decoded_tokens") -> tuple[np.ndarray, np.ndarray]:
+    curves = [curve(s, x) for s in runs]
     n = min(len(t) for t, _ in curves)
     return np.mean([t[:n] for t, _ in curves], 0), np.mean([a[:n] for _, a in curves], 0)
 
@@ -84,15 +88,20 @@ def main(folder: str) -> None:
     budgets = [100_000, 200_000, 300_000, 400_000]
     print(f"\nAccuracy-compute front (mean curves over seeds); target = {ARMS[BASELINE][0]}'s final accuracy "
           f"{target:.1%} at {base_t[-1]:,.0f} tokens.\n")
+    base_s, _ = mean_curve([s for _, s in runs[BASELINE]], "time/step_s")
     print("| method | " + " | ".join(f"acc at {b // 1000}k tokens" for b in budgets)
-          + " | tokens to reach the target | vs the baseline |")
-    print("|---|" + "---|" * (len(budgets) + 2))
+          + " | tokens to reach the target | vs the baseline | seconds to reach it | vs the baseline |")
+    print("|---|" + "---|" * (len(budgets) + 4))
     for arm in arms:
         t, a = mean_curve([s for _, s in runs[arm]])
         at = [f"{np.interp(b, t, a):.1%}" if b <= t[-1] else "-" for b in budgets]
         need = tokens_to_reach(t, a, target)
+        secs, a_s = mean_curve([s for _, s in runs[arm]], "time/step_s")
+        need_s = tokens_to_reach(secs, a_s, target)
         rel = "-" if need is None else f"{need / base_t[-1] - 1:+.0%}"
-        print(f"| {arm} | " + " | ".join(at) + f" | {'-' if need is None else f'{need:,.0f}'} | {rel} |")
+        rel_s = "-" if need_s is None else f"{need_s / base_s[-1] - 1:+.0%}"
+        print(f"| {arm} | " + " | ".join(at) + f" | {'-' if need is None else f'{need:,.0f}'} | {rel} | "
+              f"{'-' if need_s is None else f'{need_s:.0f}'} | {rel_s} |")
 
 
 if __name__ == "__main__":

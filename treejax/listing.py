@@ -1,6 +1,6 @@
 """What ``treejax-train --list KIND`` prints: one line per registered name, with the gin binding that selects it.
 
-Kinds: ``tasks``, ``estimators``, ``branching``, ``shapers``, ``strategies``, ``configs`` (the gin files of
+Kinds: ``tasks``, ``estimators``, ``branching``, ``shapers``, ``allocators``, ``strategies``, ``configs`` (the gin files of
 :func:`default_config_dir`, the shipped configs folder). Everything listed comes from the
 registries the trainer itself reads (tasks, estimators, branching rules, shapers, sampling strategies) and from the
 shipped gin files, so a name registered in a notebook or an imported module shows up too.
@@ -13,7 +13,7 @@ import os
 
 __all__ = ["LIST_KINDS", "default_config_dir", "list_lines"]
 
-LIST_KINDS = ("tasks", "estimators", "branching", "shapers", "strategies", "configs")
+LIST_KINDS = ("tasks", "estimators", "branching", "shapers", "allocators", "strategies", "configs")
 
 
 def _first_line(doc: str | None) -> str:
@@ -74,6 +74,13 @@ def _shapers() -> list[str]:
                    for name, cls in shaper_classes().items()])
 
 
+def _allocators() -> list[str]:
+    from treejax.rl.allocation import allocator_classes
+
+    return _table([(f"AllocationConfig.allocator=@{cls.__name__}()", f"'{name}': {_first_line(cls.__doc__)}")
+                   for name, cls in allocator_classes().items()])
+
+
 def _strategies() -> list[str]:
     from treejax.sampling import strategies
 
@@ -119,4 +126,4 @@ def list_lines(kind: str) -> list[str]:
 
     check_choice("--list", kind, LIST_KINDS)
     return {"tasks": _tasks, "estimators": _estimators, "branching": _branching, "shapers": _shapers,
-            "strategies": _strategies, "configs": _configs}[kind]()
+            "allocators": _allocators, "strategies": _strategies, "configs": _configs}[kind]()

@@ -52,7 +52,9 @@ def dars_extra(accuracy_P, n_P, variant: str = "hw", std_normalized: bool = True
 @register("dars")
 @dataclasses.dataclass(frozen=True)
 class DARS(Allocator):
-    """DARS (module docstring). ``variant``: ``"hw"`` (Hardness-Weighted) or ``"et"`` (Equal-Treatment);
+    """DARS: extra rollouts for prompts with pre-rollout accuracy below 0.5 (hardness-weighted or equal).
+
+    Formulas in the module docstring. ``variant``: ``"hw"`` (Hardness-Weighted) or ``"et"`` (Equal-Treatment);
     ``std_normalized``: the estimator divides by the group std (GRPO; ``S(a) = 2 sqrt(a(1-a))``) or not
     (Dr.GRPO, the official scripts' ``grpo_use_std=False``, the default; ``2 a (1-a)``). The official scripts
     pair HW with ``N_max = 64`` and ET with ``N_max = 32`` at ``N = 8``."""

@@ -58,7 +58,9 @@ def sqrt_rule(q_B, v_B, total: float, n_min: float, n_max: float, iters: int = 1
 @register("rollout_gdro")
 @dataclasses.dataclass(frozen=True)
 class RolloutGDRO(Allocator):
-    """Rollout-GDRO (module docstring). ``edges``: the pass-rate bin edges; ``history``: the sliding window
+    """Rollout-GDRO: rollouts to pass-rate bins by the square-root rule under the step's mean budget.
+
+    Module docstring. ``edges``: the pass-rate bin edges; ``history``: the sliding window
     of pass@k indicators per prompt; ``ema``: the variance proxy's EMA weight of the new step."""
 
     edges: tuple[float, ...] = (0.1, 0.2, 0.4, 0.6, 0.8, 0.9)

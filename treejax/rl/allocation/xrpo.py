@@ -66,7 +66,9 @@ def xrpo_extra(n_P, s_P, chunk: int, budget_chunks: int, alpha: float = 0.05, la
 @register("xrpo")
 @dataclasses.dataclass(frozen=True)
 class XRPOAllocator(Allocator):
-    """XRPO's allocator (module docstring): the whole extra budget, one chunk per phase, by the expected
+    """XRPO: the extra budget, chunk by chunk, to the prompts whose reward CI would shrink most (+ a bonus).
+
+    Module docstring: the whole extra budget, one chunk per phase, by the expected
     confidence-interval shrinkage plus ``lam`` x the exploration bonus. ``chunk``: rollouts per phase (0: the
     tree's ``W``, set by the source)."""
 

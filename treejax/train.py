@@ -73,7 +73,10 @@ def register_configurables() -> dict[str, type]:
         classes.setdefault(cls.__name__, cls)
     from treejax.rl.allocation import AllocationConfig, allocator_classes
 
+    from treejax.rl.replay import ReplayConfig
+
     classes.setdefault("AllocationConfig", AllocationConfig)
+    classes.setdefault("ReplayConfig", ReplayConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

@@ -292,8 +292,8 @@ def test_allocated_rollouts_hold_each_prompts_group(tiny_checkpoint, tmp_path):
         for row in ro.groups_PxC[p][ro.groups_PxC[p] >= 0]:
             np.testing.assert_array_equal(ro.prompts_PxLp[row], ro.prompts_PxLp[p])
     assert ro.counters.rollout_calls == 1 + 2  # 3 extra rows in calls of 2
-    assert ro.allocation_metrics["alloc/extra_rows"] == 3 and ro.allocation_metrics["alloc/unused_rows"] == 0
-    assert ro.allocation_metrics["alloc/rollouts_per_prompt_max"] == 12
+    assert ro.extra_metrics["alloc/extra_rows"] == 3 and ro.extra_metrics["alloc/unused_rows"] == 0
+    assert ro.extra_metrics["alloc/rollouts_per_prompt_max"] == 12
     # the estimator over each whole group equals GRPO run on the merged groups directly
     R = jnp.asarray(np.random.default_rng(0).choice([-1.0, 1.0], (5, 4)), jnp.float32)
     got = r.learner.grouped_estimator(ro.forest, R, {}, jnp.asarray(ro.groups_PxC, jnp.int32))

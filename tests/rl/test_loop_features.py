@@ -37,7 +37,7 @@ FAST_CLI = ()  # every case is slow here; the default run covers them through rl
 # and tests/rl/test_spo_chain.py; the whole CLI: tests/test_train_cli.py)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
                 "rose_branching", "spo_chain", "nudge")
-ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo")
+ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo", "replay")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES, *ALLOCATION_CASES]
 
@@ -73,6 +73,8 @@ def _check_row(case, row):
         assert row["alloc/extra_rows"] + row["alloc/unused_rows"] == 2
         assert row["rollout/rollout_calls"] == 1 + row["alloc/extra_rows"]  # one prompt row per extra call
         assert row["alloc/rollouts_per_prompt_max"] <= 12
+    if case == "replay":  # step 1 has nothing to replay (its 2 replay rows are masked copies)
+        assert row["replay/replayed_rows"] == 0 and row["replay/buffer_rows"] == 0
     if case == "alloc_dars":  # a random model solves nothing: a = 0.5 / N, every prompt asks for more
         assert row["alloc/extra_rows"] == 2 and row["alloc/prompts_with_extra"] == 2
     if case == "sampler_old_logp":
@@ -118,6 +120,8 @@ def _extra(case):
                                   "AllocationConfig.allocator = @XRPOAllocator()", "RunConfig.packed_update = True",
                                   "RunConfig.packing = @PackingConfig()", "PackingConfig.granule = 16"],
             "alloc_gdro_treepo": [*ALLOCATION, "AllocationConfig.allocator = @RolloutGDRO()"],
+            "replay": ["RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "ReplayConfig.informative_only = False",
+                       "LossConfig.tis_cap = 2.0", "RunConfig.num_steps = 2"],
             }.get(case, [f"RunConfig.estimator = '{case}'"])
 
 
@@ -130,6 +134,8 @@ def test_feature_runs_through_the_cli(case, tiny_checkpoint, tmp_path):
     # an entropy bonus gives every case a gradient although a random model solves nothing (all rewards equal)
     summary = _run(tiny_checkpoint, tmp_path, "LossConfig.entropy_coef = 0.01", *_extra(case))
     _check_row(case, summary["history"][0])
+    if case == "replay":  # step 2 replays step 1's two rows (every row enters: informative_only = False)
+        assert summary["history"][1]["replay/replayed_rows"] == 2 and summary["history"][1]["replay/max_age"] == 1
     if case == "shaper_arrol":  # ARRoL's test-time vote, weighted by the trained head
         assert 0.0 <= summary["evals"][-1]["wmaj@k"] <= 1.0
 

@@ -84,10 +84,12 @@ class Collected:
 
 def source_state(source) -> dict:
     """What a checkpoint saves of a rollout source: its prompt pipeline's state and, with prompt-level allocation,
-    the allocator's state (a deep copy: the sampler thread may go on changing its own)."""
+    the allocator's state (a deep copy: the sampler thread may go on changing its own), with replay its buffer."""
     out = {"pipeline": source.pipeline.get_state()}
     if getattr(source, "allocation_state", None) is not None:
         out["allocation"] = copy.deepcopy(source.allocation_state)
+    if hasattr(source, "set_state"):  # rollout replay's buffer (treejax.rl.replay)
+        out["replay_buffer"] = source.state()
     return out
 
 

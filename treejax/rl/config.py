@@ -25,6 +25,7 @@ from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
+from treejax.rl.replay import ReplayConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
 from treejax.rl.shaping import Shaper, check_shapers
@@ -226,6 +227,7 @@ class RunConfig:
     shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order
     nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
     allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
+    replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -237,7 +239,8 @@ class RunConfig:
             rows *= self.nudge.rows_per_problem()
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
             raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step"
-                             f"{' + AllocationConfig.extra_rows' if self.allocation else ''}) x num_leaves"
+                             f"{' + AllocationConfig.extra_rows' if self.allocation else ''}"
+                             f"{' + ReplayConfig.rows' if self.replay else ''}) x num_leaves"
                              f"{' x NudgeConfig rows per problem' if self.nudge else ''}) must split into "
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         self._check_choices()
@@ -249,6 +252,7 @@ class RunConfig:
             raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
                              f"{self.prompts_per_step}"
                              f"{f' + AllocationConfig.extra_rows={self.allocation.extra_rows}' if self.allocation else ''}"
+                             f"{f' + ReplayConfig.rows={self.replay.rows}' if self.replay else ''}"
                              f" does not split into mini_batches={self.mini_batches}")
         if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
             raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
@@ -259,12 +263,14 @@ class RunConfig:
         self._check_continuations()
         self._check_nudge()
         self._check_allocation()
+        self._check_replay()
         self._check_async()
         self._check_schedule()
 
     def step_rows(self) -> int:
         """Prompt rows of one step's rollouts: ``prompts_per_step``, plus ``AllocationConfig.extra_rows``."""
-        return self.prompts_per_step + (self.allocation.extra_rows if self.allocation is not None else 0)
+        return (self.prompts_per_step + (self.allocation.extra_rows if self.allocation is not None else 0)
+                + (self.replay.rows if self.replay is not None else 0))
 
     def _check_allocation(self) -> None:
         """Prompt-level allocation needs an estimator that honours unused slots, and nothing else that decides
@@ -286,6 +292,24 @@ class RunConfig:
                          (self.continuation_config() is not None, "an estimator without continuations")):
             if bad:
                 raise ConfigError(f"RunConfig.allocation: fix: {why}")
+
+    def _check_replay(self) -> None:
+        """Replayed rows were sampled by older policies: the learner needs the trainer's proximal log-probs and
+        the truncated importance weight pi_prox / q (decoupled PPO)."""
+        if self.replay is None:
+            return
+        if self.old_logp != "trainer" or self.loss.tis_cap is None:
+            raise ConfigError("RunConfig.replay trains rows sampled by older policies, which needs the importance "
+                              "correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' and "
+                              "LossConfig.tis_cap = 2.0 (or another cap)")
+        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None (its groups span rows that "
+                          "replay does not keep together)"),
+                         (self.nudge is not None, "RunConfig.nudge = None (NudgeRL's rows are one group per problem)"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
+                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
+                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
+            if bad:
+                raise ConfigError(f"RunConfig.replay: fix: {why}")
 
     def continuation_config(self):
         """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads

@@ -123,12 +123,16 @@ class Rollouts:
     label_leaf_P: np.ndarray | None = None  # pseudo-label rewards: a leaf carrying each prompt's majority answer
     reward_scores_PxW: np.ndarray | None = None  # the scores the rewards were computed from (None: scores_PxW)
     groups_PxC: np.ndarray | None = None  # allocation: the rows of each prompt's group (-1: none)
-    allocation_metrics: dict | None = None  # allocation: ``alloc/...`` host metrics of the step
+    fresh_rows: int | None = None  # replay: the rows sampled this step (the rest are replayed)
+    extra_metrics: dict | None = None  # the source's own host metrics (``alloc/...``, ``replay/...``)
 
     @property
     def main_rows(self) -> int:
-        """The rows of the step's uniform sample (the pre-rollout with allocation; every row without it)."""
-        return self.num_rows if self.groups_PxC is None else self.groups_PxC.shape[0]
+        """The rows of the step's uniform sample of the current policy: the pre-rollout with allocation, the fresh
+        rows with replay, every row otherwise (``reward/accuracy`` is measured on them)."""
+        if self.groups_PxC is not None:
+            return self.groups_PxC.shape[0]
+        return self.num_rows if self.fresh_rows is None else self.fresh_rows
 
     @property
     def num_rows(self) -> int:
@@ -322,7 +326,7 @@ class TaskRollouts:
                       estimator_inputs={k: jnp.asarray(np.concatenate([p[8][k] for p in parts]))
                                         for k in leaf_inputs if k != "reward_scores"},
                       reward_scores_PxW=np.concatenate([p[8]["reward_scores"] for p in parts]),
-                      groups_PxC=groups, allocation_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
+                      groups_PxC=groups, extra_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
         if dropped.any():
             rows = groups[dropped]
             rows = rows[rows >= 0]

@@ -333,7 +333,7 @@ def rollout_metrics(ro: Rollouts) -> dict:
     main = ro.main_rows  # with allocation: the pre-rollout, the step's uniform sample of the policy
     host = {"time/scoring_s": ro.counters.scoring_s,
             "reward/mean": float(np.asarray(ro.rewards_PxW)[:main].mean()), **ro.counters.metrics(),
-            **tree_metrics(ro.forest, ro.rewards_PxW), **(ro.allocation_metrics or {})}
+            **tree_metrics(ro.forest, ro.rewards_PxW), **(ro.extra_metrics or {})}
     if ro.scores_PxW is not None:
         host["reward/accuracy"] = float((np.asarray(ro.scores_PxW)[:main] >= 1.0).mean())
         if ro.label_leaf_P is not None:

@@ -77,6 +77,9 @@ def register_configurables() -> dict[str, type]:
 
     classes.setdefault("AllocationConfig", AllocationConfig)
     classes.setdefault("ReplayConfig", ReplayConfig)
+    from treejax.rl.selection import DOTSConfig
+
+    classes.setdefault("DOTSConfig", DOTSConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

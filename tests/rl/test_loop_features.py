@@ -37,7 +37,7 @@ FAST_CLI = ()  # every case is slow here; the default run covers them through rl
 # and tests/rl/test_spo_chain.py; the whole CLI: tests/test_train_cli.py)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
                 "rose_branching", "spo_chain", "nudge")
-ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo", "replay")
+ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo", "replay", "dots_replay")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES, *ALLOCATION_CASES]
 
@@ -75,6 +75,9 @@ def _check_row(case, row):
         assert row["alloc/rollouts_per_prompt_max"] <= 12
     if case == "replay":  # step 1 has nothing to replay (its 2 replay rows are masked copies)
         assert row["replay/replayed_rows"] == 0 and row["replay/buffer_rows"] == 0
+    if case == "dots_replay":  # 1 reference row + 1 selected row of 3 x 2 candidates; a random model solves nothing
+        assert row["dots/reference_difficulty"] == 1.0 and row["dots/measured_difficulty"] == 1.0
+        assert row["rollout/rollout_calls"] == 2 and row["replay/replayed_rows"] == 0
     if case == "alloc_dars":  # a random model solves nothing: a = 0.5 / N, every prompt asks for more
         assert row["alloc/extra_rows"] == 2 and row["alloc/prompts_with_extra"] == 2
     if case == "sampler_old_logp":
@@ -120,6 +123,8 @@ def _extra(case):
                                   "AllocationConfig.allocator = @XRPOAllocator()", "RunConfig.packed_update = True",
                                   "RunConfig.packing = @PackingConfig()", "PackingConfig.granule = 16"],
             "alloc_gdro_treepo": [*ALLOCATION, "AllocationConfig.allocator = @RolloutGDRO()"],
+            "dots_replay": ["RunConfig.selection = @DOTSConfig()", "DOTSConfig.pool = 3", "DOTSConfig.reference = 1",
+                            "RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "LossConfig.tis_cap = 2.0"],
             "replay": ["RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "ReplayConfig.informative_only = False",
                        "LossConfig.tis_cap = 2.0", "RunConfig.num_steps = 2"],
             }.get(case, [f"RunConfig.estimator = '{case}'"])

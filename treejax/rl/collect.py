@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copy
 import dataclasses
 import logging
 import pickle
@@ -83,13 +82,12 @@ class Collected:
 
 
 def source_state(source) -> dict:
-    """What a checkpoint saves of a rollout source: its prompt pipeline's state and, with prompt-level allocation,
-    the allocator's state (a deep copy: the sampler thread may go on changing its own), with replay its buffer."""
+    """What a checkpoint saves of a rollout source: its prompt pipeline's state and the source's own state, when it
+    keeps one (``source.checkpoint_state()``: the allocator's state, the replay buffer, DOTS's difficulties; copies,
+    so the sampler thread may go on changing its own)."""
     out = {"pipeline": source.pipeline.get_state()}
-    if getattr(source, "allocation_state", None) is not None:
-        out["allocation"] = copy.deepcopy(source.allocation_state)
-    if hasattr(source, "set_state"):  # rollout replay's buffer (treejax.rl.replay)
-        out["replay_buffer"] = source.state()
+    if hasattr(source, "checkpoint_state"):
+        out.update(source.checkpoint_state())
     return out
 
 

@@ -26,6 +26,7 @@ from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.replay import ReplayConfig
+from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
 from treejax.rl.shaping import Shaper, check_shapers
@@ -228,6 +229,7 @@ class RunConfig:
     nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
     allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
     replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
+    selection: DOTSConfig | None = None  # difficulty-targeted prompt selection (treejax.rl.selection)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -264,6 +266,7 @@ class RunConfig:
         self._check_nudge()
         self._check_allocation()
         self._check_replay()
+        self._check_selection()
         self._check_async()
         self._check_schedule()
 
@@ -292,6 +295,25 @@ class RunConfig:
                          (self.continuation_config() is not None, "an estimator without continuations")):
             if bad:
                 raise ConfigError(f"RunConfig.allocation: fix: {why}")
+
+    def _check_selection(self) -> None:
+        """DOTS draws and rolls out its own prompts: nothing else may decide which prompt rows a step has."""
+        d = self.selection
+        if d is None:
+            return
+        if d.reference >= self.prompts_per_step:
+            raise ConfigError(f"DOTSConfig.reference = {d.reference} leaves no selected row of prompts_per_step = "
+                              f"{self.prompts_per_step}; fix: DOTSConfig.reference < RunConfig.prompts_per_step")
+        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (DOTS selects the rows; its "
+                          "target difficulty already avoids all-equal groups)"),
+                         (self.allocation is not None, "RunConfig.allocation = None"),
+                         (self.nudge is not None, "RunConfig.nudge = None"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
+                         (self.train_split != "train", "RunConfig.train_split = 'train'"),
+                         ("greedy_reward_P" in estimator_spec(self.estimator).inputs,
+                          f"an estimator without a greedy baseline (not {self.estimator!r})")):
+            if bad:
+                raise ConfigError(f"RunConfig.selection (DOTS): fix: {why}")
 
     def _check_replay(self) -> None:
         """Replayed rows were sampled by older policies: the learner needs the trainer's proximal log-probs and

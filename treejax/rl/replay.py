@@ -105,7 +105,7 @@ class ReplayRollouts:
             reward_scores_PxW=None if fresh.reward_scores_PxW is None else np.concatenate(
                 [fresh.reward_scores_PxW, np.stack([r.reward_scores for r in rows])]),
             fresh_rows=fresh.num_rows,
-            extra_metrics={"replay/buffer_rows": len(self.buffer), "replay/replayed_rows": len(chosen),
+            extra_metrics={**(fresh.extra_metrics or {}), "replay/buffer_rows": len(self.buffer), "replay/replayed_rows": len(chosen),
                            "replay/mean_age": float(np.mean(ages)) if ages else 0.0,
                            "replay/max_age": max(ages) if ages else 0})
         for r in host:  # the fresh rows join the buffer after the step's replay was chosen
@@ -124,6 +124,15 @@ class ReplayRollouts:
     def set_state(self, text: str | None) -> None:
         self.buffer = collections.deque(
             pickle.loads(zlib.decompress(base64.b64decode(text))) if text else [])  # noqa: S301 (own checkpoint)
+
+    def checkpoint_state(self) -> dict:
+        """The wrapped source's state and the buffer (``"replay_buffer"``)."""
+        return {**getattr(self.base, "checkpoint_state", dict)(), "replay_buffer": self.state()}
+
+    def restore_state(self, data_state: dict) -> None:
+        if hasattr(self.base, "restore_state"):
+            self.base.restore_state(data_state)
+        self.set_state(data_state.get("replay_buffer"))
 
 
 def _host_rows(ro, step: int) -> list[_Row]:

@@ -20,6 +20,7 @@ Several processes: every process draws the same prompts, all-gathers the leaves'
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import Any, Protocol
@@ -177,6 +178,14 @@ class TaskRollouts:
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
         self.allocation = allocation  # AllocationConfig or None (treejax.rl.allocation)
         self.allocation_state = allocation.allocator.init_state() if allocation is not None else None
+
+    def checkpoint_state(self) -> dict:
+        """The source's state a checkpoint saves: the allocator's (a deep copy), with allocation."""
+        return {} if self.allocation is None else {"allocation": copy.deepcopy(self.allocation_state)}
+
+    def restore_state(self, data_state: dict) -> None:
+        if self.allocation is not None:
+            self.allocation_state = data_state.get("allocation", self.allocation.allocator.init_state())
 
     def rewards(self, scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         cfg = self.cfg

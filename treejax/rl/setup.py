@@ -39,6 +39,7 @@ from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.nudge import NudgeRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.rollouts import TaskRollouts
+from treejax.rl.selection import DOTSRollouts
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
@@ -178,6 +179,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
         source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
+    if cfg.selection is not None:  # DOTS: prompts of difficulty near the target (treejax.rl.selection)
+        source = DOTSRollouts(source, cfg.selection, cfg.prompts_per_step)
     if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
         source = ReplayRollouts(source, cfg.replay)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
@@ -189,10 +192,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
-        if "allocation" in data_state:  # the allocator's state (per-prompt history, bin EMAs) continues
-            source.allocation_state = data_state["allocation"]
-        if cfg.replay is not None:  # the replay buffer continues
-            source.set_state(data_state.get("replay_buffer"))
+        if hasattr(source, "restore_state"):  # the allocator's state, the replay buffer, DOTS's difficulties
+            source.restore_state(data_state)
         log.info("resumed from step %d", int(data_state["rl_step"]))
     else:
         log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))

@@ -66,10 +66,19 @@ class PromptStats:
         return len(self.accuracy_P)
 
 
+def example_text(example: Any) -> str:
+    """A task example's question text (``Example.metadata["question"]``; a record's ``"question"``; else its repr)."""
+    meta = getattr(example, "metadata", None)
+    if isinstance(meta, dict) and "question" in meta:
+        return str(meta["question"])
+    if isinstance(example, dict) and "question" in example:
+        return str(example["question"])
+    return repr(example)
+
+
 def prompt_key(example: Any) -> str:
-    """A stable key of a task example (its question text), for allocators that keep per-prompt history."""
-    text = example.get("question", repr(example)) if isinstance(example, dict) else repr(example)
-    return hashlib.sha1(str(text).encode()).hexdigest()[:16]
+    """A stable key of a task example (a hash of its question text), for per-prompt history."""
+    return hashlib.sha1(example_text(example).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,5 +207,5 @@ def allocation_metrics(chunks_P: np.ndarray, num_leaves: int, dropped_P: np.ndar
     return out
 
 
-__all__ = ["allocation_metrics", "Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
+__all__ = ["allocation_metrics", "example_text", "Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
            "prompt_key", "register"]

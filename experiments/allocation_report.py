@@ -31,7 +31,9 @@ ARMS = {"grpo": ("GRPO, 8 prompts x 16 chains, dynamic sampling (the baseline)",
         "xrpo": ("XRPO allocator: 8 x 8 + 8 extra rows, <= 32 per prompt", "efficacy_xrpo.gin"),
         "xrpo80": ("XRPO allocator, 80 steps (same config)", "efficacy_xrpo.gin, num_steps = 80"),
         "dars80": ("DARS-HW, 80 steps (same config)", "efficacy_dars.gin, num_steps = 80"),
-        "gdro80": ("Rollout-GDRO, 80 steps (same config)", "efficacy_gdro.gin, num_steps = 80")}
+        "gdro80": ("Rollout-GDRO, 80 steps (same config)", "efficacy_gdro.gin, num_steps = 80"),
+        "replay": ("Replay: 6 fresh x 16 + 2 replayed rows, TIS cap 2", "efficacy_replay.gin"),
+        "dots_replay": ("DOTS (2 reference + 4 selected of 24) + replay of 2 rows", "efficacy_dots_replay.gin")}
 BASELINE = "grpo"
 
 
@@ -79,7 +81,8 @@ def main(folder: str) -> None:
     for arm in arms:
         rs = [s for _, s in sorted(runs[arm], key=lambda x: x[0])]
         acc = [s["evals"][-1]["accuracy"] for s in rs]
-        extra = [np.mean([h.get("alloc/extra_rows", 0) for h in s["history"]]) for s in rs]
+        extra = [np.mean([h.get("alloc/extra_rows", h.get("replay/replayed_rows", 0)) for h in s["history"]])
+                 for s in rs]
         print(f"| {ARMS[arm][0]} | `{ARMS[arm][1]}` | {len(rs)} | {rs[0]['steps']} | {np.mean(acc):.1%} | "
               f"{', '.join(f'{a:.1%}' for a in acc)} | {np.mean([s['decoded_tokens'] for s in rs]):,.0f} | "
               f"{np.mean(extra):.1f} | {np.mean([s['total_s'] for s in rs]):.0f} |")

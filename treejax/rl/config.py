@@ -37,8 +37,10 @@ from treejax.sampling.tree import TreeConfig
 #: The default task's options (``RunConfig`` and ``treejax.sft.SFTConfig``): a small chain_sum_2x1 set.
 DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
                         "instruction": "Answer with just the number.", "extraction": "last_number"}
-#: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`).
-OLD_LOGP_SOURCES = ("trainer", "sampler")
+#: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`): the trainer's forward with the
+#: current weights, the sampler's log-probs, or (PPO-EWMA) the trainer's forward with the parameters' EMA
+#: (``OptimizerConfig.proximal_ewma``).
+OLD_LOGP_SOURCES = ("trainer", "sampler", "ewma")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
 KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
                 "nudge_context_PxW", "nudge_source_PxW")
@@ -144,7 +146,11 @@ class RunConfig:
 
     The defaults are the quickstart (``configs/quickstart.gin``): a few TreePO steps of the embedded SmolLM2 on
     ``chain_sum_2x1``. ``old_logp``: ``"trainer"`` (recompute log pi_old with the trainer's forward, one extra
-    forward per step) or ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1).
+    forward per step), ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1) or
+    ``"ewma"`` (PPO-EWMA: the trainer's forward with the parameters' exponential moving average,
+    ``OptimizerConfig.proximal_ewma``; :func:`treejax.rl.optimizer.proximal_ewma`).
+    ``allocation`` / ``selection`` / ``replay``: where the rollout budget goes (:mod:`treejax.rl.allocation`,
+    :mod:`treejax.rl.selection`, :mod:`treejax.rl.replay`).
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
@@ -267,6 +273,7 @@ class RunConfig:
         self._check_allocation()
         self._check_replay()
         self._check_selection()
+        self._check_proximal()
         self._check_async()
         self._check_schedule()
 
@@ -315,14 +322,25 @@ class RunConfig:
             if bad:
                 raise ConfigError(f"RunConfig.selection (DOTS): fix: {why}")
 
+    def _check_proximal(self) -> None:
+        """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""
+        if (self.old_logp == "ewma") != (self.optimizer.proximal_ewma is not None):
+            raise ConfigError("RunConfig.old_logp = 'ewma' (PPO-EWMA's proximal policy) and "
+                              "OptimizerConfig.proximal_ewma (the parameters' EMA it reads) go together; fix: set "
+                              "both (e.g. OptimizerConfig.proximal_ewma = 0.9) or neither")
+        if self.old_logp == "ewma" and self.shapers:
+            raise ConfigError("RunConfig.old_logp = 'ewma' with shapers: the shapers read the trainer pass of the "
+                              "current weights, which then is not the PPO ratio's denominator; fix: "
+                              "RunConfig.old_logp = 'trainer', or no shapers")
+
     def _check_replay(self) -> None:
         """Replayed rows were sampled by older policies: the learner needs the trainer's proximal log-probs and
         the truncated importance weight pi_prox / q (decoupled PPO)."""
         if self.replay is None:
             return
-        if self.old_logp != "trainer" or self.loss.tis_cap is None:
+        if self.old_logp == "sampler" or self.loss.tis_cap is None:
             raise ConfigError("RunConfig.replay trains rows sampled by older policies, which needs the importance "
-                              "correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' and "
+                              "correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' (or 'ewma') and "
                               "LossConfig.tis_cap = 2.0 (or another cap)")
         for bad, why in ((self.allocation is not None, "RunConfig.allocation = None (its groups span rows that "
                           "replay does not keep together)"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     moments_dtype: str | None = None  # None: same dtype as the params; "bfloat16" to halve m's memory
+    proximal_ewma: float | None = None  # PPO-EWMA: keep an EMA of the params with this decay (old_logp = "ewma")
 
     def __post_init__(self):
         check_types(self)  # OptimizerConfig(learning_rate="1e-5") names the field, not a failed comparison
@@ -68,6 +69,8 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.end_lr_factor must be in [0, 1], got {self.end_lr_factor}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.proximal_ewma is not None and not 0.0 <= self.proximal_ewma < 1.0:
+            raise ValueError(f"OptimizerConfig.proximal_ewma must be in [0, 1) or None, got {self.proximal_ewma}")
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -110,8 +113,51 @@ def weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
+class ProximalEWMAState(NamedTuple):
+    """:func:`proximal_ewma`'s state: the exponential moving average of the parameters (shaped like them, so it is
+    sharded, checkpointed and restored with the optimizer state)."""
+
+    ewma_params: Any
+
+
+def proximal_ewma(decay: float) -> optax.GradientTransformation:
+    """PPO-EWMA's proximal policy (Hilton, Cobbe and Schulman 2021, "Batch size-invariance for policy
+    optimization", arXiv 2110.00641): an exponential moving average of the parameters after every applied update,
+
+        theta_prox <- decay theta_prox + (1 - decay) (theta + u)        (u: this update, theta + u the new params)
+
+    starting at the initial parameters. A pass-through for the updates themselves (the last link of the chain,
+    where ``u`` is final); a skipped non-finite update leaves it unchanged with the rest of the optimizer state.
+    ``RunConfig.old_logp = "ewma"`` computes the PPO ratio's denominator with ``theta_prox``
+    (:func:`proximal_params`), so the clip keeps the policy near an average of its recent versions instead of the
+    last one; the behaviour correction ``min(pi_prox / q, C)`` is ``LossConfig.tis_cap``'s."""
+
+    def init(params):
+        return ProximalEWMAState(ewma_params=jax.tree.map(jnp.copy, params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("proximal_ewma needs the params: call optimizer.update(grads, state, params)")
+        ewma = jax.tree.map(lambda e, p, u: (decay * e + (1.0 - decay) * (p + u)).astype(e.dtype),
+                            state.ewma_params, params, updates)
+        return updates, ProximalEWMAState(ewma_params=ewma)
+
+    return optax.GradientTransformation(init, update)
+
+
+def proximal_params(opt_state: Any) -> Any:
+    """The EWMA parameters of :func:`proximal_ewma` inside an optimizer state (a ``ValueError`` without it)."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ProximalEWMAState))
+             if isinstance(s, ProximalEWMAState)]
+    if len(found) != 1:
+        raise ValueError("the optimizer keeps no EWMA of the parameters: set OptimizerConfig.proximal_ewma "
+                         "(e.g. 0.9) for RunConfig.old_logp = 'ewma'")
+    return found[0].ewma_params
+
+
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-    """``clip_by_global_norm -> adamw(schedule, mask=weight_decay_mask)`` (math in the module docstring)."""
+    """``clip_by_global_norm -> adamw(schedule, mask=weight_decay_mask)`` (math in the module docstring), then
+    with ``proximal_ewma`` the parameters' EMA (:func:`proximal_ewma`)."""
     mu_dtype = None if config.moments_dtype is None else jnp.dtype(config.moments_dtype)
     parts = []
     if config.max_grad_norm is not None:
@@ -122,4 +168,6 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
             weight_decay=config.weight_decay, mask=weight_decay_mask, mu_dtype=mu_dtype,
         )
     )
+    if config.proximal_ewma is not None:
+        parts.append(proximal_ewma(config.proximal_ewma))
     return optax.chain(*parts)

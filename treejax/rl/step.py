@@ -23,7 +23,8 @@ Log-probabilities (verl's and tunix's practice)::
     old_logp       log pi_old(y_t | y_<t)  the trainer's own forward under the pre-update parameters
                    (``old_logp="trainer"``, default; same forward, dtypes and micro-batching as the update),
                    or the sampler's (``old_logp="sampler"``: no extra forward, but the first PPO ratio is then
-                   exp(log pi_old - log q) != 1 wherever the two numerics differ)
+                   exp(log pi_old - log q) != 1 wherever the two numerics differ), or the trainer's forward under
+                   the parameters' moving average (``old_logp="ewma"``, PPO-EWMA's proximal policy)
     ref_logp       log pi_ref(y_t | y_<t)  the initial weights, kept frozen, when ``LossConfig.kl_coef > 0``
 
 With trainer-side ``old_logp`` truncated importance sampling (``LossConfig.tis_cap``) weights each token by
@@ -51,6 +52,7 @@ from treejax.rl.advantages.registry import Advantages
 from treejax.rl.allocation.groups import group_forest, group_leaves, ungroup
 from treejax.rl.batch import Batch
 from treejax.rl.config import StepConfig
+from treejax.rl.optimizer import proximal_params
 from treejax.rl.layouts import Layout, make_layout
 from treejax.rl.pseudo_labels import label_accuracy
 from treejax.rl.losses import LossConfig
@@ -268,8 +270,10 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
                          "policy's log-probs: pass ref_params=initial_reference(params, loss, shapers)")
     stats = (pool_stats(state.params, "entropy" in stat_names, top_k, "hidden" in stat_names) if cfg.shapers
              else {})
-    if cfg.old_logp != "trainer":
+    if cfg.old_logp == "sampler":
         old = None
+    elif cfg.old_logp == "ewma":  # PPO-EWMA: the ratio against the parameters' moving average
+        old = pool_logprobs(proximal_params(state.opt_state))
     else:
         old = stats["logp"] if stats else pool_logprobs(state.params)
     ref = pool_logprobs(ref_params) if cfg.loss.kl_coef > 0 or "ref_logp" in stat_names else None

@@ -12,7 +12,8 @@ import pytest
 
 from treejax.rl import advantages as adv
 from treejax.rl.advantages.registry import estimator_spec, list_estimators
-from treejax.rl.allocation import (DARS, Budget, PromptStats, RolloutGDRO, XRPOAllocator, sqrt_rule, dars_extra, group_forest, group_leaves, plan_chunks, ungroup)
+from treejax.rl.allocation import (DARS, Budget, PromptStats, RolloutGDRO, XRPOAllocator, dars_extra, group_forest,
+                                   group_leaves, plan_chunks, sqrt_rule, ungroup, xrpo_extra)
 from treejax.testing.forests import random_forest, random_rewards
 
 

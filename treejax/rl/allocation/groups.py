@@ -19,7 +19,6 @@ An estimator that honours unused slots (``EstimatorSpec.ragged``: its group stat
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from treejax.forest import Forest, NodeStatus

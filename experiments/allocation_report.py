@@ -33,7 +33,9 @@ ARMS = {"grpo": ("GRPO, 8 prompts x 16 chains, dynamic sampling (the baseline)",
         "dars80": ("DARS-HW, 80 steps (same config)", "efficacy_dars.gin, num_steps = 80"),
         "gdro80": ("Rollout-GDRO, 80 steps (same config)", "efficacy_gdro.gin, num_steps = 80"),
         "replay": ("Replay: 6 fresh x 16 + 2 replayed rows, TIS cap 2", "efficacy_replay.gin"),
-        "dots_replay": ("DOTS (2 reference + 4 selected of 24) + replay of 2 rows", "efficacy_dots_replay.gin")}
+        "dots_replay": ("DOTS (2 reference + 4 selected of 24) + replay of 2 rows", "efficacy_dots_replay.gin"),
+        "ewma": ("GRPO 8 x 16 with PPO-EWMA (proximal EMA 0.9, TIS cap 2)",
+                 "efficacy_grpo.gin, old_logp = 'ewma', proximal_ewma = 0.9, tis_cap = 2.0")}
 BASELINE = "grpo"
 
 

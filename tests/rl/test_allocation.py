@@ -247,7 +247,7 @@ def test_traced_group_sizes_give_the_static_sizes_bits():
     from treejax.rl.advantages import flat
 
     rng = np.random.default_rng(4)
-    for W in (2, 3, 6, 7, 16):
+    for W in (3, 16):
         r = jnp.asarray(rng.normal(size=(5, W)), jnp.float32)
         used = jnp.ones((5, W), bool)
         for fn in (flat._mean_deviation, flat.rloo_core):

@@ -85,6 +85,7 @@ def test_proximal_ewma_tracks_the_params_and_passes_updates_through():
         proximal_params(s_plain)
 
 
+@pytest.mark.slow  # ~90 s on 2 cores (two steps of the loop with their own update programs)
 def test_ppo_ewma_ratio_is_taken_against_the_moving_average():
     """Through the loop's step: the first step's EMA equals the params (ratio 1), the second's does not (the ratio
     against theta_prox moves away from 1); the config refuses one half without the other."""

@@ -279,7 +279,7 @@ def test_packed_update_on_8_devices_equals_expanded_on_one(sampled, policy_param
 
 
 # ----------------------------------------------------------------------------------------------- the RL step
-@pytest.mark.parametrize("shaped", [False, True])
+@pytest.mark.parametrize("shaped", [pytest.param(False, marks=pytest.mark.slow), True])  # True covers False's path
 def test_rl_step_packed_equals_expanded(policy_params, shaped):
     """``StepConfig.packing`` through :func:`treejax.rl.step.rl_step`: the same rollout, old / reference log-prob
     passes and update as the expanded step (one mini-batch, 2 micro-batches, KL + TIS): equal metrics and

@@ -27,14 +27,17 @@ Usage in a loop::
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import glob
 import logging
 import os
+import pickle
 import shutil
 import signal
 import threading
+import zlib
 from typing import Any
 
 import jax
@@ -72,6 +75,17 @@ def _install_noise_filter() -> None:
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _OrbaxFailureNoise) for f in absl.filters):
         absl.addFilter(_OrbaxFailureNoise())
+
+
+def encode_blob(obj: Any) -> str:
+    """Host data (NumPy arrays, dataclasses) as one JSON-safe string for a checkpoint's data state: pickled,
+    compressed, base64 (the asynchronous loop's queued rollouts, the replay buffer)."""
+    return base64.b64encode(zlib.compress(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))).decode("ascii")
+
+
+def decode_blob(text: str) -> Any:
+    """The inverse of :func:`encode_blob` (the run's own checkpoint: trusted)."""
+    return pickle.loads(zlib.decompress(base64.b64decode(text)))  # noqa: S301
 
 
 def _os_error(exc: BaseException) -> OSError | None:

@@ -41,18 +41,16 @@ run learns from exactly the rollouts the uninterrupted one would have.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import logging
-import pickle
 import threading
 import time
-import zlib
 from typing import Any, Callable
 
 import jax
 
+from treejax.checkpoint import decode_blob, encode_blob
 from treejax.errors import ConfigError
 from treejax.rl.config import AsyncConfig
 from treejax.rl.rollouts import RolloutSource, Rollouts
@@ -290,14 +288,14 @@ def encode_queue(items: list[Collected]) -> str:
     """Queued rollouts as one JSON-safe string (host copies; the learner's weight copies are not saved)."""
     host = [dataclasses.replace(item, rollouts=rollouts_to_host(item.rollouts), behaviour_params=None)
             for item in items]
-    return base64.b64encode(zlib.compress(pickle.dumps(host, protocol=pickle.HIGHEST_PROTOCOL))).decode("ascii")
+    return encode_blob(host)
 
 
 def decode_queue(text: str | None) -> list[Collected]:
     """The inverse of :func:`encode_queue` (``None``: nothing queued)."""
     if not text:
         return []
-    return pickle.loads(zlib.decompress(base64.b64decode(text)))  # noqa: S301 (the run's own checkpoint)
+    return decode_blob(text)
 
 
 def rollouts_to_host(ro: Rollouts) -> Rollouts:

@@ -22,16 +22,14 @@ base64-encoded into the JSON data state): a resumed run replays exactly what the
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
-import pickle
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from treejax.checkpoint import decode_blob, encode_blob
 from treejax.errors import ConfigError
 
 
@@ -105,7 +103,8 @@ class ReplayRollouts:
             reward_scores_PxW=None if fresh.reward_scores_PxW is None else np.concatenate(
                 [fresh.reward_scores_PxW, np.stack([r.reward_scores for r in rows])]),
             fresh_rows=fresh.num_rows,
-            extra_metrics={**(fresh.extra_metrics or {}), "replay/buffer_rows": len(self.buffer), "replay/replayed_rows": len(chosen),
+            extra_metrics={**(fresh.extra_metrics or {}), "replay/buffer_rows": len(self.buffer),
+                           "replay/replayed_rows": len(chosen),
                            "replay/mean_age": float(np.mean(ages)) if ages else 0.0,
                            "replay/max_age": max(ages) if ages else 0})
         for r in host:  # the fresh rows join the buffer after the step's replay was chosen
@@ -118,12 +117,10 @@ class ReplayRollouts:
     # -------------------------------------------------------------------------------------- checkpoints
     def state(self) -> str:
         """The buffer as one JSON-safe string (host copies)."""
-        return base64.b64encode(zlib.compress(pickle.dumps(list(self.buffer), protocol=pickle.HIGHEST_PROTOCOL))
-                                ).decode("ascii")
+        return encode_blob(list(self.buffer))
 
     def set_state(self, text: str | None) -> None:
-        self.buffer = collections.deque(
-            pickle.loads(zlib.decompress(base64.b64decode(text))) if text else [])  # noqa: S301 (own checkpoint)
+        self.buffer = collections.deque(decode_blob(text) if text else [])
 
     def checkpoint_state(self) -> dict:
         """The wrapped source's state and the buffer (``"replay_buffer"``)."""

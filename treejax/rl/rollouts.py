@@ -238,44 +238,25 @@ class TaskRollouts:
             return self._allocated_sample(params, key, step)
         cfg, P = self.cfg, self.cfg.prompts_per_step
         kept: list[tuple] = []
-        counters = None
+        counters, out = None, None
         for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
-            forest, rewards, scores, examples, prompts, lens, c, labels, leaf_inputs = self._one_call(
-                params, jax.random.fold_in(key, attempt), step)
-            labels = np.full(P, -1, np.int64) if labels is None else labels
-            counters = c if counters is None else counters + c
-            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(rewards))) if cfg.dynamic_sampling
+            out = self._one_call(params, jax.random.fold_in(key, attempt), step)
+            counters = out[6] if counters is None else counters + out[6]
+            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(out[1]))) if cfg.dynamic_sampling
                     else np.ones(P, bool))
             have = sum(len(k[1]) for k in kept)
             idx = np.nonzero(keep)[0][: P - have]
-            kept.append((take_prompts(forest, idx), rewards[idx], scores[idx], [examples[i] for i in idx],
-                         prompts[idx], lens[idx], labels[idx], {k: v[idx] for k, v in leaf_inputs.items()}))
+            kept.append(row_block(out, idx))
             if have + len(idx) >= P:
                 break
         missing = P - sum(len(k[1]) for k in kept)
         if missing:
             # Not enough informative prompts after the refills: fill the remaining slots with the last rollout's
             # first prompts, masked out of the loss (they carry no gradient and no whitening weight).
-            idx = np.arange(missing)
-            filler = take_prompts(forest, idx)
-            kept.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
-                         [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx],
-                         {k: v[idx] for k, v in leaf_inputs.items()}))
+            kept.append(row_block(out, np.arange(missing), train=False))
         counters = dataclasses.replace(counters, rollout_calls=attempt + 1, filler_prompts=missing)
-        forests, rewards, scores, examples, prompts, lens, labels, leaf_inputs = zip(*kept)
-        # rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs
-        ro = Rollouts(forest=concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
-                      scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
-                      lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex],
-                      label_leaf_P=np.concatenate(labels) if cfg.reward_source == "majority" else None,
-                      estimator_inputs={k: jnp.asarray(np.concatenate([d[k] for d in leaf_inputs]))
-                                        for k in leaf_inputs[0] if k != "reward_scores"},
-                      reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]))
-        if "greedy_reward_P" in self.estimator_inputs:
-            t = time.perf_counter()
-            ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)
-            ro.counters = dataclasses.replace(ro.counters, scoring_s=ro.counters.scoring_s + time.perf_counter() - t)
-        return ro
+        ro = assemble_rows(kept, counters, label_leaves=cfg.reward_source == "majority")
+        return self._with_greedy(params, ro)
 
     def _allocated_sample(self, params, key, step) -> Rollouts:
         """Prompt-level allocation (:mod:`treejax.rl.allocation`): the pre-rollout of ``P`` prompts, the
@@ -287,15 +268,13 @@ class TaskRollouts:
         a, P, W = self.allocation, self.cfg.prompts_per_step, self.cfg.rollout.num_leaves
         C, E = a.chunks_per_prompt(W), a.extra_rows
         first = self.roll_and_score(params, *self.draw(), jax.random.fold_in(key, 0), step)
-        forest, rewards, scores, examples, prompts, lens, counters, _, leaf_inputs = first
-        weights = np.asarray(multihost.host_tree(forest.leaf_weights()))
-        stats = alloc.PromptStats.from_leaves(np.asarray(leaf_inputs["reward_scores"]) >= 1.0, rewards, weights,
-                                              keys=[alloc.prompt_key(e) for e in examples], step=step)
+        _, _, _, examples, prompts, lens, counters, _, _ = first
+        stats = prompt_stats(first, step)
         extra, self.allocation_state = a.allocator.extra_rollouts(stats, self.allocation_state,
                                                                   alloc.Budget(E * W, W, a.max_rollouts))
         chunks = alloc.plan_chunks(extra, stats.accuracy_P, W, C - 1, E)
         owner = np.repeat(np.arange(P), chunks)  # the prompt of each extra row
-        parts, calls, size = [first], 0, a.call_prompts or P
+        parts, calls, size = [row_block(first, np.arange(P))], 0, a.call_prompts or P
         for start in range(0, len(owner), size):
             idx = owner[start:start + size]
             pad = np.concatenate([idx, np.full(size - len(idx), idx[-1])])  # a call's unused rows: copies
@@ -303,16 +282,10 @@ class TaskRollouts:
                                       jax.random.fold_in(jax.random.fold_in(key, ALLOCATION_STREAM), calls), step)
             counters = counters + out[6]
             calls += 1
-            keep = np.arange(len(idx))
-            parts.append((take_prompts(out[0], keep), out[1][keep], out[2][keep], [out[3][i] for i in keep],
-                          out[4][keep], out[5][keep], None, None, {k: v[keep] for k, v in out[8].items()}))
+            parts.append(row_block(out, np.arange(len(idx))))
         unused = E - len(owner)
         if unused:  # the budget's unused rows: row 0's copies, masked out of the loss
-            filler = take_prompts(forest, np.zeros(unused, np.int64))
-            idx = np.zeros(unused, np.int64)
-            parts.append((filler.replace(loss_mask=jnp.zeros_like(filler.loss_mask)), rewards[idx], scores[idx],
-                          [examples[0]] * unused, prompts[idx], lens[idx], None, None,
-                          {k: v[idx] for k, v in leaf_inputs.items()}))
+            parts.append(row_block(first, np.zeros(unused, np.int64), train=False))
         groups = np.full((P, C), -1, np.int64)
         groups[:, 0] = np.arange(P)
         taken = np.zeros(P, np.int64)
@@ -326,21 +299,17 @@ class TaskRollouts:
                 merged = all_rewards[groups[p][groups[p] >= 0]].ravel()
                 dropped[p] = np.all(merged == merged[0])
         counters = dataclasses.replace(counters, rollout_calls=1 + calls, filler_prompts=unused)
-        forests = [p[0] for p in parts]
-        ro = Rollouts(forest=concat_forests(forests), rewards_PxW=jnp.asarray(np.concatenate([p[1] for p in parts])),
-                      scores_PxW=np.concatenate([p[2] for p in parts]),
-                      prompts_PxLp=np.concatenate([p[4] for p in parts]),
-                      lengths_P=np.concatenate([p[5] for p in parts]), counters=counters,
-                      examples=[e for p in parts for e in p[3]],
-                      estimator_inputs={k: jnp.asarray(np.concatenate([p[8][k] for p in parts]))
-                                        for k in leaf_inputs if k != "reward_scores"},
-                      reward_scores_PxW=np.concatenate([p[8]["reward_scores"] for p in parts]),
-                      groups_PxC=groups, extra_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
+        ro = assemble_rows(parts, counters, groups_PxC=groups,
+                           extra_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
         if dropped.any():
             rows = groups[dropped]
             rows = rows[rows >= 0]
             mask = ro.forest.loss_mask.at[jnp.asarray(rows)].set(0.0)
             ro.forest = ro.forest.replace(loss_mask=mask)
+        return self._with_greedy(params, ro)
+
+    def _with_greedy(self, params, ro: Rollouts) -> Rollouts:
+        """``ro`` with ReMax's greedy baseline when the estimator reads it (its seconds count as scoring)."""
         if "greedy_reward_P" in self.estimator_inputs:
             t = time.perf_counter()
             ro.estimator_inputs["greedy_reward_P"] = jnp.asarray(self.greedy_rewards(params, ro), jnp.float32)
@@ -355,6 +324,44 @@ class TaskRollouts:
         texts = scoring.decode_texts(self.tokenizer, tokens, lengths)
         scores = np.array([self.task.score(t, ex) for t, ex in zip(texts, ro.examples)], np.float32)
         return self.rewards(scores, lengths)
+
+
+def row_block(out: tuple, idx: np.ndarray, train: bool = True) -> tuple:
+    """Rows ``idx`` of one :meth:`TaskRollouts.roll_and_score` result, as a block :func:`assemble_rows` joins:
+    ``(forest, rewards, scores, examples, prompts, lengths, label leaves, per-leaf inputs)``. ``train=False``: the
+    rows are fillers, masked out of the loss (no gradient, no whitening weight)."""
+    forest, rewards, scores, examples, prompts, lens, _, labels, leaf_inputs = out
+    rows = take_prompts(forest, idx)
+    if not train:
+        rows = rows.replace(loss_mask=jnp.zeros_like(rows.loss_mask))
+    labels = np.full(len(rewards), -1, np.int64) if labels is None else labels
+    return (rows, rewards[idx], scores[idx], [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx],
+            {k: v[idx] for k, v in leaf_inputs.items()})
+
+
+def assemble_rows(blocks: list[tuple], counters: RolloutCounters, label_leaves: bool = False, **fields) -> Rollouts:
+    """One :class:`Rollouts` of row blocks (:func:`row_block`) in order; ``label_leaves``: keep the pseudo-label
+    leaves (``reward_source = "majority"``); ``fields``: more :class:`Rollouts` fields (``groups_PxC``, ...).
+    Rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs."""
+    forests, rewards, scores, examples, prompts, lens, labels, leaf_inputs = zip(*blocks)
+    return Rollouts(forest=concat_forests(list(forests)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
+                    scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
+                    lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex],
+                    label_leaf_P=np.concatenate(labels) if label_leaves else None,
+                    estimator_inputs={k: jnp.asarray(np.concatenate([d[k] for d in leaf_inputs]))
+                                      for k in leaf_inputs[0] if k != "reward_scores"},
+                    reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]), **fields)
+
+
+def prompt_stats(out: tuple, step: int):
+    """The allocators' and DOTS's per-prompt statistics of one :meth:`TaskRollouts.roll_and_score` result
+    (:class:`treejax.rl.allocation.PromptStats`: leaf-weighted accuracy from the reward scores, one host read)."""
+    from treejax.rl.allocation import PromptStats, prompt_key
+
+    forest, rewards, _, examples, _, _, _, _, leaf_inputs = out
+    weights = np.asarray(multihost.host_tree(forest.leaf_weights()))
+    return PromptStats.from_leaves(np.asarray(leaf_inputs["reward_scores"]) >= 1.0, rewards, weights,
+                                   keys=[prompt_key(e) for e in examples], step=step)
 
 
 def concat_forests(forests: list[Forest]) -> Forest:
@@ -374,5 +381,6 @@ def first_prompt(forest: Forest) -> Forest:
     return multihost.host_tree(jax.tree.map(lambda x: x[:1], forest))
 
 
-__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "TaskRollouts", "concat_forests", "take_prompts",
+__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "TaskRollouts", "assemble_rows", "concat_forests",
+           "prompt_stats", "row_block", "take_prompts",
            "first_prompt", "check_inputs"]

@@ -33,7 +33,6 @@ import dataclasses
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from treejax.errors import ConfigError
@@ -98,7 +97,7 @@ class DOTSRollouts:
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
-        from treejax.rl.rollouts import Rollouts, concat_forests
+        from treejax.rl.rollouts import assemble_rows, prompt_stats, row_block
 
         cfg, b, R = self.config, self.base, self.config.reference
         drawn = [b.draw() for _ in range(cfg.pool)]
@@ -109,10 +108,7 @@ class DOTSRollouts:
 
         def roll(idx, k):
             out = b.roll_and_score(params, [examples[i] for i in idx], prompts[idx], lens[idx], k, step)
-            forest, rewards, scores, ex, pr, ln, counters, _, leaf_inputs = out
-            w = np.asarray(jax.device_get(forest.leaf_weights()), np.float64)
-            acc = (w * (np.asarray(leaf_inputs["reward_scores"]) >= 1.0)).sum(1) / np.maximum(w.sum(1), 1e-12)
-            return out, 1.0 - acc
+            return out, 1.0 - prompt_stats(out, step).accuracy_P
 
         ref_idx = np.arange(R)
         ref, d_ref = roll(ref_idx, jax.random.fold_in(key, 0))
@@ -125,22 +121,13 @@ class DOTSRollouts:
         sel, d_sel = roll(rest[pick], jax.random.fold_in(key, 1))
         for i, d in zip(np.concatenate([ref_idx, rest[pick]]), np.concatenate([d_ref, d_sel])):
             self.difficulty[keys[i]] = float(d)
-        parts = [ref, sel]
-        return Rollouts(forest=concat_forests([p[0] for p in parts]),
-                      rewards_PxW=jnp.asarray(np.concatenate([p[1] for p in parts])),
-                      scores_PxW=np.concatenate([p[2] for p in parts]),
-                      prompts_PxLp=np.concatenate([p[4] for p in parts]),
-                      lengths_P=np.concatenate([p[5] for p in parts]),
-                      counters=dataclasses.replace(ref[6] + sel[6], rollout_calls=2),
-                      examples=[e for p in parts for e in p[3]],
-                      estimator_inputs={k: jnp.asarray(np.concatenate([p[8][k] for p in parts]))
-                                        for k in ref[8] if k != "reward_scores"},
-                      reward_scores_PxW=np.concatenate([p[8]["reward_scores"] for p in parts]),
-                      extra_metrics={"dots/reference_difficulty": float(np.mean(d_ref)),
-                                     "dots/predicted_difficulty": float(np.mean(pred[pick])),
-                                     "dots/measured_difficulty": float(np.mean(d_sel)),
-                                     "dots/abs_error": float(np.mean(np.abs(pred[pick] - d_sel))),
-                                     "dots/from_history": int(known[pick].sum())})
+        blocks = [row_block(ref, np.arange(R)), row_block(sel, np.arange(self.P - R))]
+        return assemble_rows(blocks, dataclasses.replace(ref[6] + sel[6], rollout_calls=2), extra_metrics={
+            "dots/reference_difficulty": float(np.mean(d_ref)),
+            "dots/predicted_difficulty": float(np.mean(pred[pick])),
+            "dots/measured_difficulty": float(np.mean(d_sel)),
+            "dots/abs_error": float(np.mean(np.abs(pred[pick] - d_sel))),
+            "dots/from_history": int(known[pick].sum())})
 
     def checkpoint_state(self) -> dict:
         return {**self.base.checkpoint_state(), "dots": dict(self.difficulty)}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.slow  # ~40 s alone on 2 cores (a 256-row rollout and two update compiles)
+@pytest.mark.slow  # 94 s on 2 cores beside the full suite (a 256-row rollout and two update compiles)
 def test_w256_runs_and_the_update_never_holds_all_logits():
     from treejax.models import presets, transformer
     from treejax.precision import Precision

@@ -173,6 +173,7 @@ def forest_from_paths(
     leaf_status: np.ndarray | None = None,
     tokens: np.ndarray | None = None,
     logprobs: np.ndarray | None = None,
+    num_nodes: int | None = None,
 ) -> Forest:
     """Builds a consistent :class:`Forest` from node paths alone (host-side; for tests, notebooks, synthetic data).
 
@@ -180,7 +181,8 @@ def forest_from_paths(
     paths; tokens default to zeros and log-probs to zeros. Leaves that end at the same node are copies of one
     path (a slot tree's duplicates). ``leaf_weight`` is ``W`` x :func:`path_mass`. ``leaf_length`` [P, W] must
     fit the path's depth:
-    ``(depth - 1) * S < length <= depth * S``.
+    ``(depth - 1) * S < length <= depth * S``. ``num_nodes``: the node capacity ``N`` (default: the largest id + 1;
+    a forest concatenated with a sampler's needs its ``N``).
     """
     leaf_path = np.asarray(leaf_path, np.int32)
     leaf_length = np.asarray(leaf_length, np.int32)
@@ -189,7 +191,10 @@ def forest_from_paths(
     num_prompts, num_leaves, depth_plus_one = leaf_path.shape
     if not np.all(leaf_path[:, :, 0] == 0):
         raise ValueError("leaf_path[:, :, 0] must be 0 (every path starts at the root)")
-    num_nodes = int(leaf_path.max()) + 1
+    if num_nodes is None:
+        num_nodes = int(leaf_path.max()) + 1
+    elif num_nodes <= int(leaf_path.max()):
+        raise ValueError(f"num_nodes={num_nodes} does not hold node id {int(leaf_path.max())}")
     parent = np.full((num_prompts, num_nodes), -1, np.int32)
     depth = np.full((num_prompts, num_nodes), -1, np.int32)
     status = np.zeros((num_prompts, num_nodes), np.int32)
@@ -235,3 +240,21 @@ def forest_from_paths(
         leaf_weight=num_leaves * path_mass(parent, leaf_path),
         segment_length=S,
     )
+
+
+def chain_forest(leaf_length: np.ndarray, segment_length: int, max_depth: int, num_nodes: int,
+                 leaf_status: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> Forest:
+    """The :class:`Forest` of independent chains (GRPO's samples; host arrays ``[P, W]`` / ``[P, W, T]``): leaf
+    ``w`` of prompt ``p`` is a chain of ``ceil(length / S)`` nodes hanging from the root, numbered in leaf order,
+    as the tree sampler numbers a tree that never branches. ``num_nodes``: the sampler's node capacity."""
+    leaf_length = np.asarray(leaf_length, np.int32)
+    if np.any(leaf_length < 1) or np.any(leaf_length > max_depth * segment_length):
+        raise ValueError(f"chain_forest: leaf lengths must be in [1, {max_depth * segment_length}]")
+    depth = -(-leaf_length // segment_length)
+    P, W = leaf_length.shape
+    first = 1 + np.concatenate([np.zeros((P, 1), np.int32), np.cumsum(depth, axis=1)[:, :-1]], axis=1)
+    d = np.arange(1, max_depth + 1)[None, None, :]
+    ids = np.where(d <= depth[:, :, None], first[:, :, None] + d - 1, -1)
+    leaf_path = np.concatenate([np.zeros((P, W, 1), np.int32), ids], axis=-1).astype(np.int32)
+    return forest_from_paths(leaf_path, leaf_length, segment_length, leaf_status=leaf_status, tokens=tokens,
+                             logprobs=logprobs, num_nodes=num_nodes)

@@ -80,6 +80,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.selection import DOTSConfig
 
     classes.setdefault("DOTSConfig", DOTSConfig)
+    from treejax.rl.partial import PartialConfig
+
+    classes.setdefault("PartialConfig", PartialConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

@@ -279,6 +279,7 @@ def test_allocated_rollouts_hold_each_prompts_group(tiny_checkpoint, tmp_path):
     import os
 
     from treejax import train
+    from treejax.testing.checkpoints import latest_data_state
     from treejax.rl.setup import build_run
 
     cfg = train.parse([os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.gin")],
@@ -322,20 +323,10 @@ def test_allocator_state_is_checkpointed_and_resumed(tiny_checkpoint, tmp_path):
 
     straight = main(str(tmp_path / "straight"), 2)
     main(str(tmp_path / "resumed"), 1)
-    saved = _data_state(tmp_path / "resumed")
+    saved = latest_data_state(tmp_path / "resumed")
     assert saved["allocation"]["passes"] and len(saved["allocation"]["v"]) == 7
     resumed = main(str(tmp_path / "resumed"), 2, "--resume")
     drop = lambda row: {k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("per_s")}  # noqa
     assert drop(resumed["history"][1]) == drop(straight["history"][1])
-    assert _data_state(tmp_path / "resumed")["allocation"] == _data_state(tmp_path / "straight")["allocation"]
-
-
-def _data_state(log_dir) -> dict:
-    """The JSON data state of the newest checkpoint in ``log_dir`` (what a resume restores)."""
-    import glob
-    import json
-    import os
-
-    steps = sorted(glob.glob(os.path.join(str(log_dir), "checkpoints", "*", "data", "metadata")),
-                   key=lambda f: int(f.split(os.sep)[-3]))
-    return json.load(open(steps[-1]))
+    resumed_state, straight_state = (latest_data_state(tmp_path / d) for d in ("resumed", "straight"))
+    assert resumed_state["allocation"] == straight_state["allocation"]

@@ -25,6 +25,7 @@ from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
+from treejax.rl.partial import PartialConfig
 from treejax.rl.replay import ReplayConfig
 from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
@@ -149,8 +150,8 @@ class RunConfig:
     forward per step), ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1) or
     ``"ewma"`` (PPO-EWMA: the trainer's forward with the parameters' exponential moving average,
     ``OptimizerConfig.proximal_ewma``; :func:`treejax.rl.optimizer.proximal_ewma`).
-    ``allocation`` / ``selection`` / ``replay``: where the rollout budget goes (:mod:`treejax.rl.allocation`,
-    :mod:`treejax.rl.selection`, :mod:`treejax.rl.replay`).
+    ``allocation`` / ``selection`` / ``replay`` / ``partial``: where the rollout budget goes
+    (:mod:`treejax.rl.allocation`, :mod:`treejax.rl.selection`, :mod:`treejax.rl.replay`, :mod:`treejax.rl.partial`).
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
@@ -236,6 +237,7 @@ class RunConfig:
     allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
     replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
     selection: DOTSConfig | None = None  # difficulty-targeted prompt selection (treejax.rl.selection)
+    partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -273,6 +275,7 @@ class RunConfig:
         self._check_allocation()
         self._check_replay()
         self._check_selection()
+        self._check_partial()
         self._check_proximal()
         self._check_async()
         self._check_schedule()
@@ -321,6 +324,33 @@ class RunConfig:
                           f"an estimator without a greedy baseline (not {self.estimator!r})")):
             if bad:
                 raise ConfigError(f"RunConfig.selection (DOTS): fix: {why}")
+
+    def _check_partial(self) -> None:
+        """Partial rollouts resume independent chains and train tokens of older policies: chains only, the
+        decoupled-PPO correction, and nothing else that decides a step's rows."""
+        if self.partial is None:
+            return
+        from treejax.sampling.partial import check_chains
+
+        try:
+            check_chains(self.rollout)
+        except ValueError as e:
+            raise ConfigError(f"RunConfig.partial: {e}") from None
+        if self.old_logp == "sampler" or self.loss.tis_cap is None:
+            raise ConfigError("RunConfig.partial trains tokens sampled by older policies (the resumed part of a carried "
+                              "response), which needs the importance correction of decoupled PPO; fix: "
+                              "RunConfig.old_logp = 'trainer' (or 'ewma') and LossConfig.tis_cap = 2.0 (or another cap)")
+        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None"),
+                         (self.replay is not None, "RunConfig.replay = None"),
+                         (self.selection is not None, "RunConfig.selection = None"),
+                         (self.nudge is not None, "RunConfig.nudge = None"),
+                         (self.async_rollouts.enabled, "AsyncConfig.enabled = False (the carry is the sampler's "
+                          "own state; asynchronous rollouts would sample it from another thread)"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
+                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
+                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
+            if bad:
+                raise ConfigError(f"RunConfig.partial: fix: {why}")
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""

@@ -37,6 +37,7 @@ from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.nudge import NudgeRollouts
+from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.rollouts import TaskRollouts
 from treejax.rl.selection import DOTSRollouts
@@ -183,6 +184,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
         source = DOTSRollouts(source, cfg.selection, cfg.prompts_per_step)
     if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
         source = ReplayRollouts(source, cfg.replay)
+    if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)
+        source = PartialRollouts(source, cfg.partial)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)
               if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files
@@ -192,7 +195,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
-        if hasattr(source, "restore_state"):  # the allocator's state, the replay buffer, DOTS's difficulties
+        if hasattr(source, "restore_state"):  # the allocator's state, the replay buffer, DOTS's difficulties, APRIL's carry
             source.restore_state(data_state)
         log.info("resumed from step %d", int(data_state["rl_step"]))
     else:

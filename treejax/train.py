@@ -83,6 +83,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.partial import PartialConfig
 
     classes.setdefault("PartialConfig", PartialConfig)
+    from treejax.rl.prompt_gdro import PromptGDROConfig
+
+    classes.setdefault("PromptGDROConfig", PromptGDROConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

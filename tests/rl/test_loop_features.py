@@ -37,7 +37,8 @@ FAST_CLI = ()  # every case is slow here; the default run covers them through rl
 # and tests/rl/test_spo_chain.py; the whole CLI: tests/test_train_cli.py)
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
                 "rose_branching", "spo_chain", "nudge")
-ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo", "replay", "dots_replay", "april")
+ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo", "replay", "dots_replay", "april",
+                    "prompt_gdro")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES, *ALLOCATION_CASES]
 
@@ -78,6 +79,8 @@ def _check_row(case, row):
     if case == "dots_replay":  # 1 reference row + 1 selected row of 3 x 2 candidates; a random model solves nothing
         assert row["dots/reference_difficulty"] == 1.0 and row["dots/measured_difficulty"] == 1.0
         assert row["rollout/rollout_calls"] == 2 and row["replay/replayed_rows"] == 0
+    if case == "prompt_gdro":  # step 1: every candidate is unseen
+        assert row["prompt_gdro/picked_unseen"] == 2 and row["prompt_gdro/q_unseen"] == 1.0
     if case == "april":  # 2 of 4 launched groups train; the others are carried
         assert row["rollout/rollout_calls"] == 1 and row["partial/carried_groups"] <= 3
     if case == "alloc_dars":  # a random model solves nothing: a = 0.5 / N, every prompt asks for more
@@ -128,6 +131,7 @@ def _extra(case):
             "dots_replay": ["RunConfig.selection = @DOTSConfig()", "DOTSConfig.pool = 3", "DOTSConfig.reference = 1",
                             "RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "LossConfig.tis_cap = 2.0"],
             "april": APRIL,
+            "prompt_gdro": ["RunConfig.selection = @PromptGDROConfig()", "PromptGDROConfig.pool = 2"],
             "replay": ["RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "ReplayConfig.informative_only = False",
                        "LossConfig.tis_cap = 2.0", "RunConfig.num_steps = 2"],
             }.get(case, [f"RunConfig.estimator = '{case}'"])

@@ -26,6 +26,7 @@ from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.partial import PartialConfig
+from treejax.rl.prompt_gdro import PromptGDROConfig
 from treejax.rl.replay import ReplayConfig
 from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
@@ -236,7 +237,7 @@ class RunConfig:
     nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
     allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
     replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
-    selection: DOTSConfig | None = None  # difficulty-targeted prompt selection (treejax.rl.selection)
+    selection: DOTSConfig | PromptGDROConfig | None = None  # prompt selection: DOTS (treejax.rl.selection), Prompt-GDRO
     partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
 
     def __post_init__(self):
@@ -307,15 +308,16 @@ class RunConfig:
                 raise ConfigError(f"RunConfig.allocation: fix: {why}")
 
     def _check_selection(self) -> None:
-        """DOTS draws and rolls out its own prompts: nothing else may decide which prompt rows a step has."""
+        """A selector (DOTS, Prompt-GDRO) draws and rolls out its own prompts: nothing else may decide which
+        prompt rows a step has."""
         d = self.selection
         if d is None:
             return
-        if d.reference >= self.prompts_per_step:
+        name = type(d).__name__
+        if isinstance(d, DOTSConfig) and d.reference >= self.prompts_per_step:
             raise ConfigError(f"DOTSConfig.reference = {d.reference} leaves no selected row of prompts_per_step = "
                               f"{self.prompts_per_step}; fix: DOTSConfig.reference < RunConfig.prompts_per_step")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (DOTS selects the rows; its "
-                          "target difficulty already avoids all-equal groups)"),
+        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the selector picks the rows)"),
                          (self.allocation is not None, "RunConfig.allocation = None"),
                          (self.nudge is not None, "RunConfig.nudge = None"),
                          (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
@@ -323,7 +325,7 @@ class RunConfig:
                          ("greedy_reward_P" in estimator_spec(self.estimator).inputs,
                           f"an estimator without a greedy baseline (not {self.estimator!r})")):
             if bad:
-                raise ConfigError(f"RunConfig.selection (DOTS): fix: {why}")
+                raise ConfigError(f"RunConfig.selection ({name}): fix: {why}")
 
     def _check_partial(self) -> None:
         """Partial rollouts resume independent chains and train tokens of older policies: chains only, the

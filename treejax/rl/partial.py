@@ -144,8 +144,8 @@ class PartialRollouts:
     def sample(self, params, key, step):
         from treejax.rl.rollouts import RolloutCounters
 
-        cfg, tc = self.base.cfg, self.tree_config
-        P, W = cfg.prompts_per_step, tc.num_leaves
+        cfg = self.base.cfg
+        P = cfg.prompts_per_step
         G = P + self.config.over_sample
         for g in self.carry:  # what the carried rows hold now was sampled by earlier policies
             g.stale_W = g.length_W.copy()

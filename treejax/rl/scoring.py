@@ -10,7 +10,6 @@ the held-out evaluation all go through :func:`decode_texts`):
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -56,6 +56,10 @@ class DOTSConfig:
             raise ConfigError(f"DOTSConfig: pool >= 1, reference >= 1, temperature > 0, 0 <= target <= 1 and "
                               f"dim >= 8 required, got {self}")
 
+    def make_source(self, base, prompts_per_step: int, seed: int = 0):
+        """The loop's source with this selection (``RunConfig.selection``)."""
+        return DOTSRollouts(base, self, prompts_per_step)
+
 
 def ngram_embeddings(texts: list[str], dim: int) -> np.ndarray:
     """float[n, dim]: hashed character 3-gram counts of each text, L2-normalised (zeros for an empty text)."""

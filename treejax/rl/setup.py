@@ -40,7 +40,6 @@ from treejax.rl.nudge import NudgeRollouts
 from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.rollouts import TaskRollouts
-from treejax.rl.selection import DOTSRollouts
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
@@ -180,8 +179,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
         source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
-    if cfg.selection is not None:  # DOTS: prompts of difficulty near the target (treejax.rl.selection)
-        source = DOTSRollouts(source, cfg.selection, cfg.prompts_per_step)
+    if cfg.selection is not None:  # DOTS (treejax.rl.selection) or Prompt-GDRO (treejax.rl.prompt_gdro)
+        source = cfg.selection.make_source(source, cfg.prompts_per_step, cfg.seed)
     if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
         source = ReplayRollouts(source, cfg.replay)
     if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)

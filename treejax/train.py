@@ -86,6 +86,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.prompt_gdro import PromptGDROConfig
 
     classes.setdefault("PromptGDROConfig", PromptGDROConfig)
+    from treejax.rl.exemplars import ExemplarConfig
+
+    classes.setdefault("ExemplarConfig", ExemplarConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

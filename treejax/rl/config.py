@@ -25,6 +25,7 @@ from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
+from treejax.rl.exemplars import ExemplarConfig
 from treejax.rl.partial import PartialConfig
 from treejax.rl.prompt_gdro import PromptGDROConfig
 from treejax.rl.replay import ReplayConfig
@@ -151,8 +152,9 @@ class RunConfig:
     forward per step), ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1) or
     ``"ewma"`` (PPO-EWMA: the trainer's forward with the parameters' exponential moving average,
     ``OptimizerConfig.proximal_ewma``; :func:`treejax.rl.optimizer.proximal_ewma`).
-    ``allocation`` / ``selection`` / ``replay`` / ``partial``: where the rollout budget goes
-    (:mod:`treejax.rl.allocation`, :mod:`treejax.rl.selection`, :mod:`treejax.rl.replay`, :mod:`treejax.rl.partial`).
+    ``allocation`` / ``selection`` / ``replay`` / ``partial`` / ``exemplars``: where the rollout budget goes
+    (:mod:`treejax.rl.allocation`, :mod:`treejax.rl.selection` and :mod:`treejax.rl.prompt_gdro`,
+    :mod:`treejax.rl.replay`, :mod:`treejax.rl.partial`, :mod:`treejax.rl.exemplars`).
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
@@ -239,6 +241,7 @@ class RunConfig:
     replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
     selection: DOTSConfig | PromptGDROConfig | None = None  # prompt selection: DOTS (treejax.rl.selection), Prompt-GDRO
     partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
+    exemplars: ExemplarConfig | None = None  # XRPO: all-fail prompts re-rolled with solved exemplars (treejax.rl.exemplars)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -277,6 +280,7 @@ class RunConfig:
         self._check_replay()
         self._check_selection()
         self._check_partial()
+        self._check_exemplars()
         self._check_proximal()
         self._check_async()
         self._check_schedule()
@@ -353,6 +357,23 @@ class RunConfig:
                           f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
             if bad:
                 raise ConfigError(f"RunConfig.partial: fix: {why}")
+
+    def _check_exemplars(self) -> None:
+        """XRPO's exemplars re-roll a step's failed prompts: nothing else may decide the step's rows."""
+        if self.exemplars is None:
+            return
+        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the exemplars rescue the "
+                          "all-fail groups dynamic sampling would drop)"),
+                         (self.allocation is not None, "RunConfig.allocation = None"),
+                         (self.selection is not None, "RunConfig.selection = None"),
+                         (self.replay is not None, "RunConfig.replay = None"),
+                         (self.partial is not None, "RunConfig.partial = None"),
+                         (self.nudge is not None, "RunConfig.nudge = None"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
+                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
+                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
+            if bad:
+                raise ConfigError(f"RunConfig.exemplars: fix: {why}")
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""

@@ -37,6 +37,7 @@ from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.nudge import NudgeRollouts
+from treejax.rl.exemplars import ExemplarRollouts
 from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.rollouts import TaskRollouts
@@ -181,6 +182,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
     if cfg.selection is not None:  # DOTS (treejax.rl.selection) or Prompt-GDRO (treejax.rl.prompt_gdro)
         source = cfg.selection.make_source(source, cfg.prompts_per_step, cfg.seed)
+    if cfg.exemplars is not None:  # XRPO: failed prompts re-rolled with solved exemplars (treejax.rl.exemplars)
+        source = ExemplarRollouts(source, cfg.exemplars)
     if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
         source = ReplayRollouts(source, cfg.replay)
     if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)

@@ -7,6 +7,8 @@ from the GPU) and prints two markdown tables:
 
 1. per method: final held-out greedy accuracy (mean over seeds, and each seed), decoded tokens, extra rows per
    step, seconds;
+   ("extra rows": allocation's extra chunks, replayed rows, or rows re-rolled with exemplars); then, for the
+   sources with a sampler story, the rollout seconds, the sampler's segment rounds and APRIL's stale-token share;
 2. the accuracy-compute front: each method's mean curve (held-out accuracy every 5 steps against the mean
    cumulative decoded tokens at that step), the accuracy each method has at a few token budgets (linear
    interpolation on its mean curve), and the tokens and the seconds since the run started (``time/step_s``:
@@ -35,7 +37,13 @@ ARMS = {"grpo": ("GRPO, 8 prompts x 16 chains, dynamic sampling (the baseline)",
         "replay": ("Replay: 6 fresh x 16 + 2 replayed rows, TIS cap 2", "efficacy_replay.gin"),
         "dots_replay": ("DOTS (2 reference + 4 selected of 24) + replay of 2 rows", "efficacy_dots_replay.gin"),
         "ewma": ("GRPO 8 x 16 with PPO-EWMA (proximal EMA 0.9, TIS cap 2)",
-                 "efficacy_grpo.gin, old_logp = 'ewma', proximal_ewma = 0.9, tis_cap = 2.0")}
+                 "efficacy_grpo.gin, old_logp = 'ewma', proximal_ewma = 0.9, tis_cap = 2.0"),
+        "grpo_b": ("GRPO baseline again, run beside APRIL / Prompt-GDRO / exemplars (same calls)",
+                   "efficacy_grpo.gin"),
+        "april": ("APRIL: 8 + 8 groups launched, stop at 8 complete, carry the rest, TIS cap 2", "efficacy_april.gin"),
+        "prompt_gdro": ("Prompt-GDRO: 8 picked of 4 x 8 candidates by pass-rate bucket weights",
+                        "efficacy_prompt_gdro.gin"),
+        "exemplars": ("XRPO exemplars: all-fail prompts re-rolled with a solved exemplar", "efficacy_exemplars.gin")}
 BASELINE = "grpo"
 
 
@@ -83,11 +91,19 @@ def main(folder: str) -> None:
     for arm in arms:
         rs = [s for _, s in sorted(runs[arm], key=lambda x: x[0])]
         acc = [s["evals"][-1]["accuracy"] for s in rs]
-        extra = [np.mean([h.get("alloc/extra_rows", h.get("replay/replayed_rows", 0)) for h in s["history"]])
-                 for s in rs]
+        extra = [np.mean([h.get("alloc/extra_rows", h.get("replay/replayed_rows", h.get("exemplars/injected", 0)))
+                          for h in s["history"]]) for s in rs]
         print(f"| {ARMS[arm][0]} | `{ARMS[arm][1]}` | {len(rs)} | {rs[0]['steps']} | {np.mean(acc):.1%} | "
               f"{', '.join(f'{a:.1%}' for a in acc)} | {np.mean([s['decoded_tokens'] for s in rs]):,.0f} | "
               f"{np.mean(extra):.1f} | {np.mean([s['total_s'] for s in rs]):.0f} |")
+    print("\n| method | rollout s (mean) | update s (mean) | segment rounds | sampler calls | stale token share |")
+    print("|---|---|---|---|---|---|")
+    for arm in arms:
+        rs = [s for _, s in runs[arm]]
+        tot = lambda k: np.mean([sum(h.get(k, 0) for h in s["history"]) for s in rs])  # noqa: E731
+        stale = np.mean([np.mean([h.get("partial/stale_token_frac", 0.0) for h in s["history"]]) for s in rs])
+        print(f"| {arm} | {tot('time/rollout_s'):.1f} | {tot('time/update_s'):.1f} | {tot('rollout/segments'):.0f} | "
+              f"{tot('rollout/rollout_calls'):.0f} | {stale:.1%} |")
     base_t, base_a = mean_curve([s for _, s in runs[BASELINE]])
     target = float(base_a[-1])
     budgets = [100_000, 200_000, 300_000, 400_000]

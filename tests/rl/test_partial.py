@@ -71,7 +71,7 @@ def test_steps_train_complete_groups_and_carry_the_rest(params):
     for step in range(6):
         ro = src.sample(params, jax.random.key(step), step)
         f = ro.forest
-        assert ro.num_rows == 2 and ro.counters.filler_prompts == 0
+        assert ro.num_rows == 2 and ro.counters.filler_prompts == 0 and ro.counters.scoring_s > 0
         status = np.asarray(f.leaf_status)
         assert not (status == int(NodeStatus.ALIVE)).any()  # only complete groups train
         length = np.asarray(f.leaf_length)

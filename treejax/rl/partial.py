@@ -35,6 +35,7 @@ not yet launched prompts are saved in the checkpoint: a resumed run continues ex
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,7 @@ class PartialRollouts:
         spare: list[tuple] = []  # complete groups of the last call (filler source)
         totals = dict(decoded_tokens=0, prefilled_tokens=0, segments=0, complete=0)
         resumed = dropped = calls = 0
+        scoring_s = 0.0
         for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
             need = P - len(kept)
             groups = self.carry + self._fresh(G - len(self.carry), step)
@@ -165,7 +167,9 @@ class PartialRollouts:
             self.carry = [g for g in groups if not g.complete]
             spare = []
             if done:
+                t = time.perf_counter()
                 scores, rewards = self._score(done)
+                scoring_s += time.perf_counter() - t
                 for g, s, r in zip(done, scores, rewards):
                     informative = not cfg.dynamic_sampling or not np.all(r == r[0])
                     if informative and len(kept) < P:
@@ -185,7 +189,7 @@ class PartialRollouts:
             decoded_tokens=totals["decoded_tokens"], prefilled_tokens=totals["prefilled_tokens"],
             segments=totals["segments"], complete=totals["complete"],
             stops={name: int(np.sum(stops == int(code))) for name, code in zip(NodeStatus.names(), NodeStatus)},
-            rollout_calls=calls, filler_prompts=missing)
+            rollout_calls=calls, filler_prompts=missing, scoring_s=scoring_s)
         return self._rollouts(rows, missing, counters, step, resumed, dropped)
 
     def _rollouts(self, rows: list[tuple], missing: int, counters, step: int, resumed: int, dropped: int):

@@ -1,0 +1,111 @@
+"""The environment interface of multi-turn rollouts: text in, text out, host-side Python between decode chunks.
+
+An episode is a conversation: the task's prompt, then turns of *actions* (text the policy samples, ending on one
+of the environment's ``stop_strings``, an end-of-sequence token or the turn's token cap) and *observations* (text
+the environment answers, appended to the conversation and never trained on):
+
+    obs0 = env.reset(example)                  # text appended after the prompt ("" for none)
+    result = env.step(action_text)             # StepResult(observation, reward, done, info)
+
+``clone()`` returns an independent copy in the same state: a tree rollout that forks a conversation forks its
+environment with its KV cache, and both branches go on independently. :class:`ReplayClone` gives any
+deterministic environment ``clone()`` by replaying the action history into a fresh instance (for environments
+whose state cannot be copied, e.g. one that holds a process).
+
+:class:`GymnasiumText` adapts an environment in gymnasium's shape (``reset(seed=, options=) -> (obs, info)``,
+``step(action) -> (obs, reward, terminated, truncated, info)``; text observations and actions, as GEM and
+TextArena environments have) to this interface. Environments here: :mod:`treejax.envs.code_tool` (a Python tool
+for math / reasoning-gym tasks) and :mod:`treejax.envs.guess` (a number-guessing game with feedback).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One environment step: the ``observation`` text to append, the step's ``reward``, whether the episode is
+    ``done``, and ``info`` (host metrics: tool calls, seconds, errors)."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """The interface (module docstring). ``stop_strings``: a turn ends when the action's text ends with one."""
+
+    stop_strings: tuple[str, ...]
+
+    def reset(self, example: Any) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def clone(self) -> "Environment": ...
+
+
+def turn_ended(text: str, stop_strings: tuple[str, ...]) -> bool:
+    """Whether an action's text (so far) ends a turn: it ends with one of ``stop_strings`` (trailing whitespace
+    ignored)."""
+    t = text.rstrip()
+    return any(t.endswith(s) for s in stop_strings)
+
+
+class ReplayClone:
+    """``clone()`` by deterministic replay: a fresh instance from ``self.factory()``, ``reset`` with the same
+    example, then every action so far. Subclasses call :meth:`_record_reset` / :meth:`_record_step`."""
+
+    factory: Callable[[], Any]
+
+    def _record_reset(self, example) -> None:
+        self._example, self._actions = example, []
+
+    def _record_step(self, action: str) -> None:
+        self._actions.append(action)
+
+    def clone(self):
+        other = self.factory()
+        other.reset(self._example)
+        for a in self._actions:
+            other.step(a)
+        return other
+
+
+class GymnasiumText(ReplayClone):
+    """A gymnasium-shaped text environment as an :class:`Environment` (module docstring). ``make()`` builds the
+    wrapped environment; ``options_of(example)`` gives ``reset``'s options for a task example (``seed`` fixed for
+    determinism, so replay clones are exact)."""
+
+    def __init__(self, make: Callable[[], Any], options_of: Callable[[Any], dict] = lambda ex: {},
+                 stop_strings: tuple[str, ...] = (), seed: int = 0):
+        self.make, self.options_of, self.stop_strings, self.seed = make, options_of, tuple(stop_strings), seed
+        self.factory = lambda: GymnasiumText(make, options_of, stop_strings, seed)
+        self.env, self.done = None, False
+
+    def reset(self, example) -> str:
+        self._record_reset(example)
+        self.env, self.done = self.make(), False
+        obs, _ = self.env.reset(seed=self.seed, options=self.options_of(example))
+        return str(obs)
+
+    def step(self, action: str) -> StepResult:
+        if self.env is None:
+            raise RuntimeError("GymnasiumText.step before reset")
+        if self.done:
+            raise RuntimeError("GymnasiumText.step after the episode ended")
+        self._record_step(action)
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.done = bool(terminated or truncated)
+        return StepResult(str(obs), float(reward), self.done, {**dict(info or {}), "truncated": bool(truncated)})
+
+
+def copy_clone(env):
+    """``clone()`` for an environment whose whole state is plain Python data: a deep copy."""
+    return copy.deepcopy(env)
+
+
+__all__ = ["Environment", "GymnasiumText", "ReplayClone", "StepResult", "copy_clone", "turn_ended"]

@@ -1,0 +1,90 @@
+"""A Python code tool for math and reasoning-gym tasks: the model writes code between ``<code>`` and ``</code>``,
+the sandbox runs it (:mod:`treejax.envs.sandbox`), and its output comes back between ``<output>`` and
+``</output>``; a turn without code is the answer, scored by the task's verifier.
+
+    env = CodeToolEnv(task)
+    env.reset(example)                                   # -> "" (the task's prompt is the conversation's start)
+    env.step("Let me add them.\\n<code>print(67 + 75)</code>")
+        # -> StepResult("\\n<output>\\n142\\n</output>\\n", 0.0, False, {"tool_calls": 1, ...})
+    env.step("The sum is 142.\\nAnswer: 142")           # -> StepResult("", 1.0, True, {...}) (task.score)
+
+A turn ends on ``</code>`` (``stop_strings``), so the sampler hands over as soon as a call is complete. Each call
+runs in a fresh interpreter (nothing persists between calls: a snippet that needs earlier values recomputes them).
+At most ``max_calls`` calls: a call past the limit ends the episode with the verifier's score of that turn and an
+error observation. ``instructions`` is the text a run adds to the system prompt so the model knows the protocol.
+The state is plain data (the example, the call count): ``clone()`` copies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from treejax.envs.base import StepResult
+from treejax.envs.sandbox import SandboxConfig, run_python
+
+INSTRUCTIONS = ("You can run Python code: write it between <code> and </code> and print what you need; the printed "
+                "output comes back between <output> and </output>. When you know the answer, reply without code "
+                "and give the final answer on the last line as 'Answer: <answer>'.")
+
+def extract_code(action: str) -> str | None:
+    """The code of the call that ends ``action`` (``<code>...</code>`` at its end; Markdown fences inside are
+    dropped), or ``None`` when the turn ends without one (an answer)."""
+    text = action.rstrip()
+    start = text.rfind("<code>")
+    if not text.endswith("</code>") or start < 0:
+        return None
+    code = text[start + len("<code>"):-len("</code>")].strip("\n")
+    fence = re.match(r"^\s*```(?:python|py)?\s*\n(.*?)\n\s*```\s*$", code, re.S)
+    return fence.group(1) if fence else code
+
+
+@dataclasses.dataclass
+class CodeToolEnv:
+    """The code tool (module docstring). ``task``: anything with ``score(text, example) -> float`` (a treejax
+    task); ``sandbox``: the limits of one call; ``max_calls``: tool calls per episode."""
+
+    task: Any
+    sandbox: SandboxConfig = SandboxConfig()
+    max_calls: int = 4
+    stop_strings: tuple[str, ...] = ("</code>",)
+    instructions: str = INSTRUCTIONS
+    example: Any = None
+    calls: int = 0
+    done: bool = False
+
+    def __post_init__(self):
+        if self.max_calls < 0:
+            raise ValueError(f"CodeToolEnv.max_calls must be >= 0, got {self.max_calls}")
+
+    def reset(self, example) -> str:
+        self.example, self.calls, self.done = example, 0, False
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        if self.example is None:
+            raise RuntimeError("CodeToolEnv.step before reset")
+        if self.done:
+            raise RuntimeError("CodeToolEnv.step after the episode ended")
+        code = extract_code(action)
+        if code is None:  # the answer turn
+            self.done = True
+            return StepResult("", float(self.task.score(action, self.example)), True,
+                              {"tool_calls": self.calls, "answered": True})
+        if self.calls >= self.max_calls:
+            self.done = True
+            return StepResult(f"\n<output>\n[error] no tool calls left ({self.max_calls} per episode)\n</output>\n",
+                              float(self.task.score(action, self.example)), True,
+                              {"tool_calls": self.calls, "answered": False, "call_limit": True})
+        result = run_python(code, self.sandbox)
+        self.calls += 1
+        return StepResult(f"\n<output>\n{result.observation().rstrip()}\n</output>\n", 0.0, False,
+                          {"tool_calls": self.calls, "tool_seconds": result.seconds, "tool_error": not result.ok,
+                           "tool_timed_out": result.timed_out})
+
+    def clone(self) -> "CodeToolEnv":
+        return dataclasses.replace(self)  # plain data; the task and the sandbox limits are shared, read-only
+
+
+__all__ = ["CodeToolEnv", "INSTRUCTIONS", "extract_code"]

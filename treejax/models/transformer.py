@@ -551,6 +551,43 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}
 
 
+@apply_policy
+def extend(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
+           cache: dict, rows: jax.Array | None = None):
+    """Appends a chunk of tokens to cache rows that already hold a prefix: a prefill over the existing cache.
+
+    ``tokens, positions, valid: [B, C]`` (``valid`` False on padding, whose slots are not written); ``rows: [B]`` the
+    cache rows (default ``0..B-1``). Each chunk token's key/value is written at slot ``positions[b, c]``, and it
+    attends to every slot ``<= positions[b, c]`` of its row: the prefix already cached and the chunk's earlier
+    tokens (the caller guarantees the slots below a chunk hold that row's prefix). Returns ``(hidden [B, C, E],
+    cache)``: the hidden state after the final norm at each chunk token (the next-token distribution after the last
+    valid one). Multi-turn rollouts append an environment's observation this way instead of re-prefilling the
+    conversation (:func:`treejax.sampling.decode.append_tokens`).
+    """
+    _check_tokens(tokens, positions)
+    B = tokens.shape[0]
+    rows = jnp.arange(B) if rows is None else rows
+    L = cache_length(cache)
+    slots = jnp.where(valid, positions, L)
+    visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, C, L]
+    x = embed(params, config, tokens)
+    ks, vs = [], []
+    for layer in range(config.num_layers):
+        ck, cv = cache["k"][layer], cache["v"][layer]
+
+        def attend(q, k, v, ck=ck, cv=cv):
+            ck2 = ck.at[rows[:, None], :, slots].set(k.astype(ck.dtype), mode="drop")
+            cv2 = cv.at[rows[:, None], :, slots].set(v.astype(cv.dtype), mode="drop")
+            kr = jnp.swapaxes(ck2[rows], 1, 2).astype(q.dtype)  # [B, L, K, H]
+            vr = jnp.swapaxes(cv2[rows], 1, 2).astype(q.dtype)
+            return attention(q, kr, vr, visible), (ck2, cv2)
+
+        x, (ck, cv) = _block(config, _layer_params(params, layer), x, positions, attend)
+        ks.append(ck)
+        vs.append(cv)
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}
+
+
 @functools.partial(jax.named_call, name="decode_step")
 @apply_policy
 def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: dict,

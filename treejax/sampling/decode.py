@@ -72,6 +72,8 @@ class ModelFns:
     ``step_hidden`` (optional): the same step also returning the last layer's hidden states ``[R, E]`` (after the
     final norm), ``-> (logits, hidden, cache)``, for per-token statistics that read them
     (:mod:`treejax.sampling.token_stats`).
+    ``extend`` (optional): ``(params, tokens [B, C], positions [B, C], valid [B, C], cache, rows [B]) -> cache``,
+    a chunk appended over the rows' cached prefix (:func:`append_tokens`; multi-turn observations).
     ``cache_multiple``: allocated cache lengths are rounded up to a multiple of it (the attention block).
     ``mesh`` / ``rules``: with a mesh, the samplers constrain the cache (:meth:`shard_cache`) and the per-row
     state (:meth:`shard_rows`) to their logical shardings wherever they are rebuilt; params are expected already
@@ -90,6 +92,7 @@ class ModelFns:
     mesh: Any = None  # jax.sharding.Mesh | None
     rules: Rules = DEFAULT_RULES
     step_hidden: Callable | None = None
+    extend: Callable | None = None
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -139,11 +142,14 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
         hidden, cache = transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
         return transformer.logits(params, config, hidden), hidden, cache
 
+    def extend(params, tokens, positions, valid, cache, rows):
+        return transformer.extend(params, config, tokens, positions, valid, cache, rows)[1]
+
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
                     cache_multiple=block_size if attention != "dense" else 1,
                     name=f"transformer[{attention}]",
                     prepare=transformer.fuse_projections if fuse else transformer.unstack_layers,
-                    mesh=mesh, rules=rules, step_hidden=step_hidden)
+                    mesh=mesh, rules=rules, step_hidden=step_hidden, extend=extend)
 
 
 def as_model_fns(model: ModelConfig | ModelFns, mesh=None, rules: Rules = DEFAULT_RULES) -> ModelFns:
@@ -242,6 +248,27 @@ def prefill_prompts(model: ModelFns, params, cache, prompts_PxLb: jax.Array, len
     cache = model.shard_cache(model.prefill(params, prompts_PxLb, positions, segment_ids, cache, rows_P))
     pending = jnp.take_along_axis(prompts_PxLb, (lengths_P - 1)[:, None], axis=1)[:, 0]
     return cache, pending.astype(jnp.int32), (lengths_P - 1).astype(jnp.int32)
+
+
+def append_tokens(model: ModelFns, params, cache, rows_B: jax.Array, pending_B: jax.Array, position_B: jax.Array,
+                  tokens_BxC: jax.Array, length_B: jax.Array):
+    """Appends ``length_B[b]`` tokens (``tokens_BxC[b, :length]``, e.g. an environment's observation) to cache row
+    ``rows_B[b]`` after its prefix, in one chunk over the cached prefix (never re-prefilling it).
+
+    Row protocol (module docstring): the row's pending token and ``tokens[:length - 1]`` get their KV written at
+    positions ``position .. position + length - 1``; the last appended token becomes the new pending token at
+    ``position + length``, fed by the next decode step. A row with ``length = 0`` is unchanged. Returns ``(cache,
+    pending_B, position_B)``. Needs ``model.extend``."""
+    if model.extend is None:
+        raise ValueError(f"ModelFns {model.name!r} cannot append tokens to a cached prefix (no extend)")
+    B, C = tokens_BxC.shape
+    chunk = jnp.concatenate([pending_B[:, None], tokens_BxC[:, :C - 1]], axis=1).astype(jnp.int32)
+    offsets = jnp.arange(C, dtype=jnp.int32)[None, :]
+    valid = offsets < length_B[:, None]
+    cache = model.shard_cache(model.extend(params, chunk, position_B[:, None] + offsets, valid, cache, rows_B))
+    last = jnp.take_along_axis(tokens_BxC, jnp.maximum(length_B - 1, 0)[:, None], axis=1)[:, 0]
+    pending = jnp.where(length_B > 0, last, pending_B).astype(jnp.int32)
+    return cache, pending, (position_B + length_B).astype(jnp.int32)
 
 
 def decode_token(model: ModelFns, strategy: Strategy, params, cache, pending_R, position_R, live_R, keys_R,

@@ -89,6 +89,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.exemplars import ExemplarConfig
 
     classes.setdefault("ExemplarConfig", ExemplarConfig)
+    from treejax.rl.multiturn import MultiTurnConfig
+
+    classes.setdefault("MultiTurnConfig", MultiTurnConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

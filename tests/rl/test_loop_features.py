@@ -38,7 +38,7 @@ FAST_CLI = ()  # every case is slow here; the default run covers them through rl
 SHAPER_CASES = ("shaper_echo", "shaper_ear", "shaper_rose_prl_packed", "decs", "shaper_verl", "shaper_arrol",
                 "rose_branching", "spo_chain", "nudge")
 ALLOCATION_CASES = ("alloc_dars", "alloc_xrpo_packed", "alloc_gdro_treepo", "replay", "dots_replay", "april",
-                    "prompt_gdro", "exemplars")
+                    "prompt_gdro", "exemplars", "multiturn")
 CLI_CASES = [*BUILT_IN, "kl_k1", "kl_k3_tis", "dynamic_sampling", "sampler_old_logp", "packed_update",
              "majority_reward", "test_time", *SHAPER_CASES, *ALLOCATION_CASES]
 
@@ -83,6 +83,8 @@ def _check_row(case, row):
         assert row["prompt_gdro/picked_unseen"] == 2 and row["prompt_gdro/q_unseen"] == 1.0
     if case == "exemplars":  # a random model solves nothing: the bank stays empty, nothing is injected
         assert row["exemplars/injected"] == 0 and row["exemplars/bank_size"] == 0
+    if case == "multiturn":  # a random model writes no code: one answer turn per episode, nothing appended
+        assert row["multiturn/turns_mean"] == 1.0 and row["multiturn/appended_tokens"] == 0
     if case == "april":  # 2 of 4 launched groups train; the others are carried
         assert row["rollout/rollout_calls"] == 1 and row["partial/carried_groups"] <= 3
     if case == "alloc_dars":  # a random model solves nothing: a = 0.5 / N, every prompt asks for more
@@ -133,6 +135,9 @@ def _extra(case):
             "dots_replay": ["RunConfig.selection = @DOTSConfig()", "DOTSConfig.pool = 3", "DOTSConfig.reference = 1",
                             "RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "LossConfig.tis_cap = 2.0"],
             "april": APRIL,
+            "multiturn": ["RunConfig.multiturn = @MultiTurnConfig()", "MultiTurnConfig.turn_tokens = 4",
+                          "RunConfig.estimator = 'grpo'", "TreeConfig.branch_factor = 1",
+                          "TreeConfig.init_divergence = 4"],
             "exemplars": ["RunConfig.exemplars = @ExemplarConfig()"],
             "prompt_gdro": ["RunConfig.selection = @PromptGDROConfig()", "PromptGDROConfig.pool = 2"],
             "replay": ["RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "ReplayConfig.informative_only = False",

@@ -15,19 +15,10 @@ from treejax.models import presets, transformer
 from treejax.sampling import decode
 from treejax.sampling.multiturn import Episode, TurnLimits, chat_observation, run_episodes
 from treejax.sampling.strategies import Temperature
+from treejax.testing.tokenizers import CharTokenizer as _Tok
 
 CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
 FNS = decode.make_model_fns(CFG, attention="dense", cache_dtype="float32")
-
-
-class _Tok:
-    """id i <-> character chr(48 + i) ('0', '1', ..., 'o'); id 63 is the end-of-turn token '<e>'."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join("" if (i == 63 and skip_special_tokens) else ("<e>" if i == 63 else chr(48 + i)) for i in ids)
-
-    def encode(self, text):
-        return [ord(c) - 48 for c in text.replace("<e>", chr(48 + 63))]
 
 
 class _Echo:

@@ -26,6 +26,7 @@ from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.exemplars import ExemplarConfig
+from treejax.rl.multiturn import MultiTurnConfig
 from treejax.rl.partial import PartialConfig
 from treejax.rl.prompt_gdro import PromptGDROConfig
 from treejax.rl.replay import ReplayConfig
@@ -242,6 +243,7 @@ class RunConfig:
     selection: DOTSConfig | PromptGDROConfig | None = None  # prompt selection: DOTS (treejax.rl.selection), Prompt-GDRO
     partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
     exemplars: ExemplarConfig | None = None  # XRPO: all-fail prompts re-rolled with solved exemplars (treejax.rl.exemplars)
+    multiturn: MultiTurnConfig | None = None  # code-tool episodes: multi-turn rollouts (treejax.rl.multiturn)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -281,6 +283,7 @@ class RunConfig:
         self._check_selection()
         self._check_partial()
         self._check_exemplars()
+        self._check_multiturn()
         self._check_proximal()
         self._check_async()
         self._check_schedule()
@@ -374,6 +377,25 @@ class RunConfig:
                           f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
             if bad:
                 raise ConfigError(f"RunConfig.exemplars: fix: {why}")
+
+    def _check_multiturn(self) -> None:
+        """Code-tool episodes are their own source of independent chains: nothing else may decide the rows."""
+        if self.multiturn is None:
+            return
+        self.multiturn.check(self.rollout)
+        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False"),
+                         (self.allocation is not None, "RunConfig.allocation = None"),
+                         (self.selection is not None, "RunConfig.selection = None"),
+                         (self.replay is not None, "RunConfig.replay = None"),
+                         (self.partial is not None, "RunConfig.partial = None"),
+                         (self.exemplars is not None, "RunConfig.exemplars = None"),
+                         (self.nudge is not None, "RunConfig.nudge = None"),
+                         (self.async_rollouts.enabled, "AsyncConfig.enabled = False"),
+                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
+                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
+                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
+            if bad:
+                raise ConfigError(f"RunConfig.multiturn: fix: {why}")
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""

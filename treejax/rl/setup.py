@@ -38,6 +38,7 @@ from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.nudge import NudgeRollouts
 from treejax.rl.exemplars import ExemplarRollouts
+from treejax.rl.multiturn import MultiTurnRollouts
 from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.rollouts import TaskRollouts
@@ -186,6 +187,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
         source = ExemplarRollouts(source, cfg.exemplars)
     if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
         source = ReplayRollouts(source, cfg.replay)
+    if cfg.multiturn is not None:  # code-tool episodes (treejax.rl.multiturn)
+        source = MultiTurnRollouts(source, cfg.multiturn)
     if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)
         source = PartialRollouts(source, cfg.partial)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,

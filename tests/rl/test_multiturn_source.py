@@ -1,0 +1,106 @@
+"""Multi-turn episodes as the loop's source (treejax.rl.multiturn): one chain leaf per episode with the whole
+conversation as tokens, the loss mask zero on exactly the observation tokens, the policy's log-probs on sampled
+tokens, the verifier's score of the answer turn as the reward; and a learning step on it trains only policy tokens."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from treejax.envs.base import StepResult
+from treejax.errors import ConfigError
+from treejax.models import presets, transformer
+from treejax.rl.multiturn import MultiTurnConfig, MultiTurnRollouts
+from treejax.sampling import decode, tree
+from treejax.sampling.strategies import Temperature
+from treejax.testing.tokenizers import CharTokenizer as _Tok
+
+
+CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
+FNS = decode.make_model_fns(CFG, attention="dense", cache_dtype="float32")
+TC = tree.independent_config(2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,))
+
+
+class _Env:
+    """A turn ends on '5'; the observation is 'OK'; the third turn is the answer: score 1 when it holds a '3'."""
+
+    stop_strings = ("5",)
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, example):
+        self.n = 0
+        return ""
+
+    def step(self, action):
+        self.n += 1
+        if self.n < 3:
+            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": False})
+        return StepResult("", float("3" in action), True, {"answered": True})
+
+    def clone(self):
+        return self
+
+
+class _Base:
+    def __init__(self):
+        self.cfg, self.pipeline = types.SimpleNamespace(), None
+        self.rollout = types.SimpleNamespace(tree_config=TC)
+        self.sampler_fns, self.tokenizer, self.task = FNS, _Tok(), None
+
+    def draw(self):
+        return ["a", "b"], np.array([[1, 2, 3], [1, 4, 0]], np.int32), np.array([3, 2], np.int32)
+
+    def rewards(self, scores, lengths):
+        return (2.0 * scores - 1.0).astype(np.float32)
+
+
+def test_episodes_become_chain_leaves_with_observations_masked():
+    params = transformer.init_params(CFG, jax.random.key(5))
+    src = MultiTurnRollouts(_Base(), MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=_Env)
+    ro = src.sample(params, jax.random.key(0), 0)
+    f = ro.forest
+    assert f.tokens.shape == (2, 2, 32) and ro.num_rows == 2
+    mask, tokens = np.asarray(f.loss_mask), np.asarray(f.tokens)
+    obs = np.array(_Tok().encode("OK"))
+    n_obs = 0
+    for p in range(2):
+        for w in range(2):
+            n = int(f.leaf_length[p, w])
+            row, m = tokens[p, w, :n], mask[p, w, :n]
+            runs, i = [], 0  # the masked runs are exactly the "OK" observations
+            while i < n:
+                if m[i] == 0:
+                    j = i
+                    while j < n and m[j] == 0:
+                        j += 1
+                    runs.append(list(row[i:j]))
+                    i = j
+                else:
+                    i += 1
+            assert all(r == list(obs) for r in runs)
+            n_obs += len(runs)
+            assert np.all(mask[p, w, n:] == 0)
+            lp = np.asarray(f.logprobs)[p, w, :n]
+            assert np.all(lp[m == 0] == 0) and np.all(lp[m == 1] < 0)
+    assert n_obs > 0 and ro.extra_metrics["multiturn/appended_tokens"] == 2 * n_obs
+    assert ro.counters.decoded_tokens == int(mask.sum())
+    assert set(np.unique(ro.scores_PxW)) <= {0.0, 1.0}
+    np.testing.assert_array_equal(np.asarray(ro.rewards_PxW), 2 * ro.scores_PxW - 1)
+
+
+def test_config_checks():
+    from treejax.rl.config import RunConfig
+
+    with pytest.raises(ConfigError, match="branch_factor"):
+        RunConfig(multiturn=MultiTurnConfig())
+    chains = tree.independent_config(4, 64, 16)
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo", dynamic_sampling=True)
+    RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo")
+    with pytest.raises(ConfigError, match="max_turns"):
+        MultiTurnConfig(max_turns=0)

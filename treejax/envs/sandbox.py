@@ -6,9 +6,11 @@ Layers (each one a limit the child cannot lift):
 1. **A fresh process group** (``start_new_session``) in a fresh temporary directory (the working directory; deleted
    afterwards), with an empty environment and Python's isolated mode (``-I``: no user site, no ``PYTHON*``
    variables, no script directory on ``sys.path``).
-2. **Resource limits** (``setrlimit`` in the child before Python starts): address space (``memory_mb``), CPU seconds
-   (``timeout_s + 1``), the largest file it may write (``file_mb``), open files (64) and no core dumps. The process
-   limit (``RLIMIT_NPROC``) does not bind root, so it is not relied on.
+2. **Resource limits** (``setrlimit``, the child's first statements, before it reads the code): address space
+   (``memory_mb``), CPU seconds (``timeout_s + 1``), the largest file it may write (``file_mb``), open files (64)
+   and no core dumps. The process limit (``RLIMIT_NPROC``) does not bind root, so it is not relied on. (Set in the
+   child rather than in a ``preexec_fn``: the parent is a multithreaded JAX process, and code between ``fork``
+   and ``exec`` can deadlock there; without it ``subprocess`` starts the child with ``vfork``/``posix_spawn``.)
 3. **An audit hook** (:pep:`578`, installed before the snippet runs; a hook cannot be removed) that raises
    ``PermissionError`` on: starting processes (``os.system``, ``subprocess``, ``os.fork``/``posix_spawn``/``exec*``,
    ``pty``), opening files for writing outside the temporary directory, network connections (``socket.connect``,
@@ -37,6 +39,13 @@ import time
 
 _PRELUDE = r'''
 import os, sys
+import resource as _resource
+
+for _name, _value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE"), map(int, sys.argv[1:4])):
+    _resource.setrlimit(getattr(_resource, _name), (_value, _value))
+_resource.setrlimit(_resource.RLIMIT_NOFILE, (64, 64))
+_resource.setrlimit(_resource.RLIMIT_CORE, (0, 0))
+del _name, _value, _resource
 
 def _install():
     root = os.path.realpath(os.getcwd())
@@ -133,21 +142,6 @@ class RunResult:
         return out
 
 
-def _limits(cfg: SandboxConfig):
-    def apply():
-        import resource
-
-        mem = cfg.memory_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        cpu = int(cfg.timeout_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        size = cfg.file_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
-
-
 def _descendants(pid: int) -> list[int]:
     """Every process under ``pid`` still alive (read from ``/proc``; empty where there is no ``/proc``)."""
     parent: dict[int, int] = {}
@@ -194,10 +188,11 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> RunResult:
         # stdout / stderr go to files in the working directory: RLIMIT_FSIZE bounds them (a flood of output
         # stops the child with SIGXFSZ instead of filling this process's memory through a pipe)
         with open(os.path.join(workdir, ".stdout"), "wb") as fo, open(os.path.join(workdir, ".stderr"), "wb") as fe:
-            proc = subprocess.Popen([config.python or sys.executable, "-I", "-B", "-c", _PRELUDE], cwd=workdir,
-                                    stdin=subprocess.PIPE, stdout=fo, stderr=fe,
+            limits = [str(config.memory_mb * 2 ** 20), str(int(config.timeout_s) + 1), str(config.file_mb * 2 ** 20)]
+            proc = subprocess.Popen([config.python or sys.executable, "-I", "-B", "-c", _PRELUDE, *limits],
+                                    cwd=workdir, stdin=subprocess.PIPE, stdout=fo, stderr=fe,
                                     env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
-                                    start_new_session=True, preexec_fn=_limits(config))
+                                    start_new_session=True)
             try:
                 proc.stdin.write(code.encode())
                 proc.stdin.close()

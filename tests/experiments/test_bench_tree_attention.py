@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
                                 "experiments"))
 
 
+@pytest.mark.slow  # ~27 s on 2 cores: the benchmark's sweep writer, not a kernel check
 def test_tile_sweep_writes_a_row_per_setting(tmp_path, capsys):
     import bench_tree_attention
 

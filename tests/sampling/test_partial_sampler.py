@@ -23,6 +23,7 @@ TC = tree.independent_config(W, S * D, S, strategy=Temperature(1.0), stop_ids=(7
 PROMPTS = np.array([[1, 5, 9, 2, 7], [1, 11, 3, 4, 0], [1, 2, 3, 0, 0]], np.int32)
 LENS = np.array([5, 4, 3], np.int32)
 ALIVE = int(NodeStatus.ALIVE)
+SAMPLER = partial.make_partial_rollout(FNS, TC)  # one compiled program for every test here
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _empty(R):
 def test_to_the_end_equals_the_tree_samplers_chains(params):
     key = jax.random.key(11)
     forest, _ = tree.make_tree_rollout(FNS, TC)(params, PROMPTS, LENS, key)
-    sampler = partial.make_partial_rollout(FNS, TC)
+    sampler = SAMPLER
     prompts, lens = _rows(3)
     R = 3 * W
     out = sampler(params, prompts, lens, *_empty(R), np.ones(R, bool), np.zeros(R, np.int32), key, 3)
@@ -62,7 +63,7 @@ def test_to_the_end_equals_the_tree_samplers_chains(params):
 
 
 def test_stops_at_the_first_boundary_with_enough_complete_groups(params):
-    sampler = partial.make_partial_rollout(FNS, TC)
+    sampler = SAMPLER
     prompts, lens = _rows(3)
     R = 3 * W
     key = jax.random.key(1)
@@ -84,7 +85,7 @@ def test_stops_at_the_first_boundary_with_enough_complete_groups(params):
 
 
 def test_a_resumed_row_draws_what_it_would_have_uninterrupted(params):
-    sampler = partial.make_partial_rollout(FNS, TC)
+    sampler = SAMPLER
     prompts, lens = _rows(3)
     R = 3 * W
     key = jax.random.key(1)
@@ -108,7 +109,7 @@ def test_a_resumed_row_draws_what_it_would_have_uninterrupted(params):
 def test_refuses_trees_and_bad_prefixes(params):
     with pytest.raises(ValueError, match="branch_factor=2"):
         partial.make_partial_rollout(FNS, dataclasses.replace(TC, branch_factor=2, init_divergence=2))
-    sampler = partial.make_partial_rollout(FNS, TC)
+    sampler = SAMPLER
     prompts, lens = _rows(1)
     tok, lp, slp, k = _empty(W)
     with pytest.raises(ValueError, match="whole number of segments"):

@@ -529,21 +529,29 @@ def prefill(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     Layers are unrolled (each writes its own cache buffer in place).
     """
     _check_tokens(tokens, positions)
-    Bp = tokens.shape[0]
-    rows = jnp.arange(Bp) if rows is None else rows
+    rows = jnp.arange(tokens.shape[0]) if rows is None else rows
     mask = segment_mask(segment_ids)
     # Padding tokens are written out of bounds and dropped.
     slots = jnp.where(segment_ids != 0, positions, cache_length(cache))
+    return _chunk_layers(params, config, tokens, positions, slots, cache, rows,
+                         lambda q, k, v, ck, cv: attention(q, k, v, mask))
+
+
+def _chunk_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
+                  cache: dict, rows: jax.Array, attend_with):
+    """The layers over a chunk of tokens whose keys/values go to cache ``slots`` of ``rows`` (a slot ``>= L``:
+    dropped); ``attend_with(q, k, v, k_cache, v_cache)`` is the layer's attention, given the chunk's projections
+    and the layer's cache after the write. Returns ``(hidden after the final norm, cache)``."""
     x = embed(params, config, tokens)
     ks, vs = [], []
     for layer in range(config.num_layers):
         ck, cv = cache["k"][layer], cache["v"][layer]
 
         def attend(q, k, v, ck=ck, cv=cv):
-            # ck[rows, :, slots] is [Bp, Lp, K, H]: the advanced indices come first.
+            # ck[rows, :, slots] is [B, C, K, H]: the advanced indices come first.
             ck2 = ck.at[rows[:, None], :, slots].set(k.astype(ck.dtype), mode="drop")
             cv2 = cv.at[rows[:, None], :, slots].set(v.astype(cv.dtype), mode="drop")
-            return attention(q, k, v, mask), (ck2, cv2)
+            return attend_with(q, k, v, ck2, cv2), (ck2, cv2)
 
         x, (ck, cv) = _block(config, _layer_params(params, layer), x, positions, attend)
         ks.append(ck)
@@ -565,27 +573,17 @@ def extend(params: Params, config: ModelConfig, tokens: jax.Array, positions: ja
     conversation (:func:`treejax.sampling.decode.append_tokens`).
     """
     _check_tokens(tokens, positions)
-    B = tokens.shape[0]
-    rows = jnp.arange(B) if rows is None else rows
+    rows = jnp.arange(tokens.shape[0]) if rows is None else rows
     L = cache_length(cache)
     slots = jnp.where(valid, positions, L)
     visible = jnp.arange(L)[None, None, :] <= positions[:, :, None]  # [B, C, L]
-    x = embed(params, config, tokens)
-    ks, vs = [], []
-    for layer in range(config.num_layers):
-        ck, cv = cache["k"][layer], cache["v"][layer]
 
-        def attend(q, k, v, ck=ck, cv=cv):
-            ck2 = ck.at[rows[:, None], :, slots].set(k.astype(ck.dtype), mode="drop")
-            cv2 = cv.at[rows[:, None], :, slots].set(v.astype(cv.dtype), mode="drop")
-            kr = jnp.swapaxes(ck2[rows], 1, 2).astype(q.dtype)  # [B, L, K, H]
-            vr = jnp.swapaxes(cv2[rows], 1, 2).astype(q.dtype)
-            return attention(q, kr, vr, visible), (ck2, cv2)
+    def over_cache(q, k, v, ck, cv):
+        kr = jnp.swapaxes(ck[rows], 1, 2).astype(q.dtype)  # [B, L, K, H]
+        vr = jnp.swapaxes(cv[rows], 1, 2).astype(q.dtype)
+        return attention(q, kr, vr, visible)
 
-        x, (ck, cv) = _block(config, _layer_params(params, layer), x, positions, attend)
-        ks.append(ck)
-        vs.append(cv)
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}
+    return _chunk_layers(params, config, tokens, positions, slots, cache, rows, over_cache)
 
 
 @functools.partial(jax.named_call, name="decode_step")

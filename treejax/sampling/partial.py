@@ -147,12 +147,14 @@ def check_chains(tc: TreeConfig) -> None:
                          + " (fix: TreeConfig.branch_factor = 1, TreeConfig.init_divergence = num_leaves)")
 
 
+@functools.lru_cache(maxsize=16)
 def make_partial_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeConfig):
     """Returns ``rollout(params, prompts [R, Lp], prompt_lengths [R], prefix [R, T], prefix_logp [R, T],
     prefix_slogp [R, T], prefix_lengths [R], live [R], status [R], key, min_complete) -> PartialOutput``
     (module docstring). ``R`` must be a multiple of ``tree_config.num_leaves`` (the group size ``W``); a row that
     is not live keeps its given ``status`` and prefix. ``min_complete``: stop once that many groups are complete
-    (``R // W``: run every row to its end)."""
+    (``R // W``: run every row to its end). Cached per ``(model, tree_config)``: a source built again (a resumed
+    run, a test) reuses the compiled program."""
     check_chains(tree_config)
     fns = decode.as_model_fns(model)
     tc = dataclasses.replace(tree_config, row_buckets=1)  # rows stay in place: a resumed row keeps its index

@@ -164,9 +164,10 @@ def test_feature_runs_through_the_cli(case, tiny_checkpoint, tmp_path):
 
 
 # Measured 2026-11-28: with XRPO's exemplars every row is padded to twice the prompt width, and SmolLM2's first
-# ratio came out 1 - 1.34e-5 (the bound below is 1e-5): the trainer's no-gradient log-prob pass and the update's
-# gradient pass are different XLA programs whose fp32 sums over 2x longer rows round differently (~14 ulps at
-# |log p| ~ 11). Kept strict and marked, not loosened; the tiny-model case above passes the same check.
+# ratio came out 1 - 1.34e-5 (the bound below is 1e-5). Most likely (not verified op by op) fp32 rounding: the
+# trainer's no-gradient log-prob pass and the update's gradient pass are different XLA programs, here summing over
+# 2x longer rows (1.34e-5 is ~14 ulps at |log p| ~ 11). Kept strict and marked, not loosened; the tiny-model case
+# above passes the same check.
 _SMOLLM2_XFAIL = {"exemplars": "first ratio 1 - 1.34e-5 at twice the prompt width (fp32 rounding, see above)"}
 
 

@@ -20,7 +20,6 @@ for math / reasoning-gym tasks) and :mod:`treejax.envs.guess` (a number-guessing
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Callable, Protocol
 
@@ -103,9 +102,4 @@ class GymnasiumText(ReplayClone):
         return StepResult(str(obs), float(reward), self.done, {**dict(info or {}), "truncated": bool(truncated)})
 
 
-def copy_clone(env):
-    """``clone()`` for an environment whose whole state is plain Python data: a deep copy."""
-    return copy.deepcopy(env)
-
-
-__all__ = ["Environment", "GymnasiumText", "ReplayClone", "StepResult", "copy_clone", "turn_ended"]
+__all__ = ["Environment", "GymnasiumText", "ReplayClone", "StepResult", "turn_ended"]

@@ -126,7 +126,7 @@ class ExemplarRollouts:
             new_ex.append(ex)
             new_toks.append(toks)
         counters, rescued = first[6], 0
-        blocks, order = [row_block(first, np.arange(P))], np.arange(P)
+        second = None
         if failed:
             pad = P - len(failed)  # a fixed-size call: the unused rows are copies of the first re-rolled prompt
             toks, tlens = pad_token_lists(new_toks + [new_toks[0]] * pad, self.width, b.pad_id)
@@ -134,11 +134,10 @@ class ExemplarRollouts:
                                       jax.random.fold_in(key, EXEMPLAR_STREAM), step)
             counters = counters + second[6]
             rescued = int(np.sum(prompt_stats(second, step).accuracy_P[:len(failed)] > 0))
-            blocks.append(row_block(second, np.arange(len(failed))))
-            order[failed] = P + np.arange(len(failed))  # a failed row is replaced by its re-roll
+        # a failed row is replaced by its re-roll, in place
+        blocks = [row_block(second, np.array([failed.index(p)])) if p in failed else row_block(first, np.array([p]))
+                  for p in range(P)] if failed else [row_block(first, np.arange(P))]
         ro = assemble_rows(blocks, counters)
-        if failed:
-            ro = _take_rows(ro, order)
         self._remember(first, examples, keys)
         ro.counters = dataclasses.replace(ro.counters, rollout_calls=1 + bool(failed))
         ro.extra_metrics = {"exemplars/injected": len(failed), "exemplars/rescued": rescued,
@@ -172,21 +171,6 @@ class ExemplarRollouts:
     def restore_state(self, data_state: dict) -> None:
         self.base.restore_state(data_state)
         self.bank = [dict(e) for e in data_state.get("exemplar_bank", [])]
-
-
-def _take_rows(ro, order: np.ndarray):
-    """``ro`` with its rows in ``order`` (every field with a row axis)."""
-    import jax.numpy as jnp
-
-    from treejax.rl.rollouts import take_prompts
-
-    idx = np.asarray(order)
-    return dataclasses.replace(
-        ro, forest=take_prompts(ro.forest, idx), rewards_PxW=ro.rewards_PxW[jnp.asarray(idx)],
-        scores_PxW=np.asarray(ro.scores_PxW)[idx], prompts_PxLp=np.asarray(ro.prompts_PxLp)[idx],
-        lengths_P=np.asarray(ro.lengths_P)[idx], examples=[ro.examples[i] for i in idx],
-        reward_scores_PxW=np.asarray(ro.reward_scores_PxW)[idx],
-        estimator_inputs={k: v[jnp.asarray(idx)] for k, v in ro.estimator_inputs.items()})
 
 
 __all__ = ["ExemplarConfig", "ExemplarRollouts", "retrieve", "with_exemplars"]

@@ -226,8 +226,11 @@ def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples
             turn[b] += list(zip(toks[b, :n[b]].tolist(), lps[b, :n[b]].tolist()))
             pending[b], position[b] = new_pending[b], new_position[b]
             end = None
-            if envs[b].stop_strings:  # the first token of this chunk whose turn text ends with a stop string
-                ids = [t for t, _ in turn[b]]
+            ids = [t for t, _ in turn[b]]
+            # the first token of this chunk whose turn text ends with a stop string; a text that ends with one at
+            # some token contains it, so one decode of the whole turn rules most chunks out
+            whole = text_of(ids) if envs[b].stop_strings else ""
+            if any(s in whole for s in envs[b].stop_strings):
                 for k in range(before, len(turn[b])):
                     if turn_ended(text_of(ids[:k + 1]), envs[b].stop_strings):
                         end = k + 1

@@ -35,6 +35,18 @@ Per-token arrays, per prompt, leaf and response position ``t = 0..T-1`` with ``T
 
 Segments have a fixed length ``S``: token ``t`` of a response always sits in segment ``t // S``; only a
 leaf's last segment may be shorter (EOS, answer, repetition or length stop inside it).
+
+Nodes as token spans (multi-turn trees, :mod:`treejax.sampling.turn_tree`): a node need not hold ``S`` tokens.
+  * ``node_span[p, n] = (start, length)``  the response tokens ``[start, start + length)`` of node ``n`` on every
+    leaf through it (a node's span starts where its parent's ends: ``start = start(parent) + length(parent)``,
+    the root is ``(0, 0)``); ``None`` means fixed segments, where node ``n`` at depth ``d`` starts at
+    ``(d - 1) S`` (:meth:`Forest.spans` derives the lengths).
+  * ``segment_index[p, w, t]`` is then the depth - 1 of the node holding token ``t`` (``t // S`` only for fixed
+    segments), and :meth:`Forest.token_nodes` the node's id;
+  * ``policy_mask[p, w, t]``  "who wrote it": 1.0 on tokens the policy sampled, 0.0 on tokens the environment
+    wrote (observations, tool results); ``None`` means every token of the response was sampled. Observation
+    tokens are in the KV and in the trainer's forward, but ``loss_mask`` is 0 on them (:func:`forest_from_spans`
+    builds it so), so they never enter a loss.
 """
 
 from __future__ import annotations
@@ -79,6 +91,40 @@ class Forest:
     loss_mask: jax.Array  # [P, W, T] float32
     leaf_weight: jax.Array | None = None  # [P, W] float32, None = all ones
     segment_length: int = struct.field(pytree_node=False, default=1)
+    node_span: jax.Array | None = None  # [P, N, 2] int32 (start, length); None = fixed segments of S tokens
+    policy_mask: jax.Array | None = None  # [P, W, T] float32, 1 = sampled by the policy; None = all sampled
+
+    @property
+    def fixed_segments(self) -> bool:
+        """True when every node holds ``S`` tokens (``t // S`` is the segment of token ``t``)."""
+        return self.node_span is None
+
+    def spans(self) -> jax.Array:
+        """int32[P, N, 2]: each node's ``(start, length)`` in the response (:attr:`node_span`, or for fixed segments
+        ``start = (depth - 1) S`` and the length the longest leaf through the node has there; ``(0, 0)`` for the
+        root and unused slots)."""
+        if self.node_span is not None:
+            return self.node_span
+        S = self.segment_length
+        P, N = self.node_parent.shape
+        start = jnp.where(self.node_depth >= 1, (self.node_depth - 1) * S, 0)
+        d = jnp.arange(1, self.leaf_path.shape[2])[None, None, :]
+        seg_len = jnp.clip(self.leaf_length[:, :, None] - (d - 1) * S, 0, S)  # [P, W, D]
+        ids = self.leaf_path[:, :, 1:]
+        length = jnp.zeros((P, N + 1), jnp.int32).at[
+            jnp.arange(P)[:, None, None], jnp.where(ids >= 0, ids, N)].max(seg_len.astype(jnp.int32))[:, :N]
+        return jnp.stack([start, length], axis=-1).astype(jnp.int32)
+
+    def token_nodes(self) -> jax.Array:
+        """int32[P, W, T]: the node holding each response token (``-1`` past the leaf's end)."""
+        col = jnp.clip(self.segment_index + 1, 0, self.leaf_path.shape[2] - 1)
+        node = jnp.take_along_axis(self.leaf_path, col, axis=-1)
+        return jnp.where(self.segment_index >= 0, node, -1)
+
+    def policy_tokens(self) -> jax.Array:
+        """float32[P, W, T]: 1 on the response tokens the policy sampled (:attr:`policy_mask`, or every token)."""
+        valid = (self.segment_index >= 0).astype(jnp.float32)
+        return valid if self.policy_mask is None else valid * self.policy_mask
 
     @property
     def num_prompts(self) -> int:
@@ -240,6 +286,91 @@ def forest_from_paths(
         leaf_weight=num_leaves * path_mass(parent, leaf_path),
         segment_length=S,
     )
+
+
+def forest_from_spans(
+    leaf_path: np.ndarray,
+    node_length: np.ndarray,
+    tokens: np.ndarray,
+    logprobs: np.ndarray | None = None,
+    policy_mask: np.ndarray | None = None,
+    leaf_status: np.ndarray | None = None,
+    max_response_length: int | None = None,
+    leaf_weight: np.ndarray | None = None,
+) -> Forest:
+    """A :class:`Forest` whose nodes are token spans of any length (turns; host-side).
+
+    ``leaf_path`` [P, W, D+1] as in :func:`forest_from_paths` (column 0 the root; leaves ending at the same node
+    are copies of one path); ``node_length`` [P, N] the number of response tokens of each node (>= 1 for every
+    node on a path; the root's is ignored); ``tokens`` / ``logprobs`` / ``policy_mask`` [P, W, T'] the leaves'
+    response arrays (T' >= the longest leaf; leaves through a node must agree on its tokens); ``policy_mask``
+    (default all 1) is 1 on sampled tokens; ``leaf_status`` as in :func:`forest_from_paths`.
+    ``max_response_length``: the ``T`` of the result (default: ``tokens``' last axis). ``leaf_weight``: default
+    ``W`` x :func:`path_mass`.
+
+    The result has ``node_span`` (``start`` = the sum of the ancestors' lengths), ``leaf_length`` = the sum of
+    the path's lengths, ``segment_index`` = the depth - 1 of each token's node, ``loss_mask = policy_mask`` on the
+    response (observation tokens never enter a loss) and ``segment_length`` = the longest node (only for
+    capacity estimates: spans are read from ``node_span``).
+    """
+    leaf_path = np.asarray(leaf_path, np.int32)
+    node_length = np.asarray(node_length, np.int64)
+    P, W, D1 = leaf_path.shape
+    N = node_length.shape[1]
+    if node_length.shape[0] != P:
+        raise ValueError(f"node_length must be [P={P}, N], got {node_length.shape}")
+    tokens = np.asarray(tokens)
+    T_in = tokens.shape[2]
+    T = int(max_response_length or T_in)
+    on_path = np.zeros((P, N), bool)
+    for p in range(P):
+        ids = leaf_path[p, :, 1:]
+        on_path[p, ids[ids >= 0]] = True
+    if np.any(on_path & (node_length < 1)):
+        p, n = np.argwhere(on_path & (node_length < 1))[0]
+        raise ValueError(f"node {n} of prompt {p} is on a path but has length {node_length[p, n]} (must be >= 1)")
+    lens = np.where(leaf_path[:, :, 1:] >= 0,
+                    np.take_along_axis(node_length[:, None, :], np.maximum(leaf_path[:, :, 1:], 0), axis=-1), 0)
+    leaf_length = lens.sum(-1)
+    if np.any(leaf_length > min(T, T_in)):
+        raise ValueError(f"a leaf holds {int(leaf_length.max())} tokens, more than the response arrays' "
+                         f"{min(T, T_in)}")
+    base = forest_from_paths(leaf_path, np.maximum(leaf_path[:, :, 1:] >= 0, 0).sum(-1).clip(1), 1,
+                             leaf_status=leaf_status, num_nodes=N)
+    start = np.zeros((P, N), np.int64)
+    seg = np.full((P, W, T), -1, np.int32)
+    ends = np.concatenate([np.zeros((P, W, 1), np.int64), np.cumsum(lens, -1)], -1)  # [P, W, D+1]
+    for p in range(P):
+        for w in range(W):
+            for d in range(1, D1):
+                n = leaf_path[p, w, d]
+                if n < 0:
+                    break
+                start[p, n] = ends[p, w, d - 1]
+                seg[p, w, ends[p, w, d - 1]:ends[p, w, d]] = d - 1
+    valid = seg >= 0
+
+    def fit(x, fill, dtype):
+        out = np.full((P, W, T), fill, dtype)
+        k = min(T, T_in)
+        out[:, :, :k] = np.asarray(x)[:, :, :k]
+        return np.where(valid, out, fill).astype(dtype)
+
+    toks = fit(tokens, 0, np.int32)
+    for p in range(P):  # leaves through a node agree on its tokens
+        tn = np.where(valid[p], np.take_along_axis(leaf_path[p], np.maximum(seg[p] + 1, 0), axis=-1), -1)
+        for n in np.unique(tn[tn > 0]):
+            per_leaf = [toks[p, w][tn[w] == n] for w in range(W) if np.any(tn[w] == n)]
+            if any(not np.array_equal(per_leaf[0], x) for x in per_leaf[1:]):
+                raise ValueError(f"prompt {p}: leaves through node {n} disagree on its tokens")
+    lp = fit(np.zeros(tokens.shape, np.float32) if logprobs is None else logprobs, 0.0, np.float32)
+    pm = fit(np.ones(tokens.shape, np.float32) if policy_mask is None else policy_mask, 0.0, np.float32)
+    span = np.stack([start, np.where(on_path, node_length, 0)], -1).astype(np.int32)
+    weight = base.leaf_weight if leaf_weight is None else jnp.asarray(leaf_weight, jnp.float32)
+    return base.replace(leaf_length=jnp.asarray(leaf_length, jnp.int32), tokens=jnp.asarray(toks),
+                        logprobs=jnp.asarray(lp), segment_index=jnp.asarray(seg), loss_mask=jnp.asarray(pm),
+                        leaf_weight=weight, segment_length=int(max(node_length.max(), 1)),
+                        node_span=jnp.asarray(span), policy_mask=jnp.asarray(pm))
 
 
 def chain_forest(leaf_length: np.ndarray, segment_length: int, max_depth: int, num_nodes: int,

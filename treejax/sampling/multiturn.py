@@ -1,8 +1,8 @@
-"""Multi-turn episodes with an environment (issue 26, first part): independent conversations whose turns
-alternate between the policy (sampled tokens, KV written as they are decoded) and the environment (observation
-tokens appended to the same cache rows in one chunk over the cached prefix; never re-prefilled).
+"""Multi-turn episodes with an environment, as independent conversations or as trees of turns: turns alternate
+between the policy (sampled tokens, KV written as they are decoded) and the environment (observation tokens
+appended to the same cache rows in one chunk over the cached prefix; never re-prefilled).
 
-Per episode (one cache row each, ``B`` at once):
+Per path (one cache row each, all rows at once):
 
 1. the prompt is prefilled; ``env.reset(example)``'s text, if any, is appended as an observation;
 2. the policy decodes in jitted chunks of ``chunk`` tokens (:func:`_decode_chunk`: stop tokens and the turn's
@@ -17,17 +17,27 @@ Per episode (one cache row each, ``B`` at once):
    or when the response capacity ``max_tokens`` (policy and observation tokens together) cannot hold the next
    observation or turn (``"max_tokens"``).
 
+**Trees of turns** (:func:`run_turn_trees`, :class:`TurnTreeConfig`). A prompt has ``W`` leaf slots; ``roots``
+episodes start from it, each owning a share of the slots. When a turn ends and the episode goes on, the turn (its
+policy tokens and the observation appended after it) becomes a node; a path that owns ``n > 1`` slots and has
+made at most ``fork_turns`` turns forks there into ``c <= n`` children: each new child gets a free cache row, a
+copy of the parent's KV row (one gather, :func:`treejax.sampling.cache.fork_rows`: exact, nothing recomputed)
+and a copy of the environment (``env.clone()``), and the slots are split among the children. A path that ends
+owns its slots to the end: a slot is one sample of the policy (the child counts are fixed before the children are
+drawn, and an ended subtree is never re-entered), so plain means over the ``W`` slots are unbiased (the
+unbiased-tree rule of :mod:`treejax.forest`); a path that ended early holding ``n`` slots is stored ``n`` times.
+:func:`turn_forest` makes the :class:`~treejax.forest.Forest` the learner reads: nodes as token spans,
+``policy_mask`` 0 on observation tokens.
+
 Each :class:`Episode` holds the response tokens after the prompt, ``policy_mask`` (True on sampled tokens: only
 they may enter a loss), the policy's log-probs of the sampled tokens (0 elsewhere), the turn spans ``(start, end,
-"policy" | "env")``, the rewards of the steps, and host counters. Randomness: token ``t`` of the response of row
-``r`` is drawn with ``decode.token_keys(key, r, 0, t)``.
-
-Not here yet: branching at turn boundaries (a tree of turns, forking the environment with ``clone()`` and the KV
-with a cache-row copy) and the turn forest the learner reads.
+"policy" | "env")``, the rewards of the steps, and host counters. Randomness: token ``t`` of the response on cache
+row ``r`` is drawn with ``decode.token_keys(key, r, 0, t)``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -41,6 +51,7 @@ from jax import lax
 from treejax.envs.base import turn_ended
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import decode
+from treejax.sampling.cache import fork_rows
 from treejax.sampling.strategies import Strategy
 
 
@@ -136,31 +147,109 @@ def _append(params, cache, rows, pending, position, tokens, length, *, model):
     return decode.append_tokens(model, params, cache, rows, pending, position, tokens, length)
 
 
-def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples: list, prompts, prompt_lengths,
-                 key: jax.Array, strategy: Strategy, limits: TurnLimits = TurnLimits(),
-                 stop_ids: tuple[int, ...] = (), observation_format: Callable[[str], str] | None = None
-                 ) -> list[Episode]:
-    """Runs one episode per row (module docstring): ``envs[b]`` (an :class:`~treejax.envs.base.Environment`) on
-    ``examples[b]`` after prompt ``prompts[b, :prompt_lengths[b]]``. ``model``: sampler fns with ``extend``;
-    ``tokenizer``: ``encode`` / ``decode``; ``observation_format``: observation text -> appended text (default:
-    as is). Returns the :class:`Episode` of each row."""
+@dataclasses.dataclass(frozen=True)
+class TurnTreeConfig:
+    """The shape of a tree of turns (module docstring): ``num_slots`` W leaf slots per prompt, ``roots`` episodes
+    started from the prompt, each owning ``W / roots`` slots (split as evenly as possible); at the end of each of
+    a path's first ``fork_turns`` policy turns (when the episode goes on), a row owning ``n > 1`` slots forks into
+    ``min(branch_factor, n)`` children (``fork_rule`` may choose fewer), its slots split evenly among them.
+    ``roots = num_slots``: independent episodes."""
+
+    num_slots: int = 1
+    roots: int = 1
+    branch_factor: int = 2
+    fork_turns: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.roots <= self.num_slots:
+            raise ValueError(f"TurnTreeConfig: need 1 <= roots <= num_slots, got {self}")
+        if self.branch_factor < 1 or self.fork_turns < 0:
+            raise ValueError(f"TurnTreeConfig: branch_factor >= 1 and fork_turns >= 0 required, got {self}")
+
+
+@dataclasses.dataclass
+class TurnNode:
+    """A node of a turn tree: response tokens ``[start, end)`` of the paths through it (its policy turn and the
+    observation appended after it; the first node of a path also holds the reset observation before its turn),
+    its ``parent`` node and ``depth`` (the root, node 0, is the prompt: depth 0, no tokens)."""
+
+    parent: int
+    depth: int
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class TurnTree:
+    """One prompt's tree of turns: ``nodes`` (node 0 the root), and per leaf slot its ``slot_path`` (node ids from
+    the root to its last node) and ``slot_episode`` (the :class:`Episode` of that path: its tokens, masks,
+    log-probs, rewards, status; the slots of one path share the object). Node ``n`` at depth ``d`` holds the
+    episode's ``d``-th policy turn: its reward is ``slot_episode[s].rewards[d - 1]`` on any slot through it."""
+
+    nodes: list[TurnNode]
+    slot_path: list[list[int]]
+    slot_episode: list[Episode]
+    forks: int = 0
+
+
+@jax.jit
+def _fork(cache, src):
+    return fork_rows(cache, src)
+
+
+def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in ``parts`` contiguous ranges, sizes differing by at most one (larger first)."""
+    n = hi - lo
+    sizes = [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
+    edges = np.concatenate([[0], np.cumsum(sizes)]) + lo
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def run_turn_trees(params, model: decode.ModelFns, tokenizer, make_env: Callable[[int], object], examples: list,
+                   prompts, prompt_lengths, key: jax.Array, strategy: Strategy, limits: TurnLimits = TurnLimits(),
+                   tree: TurnTreeConfig = TurnTreeConfig(), stop_ids: tuple[int, ...] = (),
+                   observation_format: Callable[[str], str] | None = None,
+                   fork_rule: Callable[[int, Episode, int], int] | None = None) -> list[TurnTree]:
+    """Runs a tree of turns per prompt (module docstring): ``examples[p]`` after prompt ``prompts[p,
+    :prompt_lengths[p]]``, ``tree.roots`` episodes each with its own environment ``make_env(p)`` (reset on the
+    example), forks at turn boundaries that copy the KV row (:func:`treejax.sampling.cache.fork_rows`) and the
+    environment (``env.clone()``). ``model``: sampler fns with ``extend``; ``tokenizer``: ``encode`` / ``decode``;
+    ``observation_format``: observation text -> appended text (default: as is). ``fork_rule(p, episode, n)``:
+    the number of children (1..n) for a row of prompt ``p`` owning ``n`` slots whose path is ``episode``
+    (default ``min(branch_factor, n)``); it sees only the path so far (the child counts are fixed before the
+    children are drawn: each leaf slot is one sample of the policy, weight 1).
+
+    Cache rows: prompt ``p``'s slots are rows ``p W .. p W + W - 1``; a path owning slots ``[lo, hi)`` decodes on
+    row ``p W + lo``. Token ``t`` of the response on row ``r`` is drawn with ``decode.token_keys(key, r, 0, t)``,
+    so ``roots = W`` (independent episodes) draws exactly what one-row-per-episode decoding draws."""
     tokens, lens = decode.validate_prompts(prompts, prompt_lengths)
-    B = tokens.shape[0]
-    if not (len(envs) == len(examples) == B):
-        raise ValueError(f"run_episodes: {B} prompts, {len(envs)} environments and {len(examples)} examples")
+    P, W = tokens.shape[0], tree.num_slots
+    if len(examples) != P:
+        raise ValueError(f"run_turn_trees: {P} prompts and {len(examples)} examples")
     if model.extend is None:
         raise ValueError(f"ModelFns {model.name!r} cannot append observations (no extend)")
     fmt = observation_format or (lambda text: text)
+    B = P * W
     bucket = decode.bucket_length(tokens.shape[1])
     L = attention_lib.round_cache_length(bucket + limits.max_tokens, model.cache_multiple)
-    p = model.prepare(params)
+    pp = model.prepare(params)
     cache = model.init_cache(B, L)
-    cache, pending, position = decode.prefill_prompts(model, p, cache, jnp.asarray(decode.pad_prompts(tokens, bucket)),
-                                                      jnp.asarray(lens), jnp.arange(B, dtype=jnp.int32))
-    pending, position = np.array(pending), np.array(position)  # host copies, updated in place
-    eps = [Episode() for _ in range(B)]
-    turn = [[] for _ in range(B)]  # the current policy turn: (token, logp)
-    active = np.ones(B, bool)
+    roots = [(p, lo, hi) for p in range(P) for lo, hi in _split(0, W, tree.roots)]
+    root_rows = np.array([p * W + lo for p, lo, _ in roots], np.int32)
+    root_p = np.array([p for p, _, _ in roots])
+    cache, pend, pos = decode.prefill_prompts(model, pp, cache, jnp.asarray(decode.pad_prompts(tokens[root_p], bucket)),
+                                              jnp.asarray(lens[root_p]), jnp.asarray(root_rows))
+    pending, position = np.zeros(B, np.int32), np.zeros(B, np.int32)
+    pending[root_rows], position[root_rows] = np.asarray(pend), np.asarray(pos)
+    eps: list[Episode | None] = [None] * B
+    envs: list = [None] * B
+    slots = np.zeros((B, 2), np.int64)
+    path: list[list[int]] = [[] for _ in range(B)]
+    node_start = np.zeros(B, np.int64)
+    turn: list[list] = [[] for _ in range(B)]
+    active = np.zeros(B, bool)
+    trees = [TurnTree([TurnNode(-1, 0, 0, 0)], [[] for _ in range(W)], [None] * W) for _ in range(P)]
+    n_fork = fork_rule or (lambda p, ep, n: min(tree.branch_factor, n))
 
     def text_of(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -169,14 +258,15 @@ def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples
         """Tokens of observation ``text`` for row ``b``, or None when they do not fit (the episode ends). When the
         policy's turn ended on a stop token whose text the formatted observation starts with (a chat template's
         end-of-turn marker), that text is not appended twice."""
+        ep = eps[b]
         full = fmt(text) if text else ""
-        last = eps[b].tokens[-1] if eps[b].tokens and eps[b].policy_mask[-1] else None
+        last = ep.tokens[-1] if ep.tokens and ep.policy_mask[-1] else None
         if full and last is not None and last in stop_ids:
             marker = tokenizer.decode([last], skip_special_tokens=False)
             if marker and full.startswith(marker):
                 full = full[len(marker):]
         toks = tokenizer.encode(full) if full else []
-        if len(eps[b].tokens) + len(toks) + 1 > limits.max_tokens:  # room for at least one more policy token
+        if len(ep.tokens) + len(toks) + 1 > limits.max_tokens:  # room for at least one more policy token
             return None
         return toks
 
@@ -192,35 +282,56 @@ def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples
         for i, b in enumerate(rows):
             toks[i, :len(rows_obs[b])] = rows_obs[b]
         length = np.array([len(rows_obs[b]) for b in rows], np.int32)
-        cache, new_pending, new_position = _append(p, cache, jnp.asarray(rows), jnp.asarray(pending[rows]),
+        cache, new_pending, new_position = _append(pp, cache, jnp.asarray(rows), jnp.asarray(pending[rows]),
                                                    jnp.asarray(position[rows]), jnp.asarray(toks),
                                                    jnp.asarray(length), model=model)
         pending[rows], position[rows] = np.asarray(new_pending), np.asarray(new_position)
         for b in rows:
             eps[b]._add(rows_obs[b], [], policy=False)
 
+    def close(b: int) -> int:
+        """Ends row ``b``'s current node at its response length; returns the node id."""
+        t = trees[b // W]
+        parent = path[b][-1] if path[b] else 0
+        t.nodes.append(TurnNode(parent, len(path[b]) + 1, int(node_start[b]), len(eps[b].tokens)))
+        path[b].append(len(t.nodes) - 1)
+        node_start[b] = len(eps[b].tokens)
+        return path[b][-1]
+
+    def finish(b: int, status: str) -> None:
+        eps[b].status, active[b] = status, False
+        if len(eps[b].tokens) > node_start[b] or not path[b]:
+            close(b)
+        t = trees[b // W]
+        for s in range(*slots[b]):
+            t.slot_path[s] = [0] + path[b]
+            t.slot_episode[s] = eps[b]
+
     first = {}
-    for b in range(B):
+    for (p, lo, hi), b in zip(roots, root_rows):
+        eps[b], envs[b], slots[b], active[b] = Episode(), make_env(p), (lo, hi), True
         t = time.perf_counter()
-        text = envs[b].reset(examples[b])
+        text = envs[b].reset(examples[p])
         eps[b].env_seconds += time.perf_counter() - t
         toks = observe(b, text)
         if toks is None:
-            eps[b].status, active[b] = "max_tokens", False
-        else:
-            first[b] = toks
+            raise ValueError(f"run_turn_trees: the first observation of prompt {p} ({len(tokenizer.encode(fmt(text)))}"
+                             f" tokens) does not fit TurnLimits.max_tokens={limits.max_tokens}")
+        first[b] = toks
     append(first)
     while active.any():
-        room = np.array([min(limits.turn_tokens - len(turn[b]), limits.max_tokens - len(eps[b].tokens) - len(turn[b]))
-                         for b in range(B)], np.int32)
-        t0 = np.array([len(eps[b].tokens) + len(turn[b]) for b in range(B)], np.int32)
+        room = np.zeros(B, np.int32)
+        t0 = np.zeros(B, np.int32)
+        for b in np.nonzero(active)[0]:
+            room[b] = min(limits.turn_tokens - len(turn[b]), limits.max_tokens - len(eps[b].tokens) - len(turn[b]))
+            t0[b] = len(eps[b].tokens) + len(turn[b])
         live = active & (room > 0)
-        out = _decode_chunk(p, cache, jnp.asarray(pending), jnp.asarray(position), jnp.asarray(live),
+        out = _decode_chunk(pp, cache, jnp.asarray(pending), jnp.asarray(position), jnp.asarray(live),
                             jnp.asarray(room), jnp.asarray(t0), key, model=model, strategy=strategy,
                             stop_ids=tuple(stop_ids), chunk=limits.chunk)
         cache = out[0]
         new_pending, new_position, toks, lps, n, stopped = (np.array(x) for x in out[1:])
-        observations = {}
+        observations, going_on = {}, []
         for b in np.nonzero(live)[0]:
             before = len(turn[b])
             turn[b] += list(zip(toks[b, :n[b]].tolist(), lps[b, :n[b]].tolist()))
@@ -251,17 +362,91 @@ def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples
             eps[b].rewards.append(float(result.reward))
             eps[b].infos.append(dict(result.info))
             if result.done:
-                eps[b].status, active[b] = "done", False
+                finish(b, "done")
             elif eps[b].policy_turns >= limits.max_turns:
-                eps[b].status, active[b] = "max_turns", False
+                finish(b, "max_turns")
             else:
                 obs = observe(b, result.observation)
                 if obs is None:
-                    eps[b].status, active[b] = "max_tokens", False
+                    finish(b, "max_tokens")
                 else:
                     observations[b] = obs
+                    going_on.append(b)
         append(observations)
-    return eps
+        src = np.arange(B, dtype=np.int32)
+        for b in going_on:  # the turn's node ends after its observation; forks copy the row and the environment
+            close(b)
+            lo, hi = slots[b]
+            if eps[b].policy_turns > tree.fork_turns or hi - lo < 2:
+                continue
+            c = int(n_fork(b // W, eps[b], int(hi - lo)))
+            if not 1 <= c <= hi - lo:
+                raise ValueError(f"fork_rule gave {c} children for a row owning {hi - lo} slots (need 1..{hi - lo})")
+            parts = _split(int(lo), int(hi), c)
+            slots[b] = parts[0]
+            for a, z in parts[1:]:
+                r = (b // W) * W + a
+                src[r] = b
+                pending[r], position[r], active[r], slots[r] = pending[b], position[b], True, (a, z)
+                eps[r] = copy.deepcopy(eps[b])
+                envs[r] = envs[b].clone()
+                path[r], node_start[r], turn[r] = list(path[b]), node_start[b], []
+                trees[b // W].forks += 1
+        if np.any(src != np.arange(B)):
+            cache = _fork(cache, jnp.asarray(src))
+    return trees
 
 
-__all__ = ["Episode", "TurnLimits", "chat_observation", "run_episodes"]
+def turn_forest(trees: list[TurnTree], max_length: int, status_of: Callable[[Episode], int] | None = None):
+    """The :class:`~treejax.forest.Forest` of turn trees (nodes as token spans, :func:`treejax.forest.
+    forest_from_spans`): ``P = len(trees)`` prompts, ``W`` slots each, ``T = max_length`` response tokens, ``D`` =
+    the deepest path, ``N`` = the most nodes; ``policy_mask`` (and so ``loss_mask``) 0 on observation tokens;
+    ``leaf_weight`` 1 for every slot (each slot is one sample of the policy: the paths' child counts are fixed
+    before the children are drawn and no subtree is re-entered). ``status_of(episode)``: a leaf's
+    :class:`~treejax.forest.NodeStatus` code (default: EOS when the environment said done, else TRUNCATED)."""
+    from treejax.forest import NodeStatus, forest_from_spans
+
+    P, W = len(trees), len(trees[0].slot_path)
+    D = max(len(sp) for t in trees for sp in t.slot_path) - 1
+    N = max(len(t.nodes) for t in trees)
+    path = np.full((P, W, D + 1), -1, np.int32)
+    node_length = np.zeros((P, N), np.int32)
+    tokens = np.zeros((P, W, max_length), np.int32)
+    logp = np.zeros((P, W, max_length), np.float32)
+    policy = np.zeros((P, W, max_length), np.float32)
+    status = np.zeros((P, W), np.int32)
+    status_of = status_of or (lambda ep: int(NodeStatus.EOS if ep.status == "done" else NodeStatus.TRUNCATED))
+    for p, t in enumerate(trees):
+        for n, node in enumerate(t.nodes):
+            node_length[p, n] = node.end - node.start
+        for w, (sp, ep) in enumerate(zip(t.slot_path, t.slot_episode)):
+            if ep is None or len(sp) < 2:
+                raise ValueError(f"turn_forest: slot {w} of prompt {p} holds no episode")
+            k = len(ep.tokens)
+            if k > max_length:
+                raise ValueError(f"turn_forest: an episode of {k} tokens exceeds max_length={max_length}")
+            path[p, w, :len(sp)] = sp
+            tokens[p, w, :k], logp[p, w, :k], policy[p, w, :k] = ep.tokens, ep.logprobs, ep.policy_mask
+            status[p, w] = status_of(ep)
+    return forest_from_spans(path, node_length, tokens, logp, policy, status, max_length,
+                             leaf_weight=np.ones((P, W), np.float32))
+
+
+def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples: list, prompts, prompt_lengths,
+                 key: jax.Array, strategy: Strategy, limits: TurnLimits = TurnLimits(),
+                 stop_ids: tuple[int, ...] = (), observation_format: Callable[[str], str] | None = None
+                 ) -> list[Episode]:
+    """Runs one independent episode per row (module docstring): ``envs[b]`` (an
+    :class:`~treejax.envs.base.Environment`) on ``examples[b]`` after prompt ``prompts[b, :prompt_lengths[b]]``
+    (:func:`run_turn_trees` with one slot per prompt). Returns the :class:`Episode` of each row."""
+    tokens, _ = decode.validate_prompts(prompts, prompt_lengths)
+    if not (len(envs) == len(examples) == tokens.shape[0]):
+        raise ValueError(f"run_episodes: {tokens.shape[0]} prompts, {len(envs)} environments and {len(examples)} "
+                         "examples")
+    trees = run_turn_trees(params, model, tokenizer, lambda b: envs[b], examples, prompts, prompt_lengths, key,
+                           strategy, limits, TurnTreeConfig(), stop_ids, observation_format)
+    return [t.slot_episode[0] for t in trees]
+
+
+__all__ = ["Episode", "TurnLimits", "TurnNode", "TurnTree", "TurnTreeConfig", "chat_observation", "run_episodes",
+           "run_turn_trees", "turn_forest"]

@@ -43,7 +43,9 @@ class _Env:
         return StepResult("", float("3" in action), True, {"answered": True})
 
     def clone(self):
-        return self
+        c = _Env()
+        c.n = self.n
+        return c
 
 
 class _Base:
@@ -93,6 +95,36 @@ def test_episodes_become_chain_leaves_with_observations_masked():
     np.testing.assert_array_equal(np.asarray(ro.rewards_PxW), 2 * ro.scores_PxW - 1)
 
 
+def test_turn_trees_share_decoded_turns():
+    """roots=1, 4 slots, forks after the first turn: the first turn is decoded once for all 4 slots, the counters
+    count each node once, the forest's nodes are the turns (spans) and a tree estimator reads them."""
+    from treejax.rl.advantages.registry import estimator_spec
+
+    params = transformer.init_params(CFG, jax.random.key(5))
+    base = _Base()
+    base.rollout = types.SimpleNamespace(tree_config=tree.independent_config(4, 32, 8, strategy=Temperature(1.0),
+                                                                             stop_ids=(63,)))
+    cfg = MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4, roots=1, branch_factor=2, fork_turns=2)
+    ro = MultiTurnRollouts(base, cfg, make_env=_Env).sample(params, jax.random.key(1), 0)
+    f = ro.forest
+    assert not f.fixed_segments and f.leaf_path.shape == (2, 4, 4) and f.node_parent.shape == (2, 13)
+    path, spans = np.asarray(f.leaf_path), np.asarray(f.spans())
+    assert np.all(path[:, :, 1] == path[:, :1, 1])  # one root: every slot starts with the same first turn
+    assert ro.counters.forks == ro.extra_metrics["multiturn/forks"] > 0
+    mask = np.asarray(f.loss_mask)
+    distinct_policy = 0
+    for p in range(2):
+        for n in set(path[p, :, 1:].ravel()) - {-1}:
+            w = int(np.argmax(np.any(path[p] == n, axis=-1)))
+            a, L = spans[p, n]
+            distinct_policy += int(mask[p, w, a:a + L].sum())
+    assert ro.counters.decoded_tokens == distinct_policy < int(mask.sum())
+    np.testing.assert_array_equal(np.asarray(f.leaf_weights()), 1.0)
+    spec = estimator_spec("treepo")
+    adv = spec.fn(f, ro.rewards_PxW, spec.default_options())
+    assert np.all(np.asarray(adv.tokens)[mask == 0] == 0)
+
+
 def test_config_checks():
     from treejax.rl.config import RunConfig
 
@@ -104,3 +136,7 @@ def test_config_checks():
     RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo")
     with pytest.raises(ConfigError, match="max_turns"):
         MultiTurnConfig(max_turns=0)
+    with pytest.raises(ConfigError, match="roots"):
+        MultiTurnConfig(roots=0)
+    with pytest.raises(ConfigError, match="exceeds the 4 leaf slots"):
+        RunConfig(multiturn=MultiTurnConfig(roots=5), rollout=chains, estimator="grpo")

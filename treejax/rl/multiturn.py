@@ -1,23 +1,30 @@
-"""Multi-turn tool-use rollouts as the loop's source (issue 26, first part: independent conversations, no tree yet).
+"""Multi-turn tool-use rollouts as the loop's source: independent episodes or trees of turns.
 
-:class:`MultiTurnRollouts` draws the step's ``P`` prompts and runs ``W`` episodes of each with the Python code tool
-(:class:`treejax.envs.code_tool.CodeToolEnv`) through :func:`treejax.sampling.multiturn.run_episodes`: the model
-writes ``<code>...</code>``, the sandbox's output is appended as ``<output>...</output>`` over the cached prefix,
-and a turn without code is the answer, scored by the task's verifier. The task's instruction should describe the
-protocol (``treejax.envs.code_tool.INSTRUCTIONS``; see ``configs/multiturn_code_tool.gin``).
+:class:`MultiTurnRollouts` draws the step's ``P`` prompts and runs ``W`` leaf slots of each with the Python code
+tool (:class:`treejax.envs.code_tool.CodeToolEnv`) through :func:`treejax.sampling.multiturn.run_turn_trees`: the
+model writes ``<code>...</code>``, the sandbox's output is appended as ``<output>...</output>`` over the cached
+prefix, and a turn without code is the answer, scored by the task's verifier. The task's instruction should
+describe the protocol (``treejax.envs.code_tool.INSTRUCTIONS``; see ``configs/multiturn_code_tool.gin``).
 
-What the learner sees: each episode is one leaf of a chain forest (:func:`treejax.forest.chain_forest`) whose tokens
-are the whole response, policy turns and observations alike (they are all in the KV and in the trainer's forward),
-with ``loss_mask`` 0 on the observation tokens: they never enter the loss, the old-log-prob pass's statistics or the
-importance weights. ``logprobs`` are the policy's on sampled tokens (0 on observations). The verifier's score of the
-answer turn is the episode's score (0 when the episode ended without an answer), shaped by ``RunConfig.reward_style``
-like any other rollout. Segments are cut every ``S`` tokens of the response as for single-turn chains; turn-level
-nodes (spans) and branching at turns are the next part of the issue.
+Independent episodes (``MultiTurnConfig.roots = None``: ``W`` roots) or trees of turns (``roots < W``): a path
+owning several slots forks at the end of each of its first ``fork_turns`` turns into ``branch_factor`` children,
+copying the KV row and the environment (``clone()``; the code tool's state is plain data), so the turns
+before the fork are decoded once. Every slot is one sample of the policy (weight 1; a path that ends early holding
+``n`` slots is stored ``n`` times), so any estimator's group statistics over the ``W`` slots stay unbiased.
 
-Metrics: ``multiturn/turns_mean`` (policy turns per episode), ``tool_calls_mean``, ``tool_error_frac`` (calls whose
-code failed or timed out), ``answered_frac`` (episodes that gave an answer), ``appended_tokens`` (observation
-tokens, not decoded), ``env_s`` (host seconds in the environments), and the episode end statuses
-``multiturn/status/<done|max_turns|max_tokens>``.
+What the learner sees: the turn forest (:func:`treejax.sampling.multiturn.turn_forest`): one node per turn (the
+policy's tokens and the observation appended after it, a token span), its tokens the whole conversation (policy
+turns and observations alike: they are all in the KV and in the trainer's forward), ``policy_mask`` and
+``loss_mask`` 0 on the observation tokens: they never enter the loss, the old-log-prob pass's statistics or the
+importance weights. ``logprobs`` are the policy's on sampled tokens (0 on observations). The verifier's score of
+the answer turn is the leaf's score (0 when the episode ended without an answer), shaped by
+``RunConfig.reward_style`` like any other rollout. Tree estimators (``treepo``, the agentic ones) read the turn
+nodes as their segments.
+
+Metrics: ``multiturn/turns_mean`` (policy turns per leaf slot), ``tool_calls_mean``, ``tool_error_frac`` (calls
+whose code failed or timed out), ``answered_frac`` (slots whose episode gave an answer), ``appended_tokens``
+(observation tokens appended, each shared node counted once), ``forks``, ``env_s`` (host seconds in the
+environments), ``episode_s``, and the end statuses ``multiturn/status/<done|max_turns|max_tokens>`` (per slot).
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ import numpy as np
 from treejax.envs.code_tool import CodeToolEnv
 from treejax.envs.sandbox import SandboxConfig
 from treejax.errors import ConfigError
-from treejax.forest import NodeStatus, chain_forest
-from treejax.sampling.multiturn import TurnLimits, run_episodes
+from treejax.forest import NodeStatus
+from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, run_turn_trees, turn_forest
 from treejax.sampling.partial import check_chains
 
 
@@ -48,17 +55,32 @@ class MultiTurnConfig:
     chunk: int = 16
     tool_timeout_s: float = 5.0
     tool_memory_mb: int = 1024
+    roots: int | None = None
+    branch_factor: int = 2
+    fork_turns: int = 1
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
             raise ConfigError(f"MultiTurnConfig: max_turns, turn_tokens, chunk >= 1 and tool_timeout_s > 0 required, "
                               f"got {self}")
+        if (self.roots is not None and self.roots < 1) or self.branch_factor < 1 or self.fork_turns < 0:
+            raise ConfigError(f"MultiTurnConfig: roots >= 1 (or None), branch_factor >= 1, fork_turns >= 0 "
+                              f"required, got {self}")
 
     def check(self, tree_config) -> None:
         try:
             check_chains(tree_config)
         except ValueError as e:
-            raise ConfigError(f"RunConfig.multiturn: {e}") from None
+            raise ConfigError(f"RunConfig.multiturn: {e} (the turn tree's shape is MultiTurnConfig.roots / "
+                              "branch_factor / fork_turns)") from None
+        if self.roots is not None and self.roots > tree_config.num_leaves:
+            raise ConfigError(f"MultiTurnConfig.roots={self.roots} exceeds the {tree_config.num_leaves} leaf slots "
+                              "(TreeConfig.num_leaves)")
+
+    def tree(self, num_slots: int) -> TurnTreeConfig:
+        """The sampler's :class:`TurnTreeConfig` for ``num_slots`` leaf slots per prompt."""
+        return TurnTreeConfig(num_slots=num_slots, roots=num_slots if self.roots is None else self.roots,
+                              branch_factor=self.branch_factor, fork_turns=self.fork_turns)
 
 
 class MultiTurnRollouts:
@@ -83,52 +105,56 @@ class MultiTurnRollouts:
 
         b, tc, cfg = self.base, self.tree_config, self.config
         examples, prompts, lens = b.draw()
-        P, W, T, S = len(examples), tc.num_leaves, tc.response_capacity, tc.segment_length
-        idx = np.repeat(np.arange(P), W)
-        envs = [self.make_env() for _ in idx]
+        P, W = len(examples), tc.num_leaves
         limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
                             chunk=cfg.chunk)
         t = time.perf_counter()
-        eps = run_episodes(params, b.sampler_fns, b.tokenizer, envs, [examples[i] for i in idx], prompts[idx],
-                           lens[idx], key, tc.strategy, limits, stop_ids=tuple(tc.stop_ids or ()))
+        trees = run_turn_trees(params, b.sampler_fns, b.tokenizer, lambda p: self.make_env(), list(examples),
+                               prompts, lens, key, tc.strategy, limits, cfg.tree(W), stop_ids=tuple(tc.stop_ids or ()))
         episode_s = time.perf_counter() - t
-        tokens = np.zeros((P * W, T), np.int32)
-        logp = np.zeros((P * W, T), np.float32)
-        policy = np.zeros((P * W, T), np.float32)
-        length = np.ones(P * W, np.int32)  # an empty episode keeps one masked token (a chain needs one)
-        status = np.zeros(P * W, np.int32)
-        scores = np.zeros(P * W, np.float32)
-        for r, ep in enumerate(eps):
-            n = len(ep.tokens)
-            tokens[r, :n], logp[r, :n], policy[r, :n] = ep.tokens, ep.logprobs, ep.policy_mask
-            length[r] = max(n, 1)
-            answered = bool(ep.infos) and ep.infos[-1].get("answered", False)
-            scores[r] = ep.rewards[-1] if answered else 0.0
-            status[r] = int(NodeStatus.TRUNCATED if ep.status != "done" else
-                            NodeStatus.FINISHED if answered else NodeStatus.EOS)
-        forest = chain_forest(length.reshape(P, W), S, tc.max_depth, tc.num_nodes, status.reshape(P, W),
-                              tokens.reshape(P, W, T), logp.reshape(P, W, T))
-        forest = forest.replace(loss_mask=forest.loss_mask * jnp.asarray(policy.reshape(P, W, T)))
-        scores = scores.reshape(P, W)
-        decoded = int(policy.sum())
-        appended = int(sum(len(e.tokens) for e in eps)) - decoded
-        calls = [sum(1 for i in e.infos if "tool_seconds" in i) for e in eps]
-        errors = sum(1 for e in eps for i in e.infos if i.get("tool_error"))
-        t_score = sum(e.env_seconds for e in eps)
+
+        def answered(ep) -> bool:
+            return bool(ep.infos) and ep.infos[-1].get("answered", False)
+
+        def status_of(ep) -> int:
+            return int(NodeStatus.TRUNCATED if ep.status != "done" else
+                       NodeStatus.FINISHED if answered(ep) else NodeStatus.EOS)
+
+        forest = turn_forest(trees, tc.response_capacity, status_of, max_depth=cfg.max_turns,
+                             num_nodes=1 + W * cfg.max_turns)
+        slots = [ep for tr in trees for ep in tr.slot_episode]
+        scores = np.array([ep.rewards[-1] if answered(ep) else 0.0 for ep in slots], np.float32).reshape(P, W)
+        length = np.asarray(forest.leaf_length)
+        # distinct work: each node's tokens were decoded / appended once, whatever the slots through it
+        decoded = appended = segments = 0
+        distinct = list({id(ep): ep for ep in slots}.values())  # a path's episode is shared by its slots
+        for tr in trees:
+            seen = set()
+            for sp, ep in zip(tr.slot_path, tr.slot_episode):
+                for n in sp[1:]:
+                    if n in seen:
+                        continue
+                    seen.add(n)
+                    node = tr.nodes[n]
+                    k = sum(ep.policy_mask[node.start:node.end])
+                    decoded, appended, segments = decoded + k, appended + (node.end - node.start - k), segments + 1
+        calls = [sum(1 for i in e.infos if "tool_seconds" in i) for e in slots]
+        errors = sum(1 for e in slots for i in e.infos if i.get("tool_error"))
+        t_env = sum(e.env_seconds for e in distinct)
+        status = np.asarray(forest.leaf_status)
         stops = {name: int(np.sum(status == int(code))) for name, code in zip(NodeStatus.names(), NodeStatus)}
-        counters = RolloutCounters(decoded_tokens=decoded, prefilled_tokens=int(np.sum(lens[idx] - 1)),
-                                   segments=int(sum(-(-len(e.tokens) // S) for e in eps)), stops=stops,
-                                   scoring_s=t_score)
-        metrics = {"multiturn/turns_mean": float(np.mean([e.policy_turns for e in eps])),
+        counters = RolloutCounters(decoded_tokens=decoded, prefilled_tokens=int(np.sum(lens - 1)) * cfg.tree(W).roots,
+                                   segments=segments, forks=sum(tr.forks for tr in trees), stops=stops,
+                                   scoring_s=t_env)
+        metrics = {"multiturn/turns_mean": float(np.mean([e.policy_turns for e in slots])),
                    "multiturn/tool_calls_mean": float(np.mean(calls)),
                    "multiturn/tool_error_frac": errors / max(sum(calls), 1),
-                   "multiturn/answered_frac": float(np.mean([bool(e.infos) and e.infos[-1].get("answered", False)
-                                                             for e in eps])),
-                   "multiturn/appended_tokens": appended, "multiturn/env_s": t_score,
-                   "multiturn/episode_s": episode_s}
-        metrics.update({f"multiturn/status/{s}": sum(e.status == s for e in eps)
+                   "multiturn/answered_frac": float(np.mean([answered(e) for e in slots])),
+                   "multiturn/appended_tokens": appended, "multiturn/forks": sum(tr.forks for tr in trees),
+                   "multiturn/env_s": t_env, "multiturn/episode_s": episode_s}
+        metrics.update({f"multiturn/status/{s}": sum(e.status == s for e in slots)
                         for s in ("done", "max_turns", "max_tokens")})
-        return Rollouts(forest=forest, rewards_PxW=jnp.asarray(b.rewards(scores, length.reshape(P, W)), jnp.float32),
+        return Rollouts(forest=forest, rewards_PxW=jnp.asarray(b.rewards(scores, length), jnp.float32),
                         scores_PxW=scores, prompts_PxLp=np.asarray(prompts), lengths_P=np.asarray(lens),
                         counters=counters, examples=list(examples), reward_scores_PxW=scores, extra_metrics=metrics)
 

@@ -397,18 +397,25 @@ def run_turn_trees(params, model: decode.ModelFns, tokenizer, make_env: Callable
     return trees
 
 
-def turn_forest(trees: list[TurnTree], max_length: int, status_of: Callable[[Episode], int] | None = None):
+def turn_forest(trees: list[TurnTree], max_length: int, status_of: Callable[[Episode], int] | None = None,
+                max_depth: int | None = None, num_nodes: int | None = None):
     """The :class:`~treejax.forest.Forest` of turn trees (nodes as token spans, :func:`treejax.forest.
     forest_from_spans`): ``P = len(trees)`` prompts, ``W`` slots each, ``T = max_length`` response tokens, ``D`` =
     the deepest path, ``N`` = the most nodes; ``policy_mask`` (and so ``loss_mask``) 0 on observation tokens;
     ``leaf_weight`` 1 for every slot (each slot is one sample of the policy: the paths' child counts are fixed
     before the children are drawn and no subtree is re-entered). ``status_of(episode)``: a leaf's
-    :class:`~treejax.forest.NodeStatus` code (default: EOS when the environment said done, else TRUNCATED)."""
+    :class:`~treejax.forest.NodeStatus` code (default: EOS when the environment said done, else TRUNCATED).
+    ``max_depth`` / ``num_nodes``: static capacities to pad ``D`` / ``N`` to (a trainer passes the limits'
+    ``max_turns`` and ``1 + W max_turns`` so the shapes, and so the compiled update, do not change between steps)."""
     from treejax.forest import NodeStatus, forest_from_spans
 
     P, W = len(trees), len(trees[0].slot_path)
     D = max(len(sp) for t in trees for sp in t.slot_path) - 1
     N = max(len(t.nodes) for t in trees)
+    if (max_depth is not None and D > max_depth) or (num_nodes is not None and N > num_nodes):
+        raise ValueError(f"turn_forest: the trees hold depth {D} and {N} nodes, over the capacities "
+                         f"max_depth={max_depth}, num_nodes={num_nodes}")
+    D, N = max_depth or D, num_nodes or N
     path = np.full((P, W, D + 1), -1, np.int32)
     node_length = np.zeros((P, N), np.int32)
     tokens = np.zeros((P, W, max_length), np.int32)

@@ -269,6 +269,19 @@ def test_tokens_follow_nodes_and_skip_observations():
     assert np.asarray(f.loss_mask)[0, 2, 2] == 0 and tok[2, 2] == 0.0
 
 
+def test_equal_rewards_give_exact_zeros():
+    """All slots rewarded alike (0.7, not a binary fraction): every advantage is exactly 0 (gamma = 1: with
+    discounting, shorter paths to the same reward are legitimately better)."""
+    f = big_forest()
+    R = np.full((2, 8), 0.7, np.float32)
+    cases = [("gigpo", adv.GiGPOOptions(gamma=1.0, mode="mean_std_norm")),
+             ("hgpo", adv.HGPOOptions(gamma=1.0, scale_by_std=True, trajectory_weight=1.0)), *CASES[4:]]
+    for name, options in cases:
+        inputs = {"tool_success_PxN": np.zeros((2, N_), np.float32)} if name == "portool_tool" else {}
+        out = compiled(name)(f, R, options=options, **inputs)
+        assert np.all(np.asarray(out.tokens) == 0), name
+
+
 def test_registry_and_inputs():
     for name in ("gigpo", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool"):
         assert adv.get_estimator(name) is getattr(adv, name)

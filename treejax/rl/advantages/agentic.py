@@ -45,6 +45,7 @@ from treejax.rl.advantages.common import (
     pairwise_sum,
 )
 from treejax.rl.advantages.flat import GRPOOptions, grpo_core
+from treejax.rl.advantages.nodes import first_occurrence
 from treejax.rl.advantages.registry import Advantages, register_estimator
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -138,11 +139,18 @@ def group_relative(x_M: jax.Array, group_MxM: jax.Array, scale_by_std: bool, unb
 
 
 def node_slot_mean(leaf_path_WxD1: jax.Array, x_WxD: jax.Array) -> jax.Array:
-    """[W, D]: ``mean_{v through n} x[v, k]`` for the node ``n = leaf_path[w, k + 1]`` (0 past the slot's end)."""
-    group = subgroup_masks(leaf_path_WxD1)[1:]  # [D, W, W]
-    total = pairwise_sum(jnp.where(group, x_WxD.T[:, None, :], 0.0), axis=-1)  # [D, W]
+    """[W, D]: ``mean_{v through n} x[v, k]`` for the node ``n = leaf_path[w, k + 1]`` (0 past the slot's end).
+
+    Computed as ``x_ref + mean_v (x_v - x_ref)`` with ``x_ref`` the value of the node's lowest-index slot: one
+    number per node (every slot through it gets the same bits), exactly ``x`` when the slots' values are equal."""
+    full = subgroup_masks(leaf_path_WxD1)  # [D+1, W, W]
+    group = full[1:]
+    xt = x_WxD.T  # [D, W]
+    first = first_occurrence(full, leaf_path_WxD1)[:, 1:].T  # [D, W]: v is its node's lowest-index slot
+    ref = jnp.sum(jnp.where(group & first[:, None, :], xt[:, None, :], 0.0), axis=-1)  # one term: exact
+    total = pairwise_sum(jnp.where(group, xt[:, None, :] - ref[:, :, None], 0.0), axis=-1)  # [D, W]
     count = jnp.sum(group, axis=-1, dtype=jnp.int32).astype(jnp.float32)
-    return jnp.where(leaf_path_WxD1[:, 1:] >= 0, (total / jnp.maximum(count, 1.0)).T, 0.0)
+    return jnp.where(leaf_path_WxD1[:, 1:] >= 0, (ref + total / jnp.maximum(count, 1.0)).T, 0.0)
 
 
 def step_returns(leaf_path_WxD1: jax.Array, rewards_W: jax.Array, gamma: float) -> jax.Array:
@@ -343,8 +351,8 @@ def hgpo_core(leaf_path_WxD1, rewards_W, hash_WxD1x2, count_WxD1, options: HGPOO
 
 @register_estimator("hgpo", HGPOOptions)
 def hgpo(forest: Forest, rewards_PxW: jax.Array, options: HGPOOptions = HGPOOptions()) -> Advantages:
-    r"""HGPO, hierarchy-of-groups policy optimization (official code ``recipe/hgpo/core_hgpo.py``, a verl-agent
-    recipe), on a turn forest.
+    r"""HGPO, hierarchy-of-groups policy optimization (He et al. 2026, arXiv 2602.22817; official code
+    ``recipe/hgpo/core_hgpo.py`` of langfengQ/verl-agent, read from a public copy), on a turn forest.
 
     Step return ``G(n)`` as in :func:`gigpo` (discounted episode reward, mean over the slots through the node).
     For k = 1..K, the level-k group of the step of slot w at depth d holds the steps whose last k states are
@@ -416,9 +424,9 @@ def salt_core(leaf_path_WxD1, rewards_W, hash_WxD1x2, count_WxD1, options: SALTO
 
 @register_estimator("salt", SALTOptions)
 def salt(forest: Forest, rewards_PxW: jax.Array, options: SALTOptions = SALTOptions()) -> Advantages:
-    r"""SALT: steps merged across a prompt's trajectories into a graph; a step's advantage is the mean of the
-    trajectory advantages of the trajectories through it (method summary T3-6; the paper's code was not
-    available to check, so this implements the summary on the tree).
+    r"""SALT (Li et al. 2025, arXiv 2510.20022): steps merged across a prompt's trajectories into a graph; a
+    step's advantage is the mean of the trajectory advantages of the trajectories through it (implements the
+    method summary T3-6 on the tree; no official code was available to check the paper's exact rule).
 
         A_w      = (R_w - mean_v R_v) / (std_v R_v + eps)            (GRPO over the prompt's slots)
         A(w, d)  = mean_{(v, d) merged with (w, d)} A_v              -> the tokens of slot w's depth-d node

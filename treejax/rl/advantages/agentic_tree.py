@@ -122,9 +122,10 @@ def treeps_core(leaf_path_WxD1: jax.Array, rewards_W: jax.Array, options: TreePS
 
 @register_estimator("treeps", TreePSOptions)
 def treeps(forest: Forest, rewards_PxW: jax.Array, options: TreePSOptions = TreePSOptions()) -> Advantages:
-    r"""TreePS-RAG process advantages from Monte-Carlo node values (method summary T3-3: node = one (reasoning,
-    search | answer, observation) turn, V(n) = Monte-Carlo mean of the outcomes below n; the paper's code was not
-    available to check the exact advantage, so this is the value-difference reading of it).
+    r"""TreePS-RAG process advantages from Monte-Carlo node values (Zhang et al. 2026, arXiv 2601.06922; method
+    summary T3-3: node = one (reasoning, search | answer, observation) turn, V(n) = Monte-Carlo mean of the
+    outcomes below n; no official code was available to check the exact advantage, so this is the
+    value-difference reading of it, with the paper's optional extras as options).
 
         V(n)     = mean of R_w over the leaf slots w through n      (V(root) = the prompt's mean reward)
         A(n)     = V(n) - V(parent(n))              [/ (std_w R_w + eps) with normalize]
@@ -197,7 +198,8 @@ def portool_core(leaf_path_WxD1, rewards_W, success_N, tool_weight: float, optio
     return jnp.where(valid, seg, 0.0)
 
 
-_PORTOOL_DOC = r"""PORTool-style fork-relative advantages (method summary T3-2; the paper's weights were not retrievable).
+_PORTOOL_DOC = r"""PORTool fork-relative advantages (Wu et al. 2025, "PORTool: Tool-Use LLM Training with Rewarded Tree",
+    arXiv 2510.26020; implements the method summary T3-2, the paper's blend weights were not retrievable).
 
     Step reward r(n) = lambda s(n) for a node whose tool call succeeded (``portool_tool``: ``tool_success_PxN``
     [P, N] float, 1 = succeeded, 0 = failed, NaN or negative = no call, both of the latter giving no term;

@@ -9,8 +9,9 @@ Per-token surrogate (Schulman et al. 2017, PPO; clip-higher from DAPO, Yu et al.
 dual-clip from Ye et al. 2020, arXiv 1912.09729)::
 
     r_t      = exp(logp_t - old_logp_t)                                   (importance ratio, new / old)
-    eps_lo_b = eps_low  * s_b,   eps_hi_b = eps_high * s_b                (s_b = eps_scale_B[b], default 1)
-    L^clip_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_lo_b, 1 + eps_hi_b))
+    eps_lo_bt = eps_low  * s_b * u_bt,   eps_hi_bt = eps_high * s_b * u_bt
+                 (s_b = eps_scale_B[b], u_bt = eps_scale_BxT[b, t]: per-sequence / per-token multipliers, default 1)
+    L^clip_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_lo_bt, 1 + eps_hi_bt))
     L^pg_t   = min(L^clip_t, -A_t c)   if A_t < 0 and dual-clip is on      (caps the loss of very large ratios)
              = L^clip_t                otherwise
 
@@ -170,6 +171,7 @@ def policy_loss(
     eps_scale_B: jax.Array | None = None,
     *,
     denominator: jax.Array | None = None,
+    eps_scale_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip loss with clip-higher, dual-clip, TIS, KL and entropy terms (math in the module docstring).
 
@@ -185,6 +187,9 @@ def policy_loss(
       sampler_logp: [B, T] the sampler's log-probs of the same tokens; required iff ``config.tis_cap`` is set.
       eps_scale_B: optional [B] per-sequence multiplier of both clip ranges (per-sample clip epsilon hooks such
         as ECHO's); 1 everywhere by default.
+      eps_scale_BxT: optional [B, T] per-token multiplier of both clip ranges, on top of ``eps_scale_B`` (per-turn
+        clip ranges such as A2TGPO's adaptive turn clip, :func:`treejax.rl.advantages.info_gain.a2tgpo_clip_scale`,
+        broadcast to the turn's tokens); 1 everywhere by default.
       denominator: overrides the aggregation denominator (see module docstring on gradient accumulation).
 
     Returns:
@@ -205,6 +210,7 @@ def policy_loss(
     )
     if eps_scale_B is not None and tuple(eps_scale_B.shape) != shape[:1]:
         raise ValueError(f"policy_loss: eps_scale_B has shape {tuple(eps_scale_B.shape)}, expected {shape[:1]}")
+    _check_shapes(dict(eps_scale_BxT=eps_scale_BxT), shape)
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError("policy_loss: config.kl_coef > 0 needs ref_logp")
     if config.entropy_coef > 0 and entropy is None:
@@ -220,11 +226,13 @@ def policy_loss(
 
     log_ratio = logp - old_logp
     ratio = jnp.exp(log_ratio)
-    scale_Bx1 = jnp.ones((shape[0], 1), jnp.float32) if eps_scale_B is None else eps_scale_B.astype(jnp.float32)[:, None]
-    lower_Bx1 = 1.0 - config.eps_low * scale_Bx1
-    upper_Bx1 = 1.0 + config.eps_high * scale_Bx1
+    clip_scale = jnp.ones((shape[0], 1), jnp.float32) if eps_scale_B is None else eps_scale_B.astype(jnp.float32)[:, None]
+    if eps_scale_BxT is not None:  # per-token clip ranges ([B, T] bounds; 1 on masked slots, never used there)
+        clip_scale = clip_scale * jnp.where(on, jax.lax.stop_gradient(eps_scale_BxT.astype(jnp.float32)), 1.0)
+    lower = 1.0 - config.eps_low * clip_scale
+    upper = 1.0 + config.eps_high * clip_scale
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * jnp.clip(ratio, lower_Bx1, upper_Bx1)
+    pg_clipped = -adv * jnp.clip(ratio, lower, upper)
     pg_loss = jnp.maximum(pg_unclipped, pg_clipped)
     negative = adv < 0
     if config.dual_clip_c is not None:
@@ -259,8 +267,8 @@ def policy_loss(
 
     sg = jax.lax.stop_gradient
     ratio_sg, log_ratio_sg = sg(ratio), sg(log_ratio)
-    metrics["clip_frac_low"] = _masked_mean((negative & (ratio_sg < lower_Bx1)).astype(jnp.float32), mask)
-    metrics["clip_frac_high"] = _masked_mean(((adv > 0) & (ratio_sg > upper_Bx1)).astype(jnp.float32), mask)
+    metrics["clip_frac_low"] = _masked_mean((negative & (ratio_sg < lower)).astype(jnp.float32), mask)
+    metrics["clip_frac_high"] = _masked_mean(((adv > 0) & (ratio_sg > upper)).astype(jnp.float32), mask)
     metrics["clip_frac_dual"] = _masked_mean(dual_active.astype(jnp.float32), mask)
     metrics["approx_kl"] = _masked_mean(-log_ratio_sg, mask)
     metrics["approx_kl_k3"] = _masked_mean(ratio_sg - 1.0 - log_ratio_sg, mask)

@@ -19,6 +19,7 @@ from treejax.rl.advantages.agentic_tree import (
 )
 from treejax.rl.advantages.common import masked_whiten
 from treejax.rl.advantages.decs import DECSOptions, decs
+from treejax.rl.advantages import info_gain  # noqa: F401  (registers "igpo" and "a2tgpo")
 from treejax.rl.advantages.flat import (
     GRPOOptions,
     MCGRPOOptions,

@@ -1,0 +1,260 @@
+"""Information-gain turn advantages over a turn forest: IGPO and A2TGPO.
+
+Both read ``truth_logp_PxN [P, N]`` (:func:`treejax.rl.info_gain.truth_logprobs`): for every node ``n`` the
+length-normalised log-probability of the ground-truth answer after the response through ``n`` (the root: after
+the prompt alone). A node at depth ``d >= 1`` is one turn; leaf ``w``'s turns are the nodes of its path,
+``t = 0 .. K_w - 1`` (``K_w`` its depth, turn ``t`` at depth ``t + 1``), the last one its final (answer) turn.
+
+Turn value and information gain (``info_gain`` option; IGPO's official ``info_gain_type``)::
+
+    v(n) = exp(truth_logp[n])   ("prob_diff", the paper's pi(a | q, o_<=t); default)
+         = truth_logp[n]        ("log_prob_diff")
+    IG(n) = v(n) - v(parent(n))
+
+A node's IG is canonical (one number per node, the same on every leaf through it); the per-leaf advantages differ
+where the leaves' futures differ. Group statistics count each leaf slot's turns once, weighted by
+``Forest.leaf_weight`` (all ones for slot trees and independent samples, where this is exactly the official
+codes' statistics over independent rollouts; a node shared by k leaves then counts k times, as its turn does in
+each of those k trajectories). Statistics use the official codes' convention::
+
+    mean = sum(w x) / sum(w),  std = sqrt(sum(w (x - mean)^2) / sum(w) + 1e-8)  (std = 1 if the group has <= 1
+    entry),  normalised x = (x - mean) / (std + eps)   (or x - mean with scale_by_std=False)
+
+Per-token advantages are each turn's advantage on the turn's *policy* tokens (``loss_mask``; observation tokens
+get 0) via ``segment_index``; ``Advantages.segments`` holds the per-turn values ``[P, W, D]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from treejax.forest import Forest
+from treejax.rl.advantages.common import broadcast_segments, check_rewards, pairwise_sum
+from treejax.rl.advantages.registry import Advantages, register_estimator
+
+INFO_GAINS = ("prob_diff", "log_prob_diff")
+IGPO_NORMS = ("joint", "separate")
+_VAR_FLOOR = 1e-8  # inside the sqrt, as both official codes
+
+
+def _check_common(name: str, o) -> None:
+    if o.info_gain not in INFO_GAINS:
+        raise ValueError(f"{name}.info_gain must be one of {INFO_GAINS}, got {o.info_gain!r}")
+    if not 0.0 <= o.gamma <= 1.0:
+        raise ValueError(f"{name}.gamma must be in [0, 1], got {o.gamma}")
+    if not o.eps > 0.0:
+        raise ValueError(f"{name}.eps must be > 0, got {o.eps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IGPOOptions:
+    """``gamma``: turn discount of the cumulative sum (official default 1.0); ``info_gain``: ``"prob_diff"`` (paper)
+    or ``"log_prob_diff"``; ``normalization``: ``"joint"`` (info gains and outcomes of a prompt in one group, the
+    paper and the official default) or ``"separate"`` (each kind its own group); ``scale_by_std`` / ``eps``: divide
+    by ``std + eps`` (verl's ``norm_adv_by_std_in_grpo``, eps 1e-6); ``info_gain_coef`` / ``outcome_coef``: constant
+    weights of the two reward kinds before normalisation (the official curriculum's weights, held fixed)."""
+
+    gamma: float = 1.0
+    info_gain: str = "prob_diff"
+    normalization: str = "joint"
+    scale_by_std: bool = True
+    eps: float = 1e-6
+    info_gain_coef: float = 1.0
+    outcome_coef: float = 1.0
+
+    def __post_init__(self):
+        _check_common("IGPOOptions", self)
+        if self.normalization not in IGPO_NORMS:
+            raise ValueError(f"IGPOOptions.normalization must be one of {IGPO_NORMS}, got {self.normalization!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class A2TGPOOptions:
+    """``alpha``: weight of the rescaled information-gain sum (official recipe 0.3); ``clip_beta``: half-width of
+    the adaptive clip multiplier, ``c in (1 - beta, 1 + beta)`` (official 0.3); ``gamma``, ``info_gain``,
+    ``scale_by_std``, ``eps`` as in :class:`IGPOOptions`."""
+
+    alpha: float = 0.3
+    clip_beta: float = 0.3
+    gamma: float = 1.0
+    info_gain: str = "prob_diff"
+    scale_by_std: bool = True
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        _check_common("A2TGPOOptions", self)
+        if self.alpha < 0.0:
+            raise ValueError(f"A2TGPOOptions.alpha must be >= 0, got {self.alpha}")
+        if not 0.0 <= self.clip_beta < 1.0:
+            raise ValueError(f"A2TGPOOptions.clip_beta must be in [0, 1), got {self.clip_beta}")
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def turn_layout(forest: Forest) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(nodes [P, W, D], valid [P, W, D], final [P, W, D])``: leaf ``w``'s turn-``t`` node, whether the turn
+    exists (used leaf slot, ``t < K_w``) and whether it is the leaf's final turn (``t = K_w - 1``)."""
+    path = forest.leaf_path
+    nodes = path[:, :, 1:]
+    valid = (nodes >= 0) & (path[:, :, :1] >= 0)
+    depth = jnp.sum(valid, axis=-1)
+    t = jnp.arange(nodes.shape[-1])[None, None, :]
+    return nodes, valid, valid & (t == depth[:, :, None] - 1)
+
+
+def turn_info_gains(forest: Forest, truth_logp_PxN: jax.Array, info_gain: str) -> jax.Array:
+    """float32[P, W, D]: ``IG`` of each leaf's turn-``t`` node, ``v(node) - v(previous node on the path)`` (0 where
+    the turn does not exist)."""
+    P, N = forest.node_parent.shape
+    truth = jnp.asarray(truth_logp_PxN, jnp.float32)
+    if tuple(truth.shape) != (P, N):
+        raise ValueError(f"truth_logp_PxN has shape {tuple(truth.shape)}, the forest has [P, N] = {(P, N)}")
+    value = jnp.exp(truth) if info_gain == "prob_diff" else truth
+    path = jnp.clip(forest.leaf_path, 0, N - 1)
+    v = jnp.take_along_axis(value[:, None, :], path, axis=-1)  # [P, W, D+1]
+    _, valid, _ = turn_layout(forest)
+    return jnp.where(valid, v[:, :, 1:] - v[:, :, :-1], 0.0)
+
+
+def group_normalize(x: jax.Array, member: jax.Array, weight: jax.Array, scale_by_std: bool, eps: float) -> jax.Array:
+    """``(x - mean) / (std + eps)`` over the entries with ``member`` of each group = each row of the *last* axis,
+    weighted by ``weight``; statistics as in the module docstring; 0 outside ``member``.
+
+    Shifted data (as :func:`treejax.rl.advantages.common.whiten_stats`): with ``c`` the group's first member,
+    ``mean = c + sum(w (x - c)) / sum(w)``, so a group of equal values gives exactly 0 (its std is then
+    ``sqrt(1e-8)``, and rounding noise in the mean would be amplified 1e4-fold)."""
+    w = jnp.where(member, weight, 0.0).astype(jnp.float32)
+    first = jnp.argmax(member, axis=-1)[..., None]
+    c = jnp.take_along_axis(x, first, axis=-1)
+    dx = jnp.where(member, x - c, 0.0)
+    sum_w = pairwise_sum(w, axis=-1)[..., None]
+    inv = 1.0 / jnp.maximum(sum_w, 1e-30)
+    d = jnp.where(member, dx - pairwise_sum(w * dx, axis=-1)[..., None] * inv, 0.0)
+    var = pairwise_sum(w * d * d, axis=-1)[..., None] * inv
+    count = jnp.sum(member, axis=-1, keepdims=True)
+    std = jnp.where(count <= 1, 1.0, jnp.sqrt(var + _VAR_FLOOR))
+    out = d / (std + eps) if scale_by_std else d
+    return jnp.where(member, out, 0.0)
+
+
+def discounted_to_go(x_PxWxD: jax.Array, valid: jax.Array, gamma: float) -> jax.Array:
+    """``sum_{k >= t} gamma^(k - t) x[..., k]`` over the valid turns (a path's turns are a prefix of the axis)."""
+    D = x_PxWxD.shape[-1]
+    acc = jnp.zeros(x_PxWxD.shape[:-1], jnp.float32)
+    out = []
+    for t in range(D - 1, -1, -1):
+        acc = jnp.where(valid[..., t], x_PxWxD[..., t] + gamma * acc, 0.0)
+        out.append(acc)
+    return jnp.stack(out[::-1], axis=-1)
+
+
+def _tokens(forest: Forest, turns_PxWxD: jax.Array) -> jax.Array:
+    return broadcast_segments(turns_PxWxD, forest.segment_index, forest.loss_mask)
+
+
+# ------------------------------------------------------------------------------------------------ IGPO
+@register_estimator("igpo", IGPOOptions, inputs=("truth_logp_PxN",))
+def igpo(forest: Forest, rewards_PxW: jax.Array, options: IGPOOptions = IGPOOptions(), *,
+         truth_logp_PxN: jax.Array) -> Advantages:
+    """IGPO (Wang et al. 2025, arXiv 2510.14967): dense turn rewards from information gain, group-normalised, then
+    discounted to go.
+
+    Turn rewards of leaf ``w`` (``t = 0 .. K_w - 1``)::
+
+        r_{w,t} = info_gain_coef * IG(node_t)     t < K_w - 1   (IG = pi(a|q,o_<=t) - pi(a|q,o_<=t-1), default)
+        r_{w,K_w-1} = outcome_coef * R_w           the final turn: the leaf's (outcome) reward
+
+    ``joint`` (default): ``r_hat = (r - mean_p) / (std_p + eps)`` with the statistics over all turn rewards of
+    prompt ``p``'s leaf slots (weighted by ``leaf_weight``); ``separate``: info gains and outcomes each normalised
+    over their own entries of the prompt. Turn advantage and tokens::
+
+        A_{w,t} = sum_{k = t}^{K_w - 1} gamma^(k - t) r_hat_{w,k},     token advantage = A_{w,t} on turn t's
+                                                                         policy tokens, 0 on observations
+
+    Variant: the official code (GuoqingWang1/IGPO, ``compute_grpo_outcome_advantage`` with ``info_gain_norm_mode``)
+    marks turns by the positions of non-zero token rewards, so an information gain of exactly 0 drops out of its
+    group statistics and merges its turn with the next one; here turns come from the forest, every turn keeps its
+    reward (an exact 0 included). The official code scores a turn only while the episode continues, so a final
+    turn is always rewarded by the outcome; the same rule here. ``truth_logp_PxN`` [P, N]:
+    :func:`treejax.rl.info_gain.truth_logprobs`.
+    """
+    R = check_rewards(forest, rewards_PxW)
+    _, valid, final = turn_layout(forest)
+    ig = turn_info_gains(forest, truth_logp_PxN, options.info_gain)
+    r = jnp.where(final, options.outcome_coef * R[:, :, None], options.info_gain_coef * ig)
+    P, W, D = r.shape
+    flat = lambda x: x.reshape((P, W * D))  # noqa: E731  (one group per prompt: all its leaves' turns)
+    weight = flat(jnp.broadcast_to(forest.leaf_weights()[:, :, None], r.shape))
+    norm = lambda member: group_normalize(flat(r), flat(member), weight, options.scale_by_std,  # noqa: E731
+                                          options.eps).reshape((P, W, D))
+    r_hat = norm(valid) if options.normalization == "joint" else norm(final) + norm(valid & ~final)
+    adv = discounted_to_go(r_hat, valid, options.gamma)
+    return Advantages(tokens=_tokens(forest, adv), loss_mask=forest.loss_mask, segments=adv)
+
+
+# ------------------------------------------------------------------------------------------------ A2TGPO
+def a2tgpo_turns(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOptions, truth_logp_PxN: jax.Array):
+    """``(advantages [P, W, D], clip_scale [P, W, D])`` of :func:`a2tgpo` (clip scale 1 on final and absent turns)."""
+    R = check_rewards(forest, rewards_PxW)
+    _, valid, final = turn_layout(forest)
+    ig_turn = valid & ~final
+    ig = turn_info_gains(forest, truth_logp_PxN, options.info_gain)
+    lw = forest.leaf_weights()
+    used = forest.leaf_path[:, :, 0] >= 0
+    outcome = group_normalize(R, used, lw, options.scale_by_std, options.eps)  # [P, W]
+    by_turn = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [P, W, D] <-> [P, D, W]: groups (prompt, turn index)
+    z = by_turn(group_normalize(by_turn(ig), by_turn(ig_turn), by_turn(jnp.broadcast_to(lw[:, :, None], ig.shape)),
+                                options.scale_by_std, options.eps))
+    terms = jnp.sum(ig_turn, axis=-1, keepdims=True) - jnp.arange(ig.shape[-1])[None, None, :]  # K_w - 1 - t
+    to_go = discounted_to_go(z, ig_turn, options.gamma) / jnp.sqrt(jnp.maximum(terms, 1).astype(jnp.float32))
+    adv = jnp.where(valid, outcome[:, :, None] + jnp.where(ig_turn, options.alpha * to_go, 0.0), 0.0)
+    clip = jnp.where(ig_turn, 1.0 + options.clip_beta * (2.0 * jax.nn.sigmoid(z) - 1.0), 1.0)
+    return adv, clip
+
+
+@register_estimator("a2tgpo", A2TGPOOptions, inputs=("truth_logp_PxN",))
+def a2tgpo(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOptions = A2TGPOOptions(), *,
+           truth_logp_PxN: jax.Array) -> Advantages:
+    """A2TGPO's advantages (Chen et al. 2026, "Agentic Turn-Group Policy Optimization with Adaptive Turn-level
+    Clipping", arXiv 2605.06200; the official code's ``info_gain_norm_mode="turn-group-v1d"``).
+
+    Outcome: ``O_w = (R_w - mean_p R) / (std_p + eps)`` over prompt ``p``'s leaf slots. Turn-group normalisation of
+    the information gains of the non-final turns, per (prompt, turn index ``t``)::
+
+        z_{w,t} = (IG_{w,t} - mean_{p,t} IG) / (std_{p,t} + eps)          over the leaves of p with a turn-t IG
+
+    Variance-rescaled discounted accumulation and the turn advantages (``n_{w,t} = K_w - 1 - t`` terms)::
+
+        D_{w,t} = sum_{k = t}^{K_w - 2} gamma^(k - t) z_{w,k} / sqrt(n_{w,t})
+        A_{w,t} = O_w + alpha * D_{w,t}     t < K_w - 1,          A_{w,K_w-1} = O_w   (the final turn)
+
+    broadcast to each turn's policy tokens (0 on observations). The adaptive turn-level clip (the paper's third
+    part) is :func:`a2tgpo_clip_scale`: ``c_{w,t} = 1 + clip_beta (2 sigmoid(z_{w,t}) - 1)`` on non-final turns, 1
+    on the final turn, multiplying both PPO clip ranges (``policy_loss(..., eps_scale_BxT=...)``).
+
+    Variant notes: the official code indexes a leaf's IG turns by the positions of non-zero token rewards (an IG of
+    exactly 0 is skipped and does not count as a turn); here the turn index is the depth - 1 of the turn's node,
+    every non-final turn counts. Its turn-level (sequence-per-turn) importance ratio (``ENABLE_POLICY_LOSS_GSPO_TURN``)
+    is a loss change not built here: this estimator feeds the token-level PPO-clip loss.
+    """
+    adv, _ = a2tgpo_turns(forest, rewards_PxW, options, truth_logp_PxN)
+    return Advantages(tokens=_tokens(forest, adv), loss_mask=forest.loss_mask, segments=adv)
+
+
+def a2tgpo_clip_scale(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOptions,
+                      truth_logp_PxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A2TGPO's adaptive turn-level clip: ``(per_turn [P, W, D], per_token [P, W, T])`` multipliers of the clip
+    ranges, ``c = 1 + clip_beta (2 sigmoid(z) - 1)`` on non-final turns (``z`` the turn-group-normalised IG of
+    :func:`a2tgpo`), 1 on final turns, observation tokens, padding and absent turns. Feed ``per_token`` (rows
+    flattened like the advantages) to :func:`treejax.rl.losses.policy_loss` as ``eps_scale_BxT``."""
+    _, clip = a2tgpo_turns(forest, rewards_PxW, options, truth_logp_PxN)
+    idx = jnp.clip(forest.segment_index, 0, clip.shape[-1] - 1)
+    per_token = jnp.where((forest.loss_mask > 0) & (forest.segment_index >= 0),
+                          jnp.take_along_axis(clip, idx, axis=-1), 1.0)
+    return clip, per_token.astype(jnp.float32)
+
+
+__all__ = ["A2TGPOOptions", "IGPOOptions", "a2tgpo", "a2tgpo_clip_scale", "a2tgpo_turns", "discounted_to_go",
+           "group_normalize", "igpo", "turn_info_gains", "turn_layout"]

@@ -30,18 +30,25 @@ def node_ends(leaf_path: np.ndarray, node_length: np.ndarray) -> dict:
 
 
 def truth_logp(params, config, prompts, prompt_lengths, leaf_path, node_length, tokens, answers, answer_lengths,
-               scored, num_nodes) -> np.ndarray:
-    """[P, N]: one direct forward per (prompt, node on a path) of prompt ++ response through n ++ answer."""
+               scored, num_nodes, width: int = 32) -> np.ndarray:
+    """[P, N]: one direct forward per (prompt, node on a path) of prompt ++ response through n ++ answer, scored with
+    a full-vocabulary log-softmax. Each sequence runs alone, zero-padded on the right to ``width`` (one compilation;
+    plain causal attention, so the padding never reaches the sequence's own positions)."""
     P = prompts.shape[0]
     out = np.zeros((P, num_nodes))
     ends = node_ends(leaf_path, node_length)
+
+    @jax.jit
+    def seq_logp(x):
+        h = T.forward(params, config, x, jnp.arange(width, dtype=jnp.int32)[None])
+        return jax.nn.log_softmax(T.logits(params, config, h).astype(jnp.float32), axis=-1)[0]
+
     for (p, n), end in ends.items():
         w = next(w for w in range(leaf_path.shape[1]) if n in set(leaf_path[p, w].tolist()))
         ans = list(answers[p, :answer_lengths[p]])
         seq = list(prompts[p, :prompt_lengths[p]]) + list(tokens[p, w, :end]) + ans
-        x = jnp.asarray([seq], jnp.int32)
-        h = T.forward(params, config, x, jnp.arange(len(seq), dtype=jnp.int32)[None])
-        logp = jax.nn.log_softmax(T.logits(params, config, h).astype(jnp.float32), axis=-1)[0]
+        assert len(seq) <= width
+        logp = np.asarray(seq_logp(jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)), np.float64)
         start = prompt_lengths[p] + end
         vals = [float(logp[start + j - 1, ans[j]]) for j in range(len(ans)) if scored[p, j] > 0]
         out[p, n] = sum(vals) / len(vals) if vals else 0.0

@@ -80,10 +80,10 @@ def _logprob_fn(params, tokens, positions, segment_ids):
     return sequence_logprobs(params, CFG, tokens, positions, segment_ids, chunk_size=64, attention_impl="xla")
 
 
-@pytest.mark.parametrize("rows_per_call", [None, 5])
-def test_truth_logprobs_match_direct_forwards(params, rows_per_call):
+@pytest.fixture(scope="module")
+def scoring_case(params):
     """Two prompts (the hand tree and a random one padded to the same N), prompts and answers of different lengths,
-    a prefix token that is not scored: every used node's value equals a direct forward of its sequence (fp32)."""
+    a prefix token that is not scored, and the reference values (one direct forward per used node)."""
     paths0, nl0, tok0, pm0, _ = hand_forest()
     paths1, nl1, tok1, pm1, _ = random_turn_forest(np.random.default_rng(5), 1, 4, 3, T_len=8)
     N = max(nl0.shape[1], nl1.shape[1])
@@ -95,16 +95,25 @@ def test_truth_logprobs_match_direct_forwards(params, rows_per_call):
     plen = np.array([4, 2], np.int32)
     answers, alen, scored = ig.answer_tokens(lambda s: [ord(c) for c in s], ["xyz", "q"], prefix="!")
     assert scored.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0]]
-    fn = jax.jit(functools.partial(ig.truth_logprobs, _logprob_fn, rows_per_call=rows_per_call))
-    got = np.asarray(fn(params, prompts, plen, forest, answers, alen, scored))
-    want = ref.truth_logp(params, CFG, prompts, plen, paths, nl, tok, answers, alen, scored, N)
+    args = (prompts, plen, forest, answers, alen, scored)
+    return args, ref.truth_logp(params, CFG, prompts, plen, paths, nl, tok, answers, alen, scored, N)
+
+
+@pytest.mark.parametrize("how", ["scorer", pytest.param("chunks", marks=pytest.mark.slow)])
+def test_truth_logprobs_match_direct_forwards(params, scoring_case, how):
+    """Every used node's value equals a direct forward of its sequence (fp32, 1e-5); unused node slots are 0.
+    ``scorer``: :func:`make_truth_scorer` (all rows at once); ``chunks``: rows in chunks of 5 under ``lax.map``."""
+    args, want = scoring_case
+    fn = (ig.make_truth_scorer(CFG, chunk_size=64) if how == "scorer"
+          else jax.jit(functools.partial(ig.truth_logprobs, _logprob_fn, rows_per_call=5)))
+    got = np.asarray(fn(params, *args))
     np.testing.assert_allclose(got, want, **TOL)
-    used = np.asarray(ig.node_leaves(forest)[1])
+    used = np.asarray(ig.node_leaves(args[2])[1])
     assert np.all(got[~used] == 0.0) and np.all(got[used] < 0.0)
 
 
-def test_make_truth_scorer_and_sequences(params):
-    """The jitted scorer equals the pure function; rows hold prompt ++ path ++ answer, right-padded."""
+def test_truth_sequences_rows():
+    """Rows hold prompt ++ path through the node ++ answer, right-padded to Lp + T + La; only answer tokens scored."""
     paths, nl, tok, pm, forest = hand_forest()
     prompts, plen = np.array([[5, 6, 7]], np.int32), np.array([3], np.int32)
     answers, alen = np.array([[40, 41]], np.int32), np.array([2], np.int32)
@@ -114,10 +123,9 @@ def test_make_truth_scorer_and_sequences(params):
     assert rows[0, 0, :6].tolist() == [5, 6, 7, 40, 41, 0]  # root: prompt + answer
     assert rows[0, 3, :10].tolist() == [5, 6, 7, 70, 71, 72, 73, 74, 40, 41]  # n3 = w0's whole path
     assert rows[0, 5, :9].tolist() == [5, 6, 7, 80, 81, 82, 83, 40, 41]  # n5: through n2 and n5
-    scorer = ig.make_truth_scorer(CFG, chunk_size=64)
-    np.testing.assert_allclose(np.asarray(scorer(params, prompts, plen, forest, answers, alen)),
-                               np.asarray(ig.truth_logprobs(_logprob_fn, params, prompts, plen, forest, answers, alen)),
-                               **TOL)
+    scored = np.asarray(b.scored).reshape(1, 7, -1)
+    assert scored[0, 5].tolist() == [0] * 7 + [1, 1] + [0] * 4
+    assert np.asarray(b.segment_ids).reshape(1, 7, -1)[0, 5].sum() == 9
 
 
 # ------------------------------------------------------------------------------------------- estimators

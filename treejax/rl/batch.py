@@ -178,6 +178,10 @@ def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, 
     the trainer's own forward (default) and keeps ``sampler_logp`` for truncated importance sampling; a caller
     that trains on this batch directly uses the sampler's values as pi_old. ``loss_mask`` defaults to the
     forest's; ``eps_scale_PxW`` (optional) becomes the per-sequence clip-range multiplier ``eps_scale``.
+
+    Turn forests (:func:`treejax.forest.forest_from_spans`): each row holds every response token of its leaf,
+    the environment's observation tokens included (they are context for the tokens after them), at position
+    ``n_p + t``; the loss mask is 0 on them (``Forest.policy_mask``), whatever ``loss_mask_PxWxT`` says.
     """
     P, Lp = prompt_tokens_PxLp.shape
     W, T = forest.num_leaves, forest.max_response_length
@@ -193,7 +197,7 @@ def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, 
     real = j < total_B[:, None]
     tokens = jnp.where(real, tokens, pad_id).astype(jnp.int32)
     mask = forest.loss_mask if loss_mask_PxWxT is None else loss_mask_PxWxT
-    valid = forest.segment_index >= 0
+    valid = forest.policy_tokens() > 0  # observation tokens (policy_mask 0) are inputs, never in the loss
     sampler_logp = response_to_sequence(forest.logprobs, lens, L)
     out = {
         "tokens": tokens,

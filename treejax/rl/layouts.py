@@ -269,7 +269,6 @@ class Packed:
         P, W, T = forest.tokens.shape
         pairs = self._pairs(forest, adv_PxWxT, adv_mask_PxWxT)
         host = packing_lib.host_forest(rollouts.prompts_PxLp, rollouts.lengths_P, forest, pairs["loss_mask"])
-        host["segment_length"] = forest.segment_length
         batch = Batch(inputs=None, eps_scale=eps_scale_PxW.reshape(P * W), num_sequences=P * W,
                       sequence_length=rollouts.prompts_PxLp.shape[1] + T, **pairs)
         return Pool(batch, P, host)
@@ -280,7 +279,8 @@ class Packed:
                                       h["segment_length"], self.packing, prompts=np.asarray(units),
                                       trained_PxW=h["trained"], row_multiple=self.row_multiple, pad_id=self.pad_id,
                                       floor=None if self.floor is None else self.floor.shape,
-                                      node_parent_PxN=h["node_parent"], node_depth_PxN=h["node_depth"])
+                                      node_parent_PxN=h["node_parent"], node_depth_PxN=h["node_depth"],
+                                      node_span_PxNx2=h["spans"])
         if self.floor is not None:
             self.floor.grow(pl.shape)
         return pl

@@ -1,13 +1,16 @@
 """One prompt's tree as a run of packed tokens (:func:`build_tree`), the unit :mod:`treejax.rl.packing` places
 into rows.
 
-The prompt (the root, preorder number 0) and every node's segment are stored once, in depth-first preorder, so an
-ancestor's tokens precede its descendants'. Per token: the id, its RoPE position (a node's tokens continue its
-parent's: ``n_p + (d - 1) S + k``), the preorder interval ``[node_lo, node_hi]`` of its node's subtree (the tree
-mask: ``j`` is visible from ``i`` iff ``node_lo[j] <= node_lo[i] <= node_hi[j]`` and ``j <= i``) and ``prev``, the
-index of the token whose hidden state predicts it. Per (leaf, response token) pair: the index of its token
-(``pair_index``) and whether it is trainable (``pair_valid``: a real token with a predecessor). Everything is
-tree-local; :func:`treejax.rl.packing.plan_packing` offsets it into rows.
+The prompt (the root, preorder number 0) and every node's tokens are stored once, in depth-first preorder, so an
+ancestor's tokens precede its descendants'. A node is a token *span* of its leaves' responses, ``(start, length)``
+(:attr:`treejax.forest.Forest.node_span`: a turn of a multi-turn tree, policy tokens then observation tokens; for
+fixed segments of ``S`` tokens ``start = (d - 1) S``, :meth:`treejax.forest.Forest.spans`). Per token: the id, its
+RoPE position (a node's tokens continue its parent's: ``n_p + start + k``), the preorder interval
+``[node_lo, node_hi]`` of its node's subtree (the tree mask: ``j`` is visible from ``i`` iff
+``node_lo[j] <= node_lo[i] <= node_hi[j]`` and ``j <= i``) and ``prev``, the index of the token whose hidden state
+predicts it (the previous token of the node, the parent's last token at a node's first token). Per (leaf, response
+token) pair: the index of its token (``pair_index``) and whether it is trainable (``pair_valid``: a real token with
+a predecessor). Everything is tree-local; :func:`treejax.rl.packing.plan_packing` offsets it into rows.
 """
 
 from __future__ import annotations
@@ -33,19 +36,26 @@ class PackedTree:
 
 
 def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: np.ndarray, tokens: np.ndarray,
-                S: int, align: int, pad_id: int, node_parent: np.ndarray | None = None,
-                node_depth: np.ndarray | None = None) -> PackedTree:
-    """One prompt's tree: prompt + node segments (preorder), each stored once. ``leaf_path [W, D+1]``,
+               S: int, align: int, pad_id: int, node_parent: np.ndarray | None = None,
+               node_depth: np.ndarray | None = None, node_span: np.ndarray | None = None) -> PackedTree:
+    """One prompt's tree: prompt + node spans (preorder), each stored once. ``leaf_path [W, D+1]``,
     ``leaf_length [W]``, ``tokens [W, T]`` are the prompt's leaves; ``node_parent`` / ``node_depth [N]`` (the
     forest's own tree, optional) are read instead of rebuilt from the paths, and the paths are checked against
-    them."""
+    them. ``node_span [N, 2]`` (optional): each node's ``(start, length)`` in its leaves' responses
+    (:meth:`treejax.forest.Forest.spans`); ``None``: fixed segments of ``S`` tokens (node at depth ``d`` starts at
+    ``(d - 1) S`` and holds the longest cover of its leaves, at most ``S``).
+
+    Raises ``ValueError`` on an inconsistent tree: a gap in a path, a node with two parents or depths, a node on a
+    path that holds none of a leaf's tokens, a node that does not start where its parent ends (with fixed segments:
+    a node with children shorter than ``S``), a leaf longer than its path, leaves that disagree on a shared token."""
     W, D1 = leaf_path.shape
     T = tokens.shape[1]
     n_p = int(prompt.shape[0])
     if W and np.any(leaf_path[:, 0] != 0):
         raise ValueError(f"prompt {p}: leaf_path[:, 0] must be the root 0")
-    # Per node: parent, depth, covered length (max over the leaves through it) and a leaf that covers it all.
     num_ids = int(leaf_path.max()) + 1
+    fixed = node_span is None
+    # Per node: parent, depth, span (start, length) and a leaf that covers it all.
     known_tree = node_parent is not None
     parent = np.full(num_ids, -1, np.int64)
     depth = np.full(num_ids, -1, np.int64)
@@ -54,43 +64,74 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
         seen[leaf_path[leaf_path >= 0]] = True
         parent = np.where(seen, np.asarray(node_parent[:num_ids], np.int64), -1)
         depth = np.where(seen, np.asarray(node_depth[:num_ids], np.int64), -1)
-    length = np.zeros(num_ids, np.int64)
+    if fixed:
+        start = np.zeros(num_ids, np.int64)
+        length = np.zeros(num_ids, np.int64)
+    else:
+        span = np.asarray(node_span, np.int64)
+        if span.shape[0] < num_ids or span.shape[1:] != (2,):
+            raise ValueError(f"prompt {p}: node_span has shape {span.shape}, expected [>= {num_ids}, 2]")
+        start, length = span[:num_ids, 0].copy(), span[:num_ids, 1].copy()
+        start[0], length[0] = 0, 0  # the root is the prompt
     rep = np.full(num_ids, -1, np.int64)
     depth[0] = 0
+    prev_end = np.zeros(W, np.int64)  # where each leaf's node at depth d - 1 ends in its response
     for d in range(1, D1):
         ids = leaf_path[:, d]
         on = ids >= 0
         if not np.any(on):
             continue
-        cov = np.clip(leaf_length - (d - 1) * S, 0, S)
-        if np.any(on & (cov <= 0)):
-            w = int(np.argmax(on & (cov <= 0)))
-            raise ValueError(f"prompt {p}, leaf {w}: node {ids[w]} at depth {d} holds no token "
-                             f"(leaf_length {leaf_length[w]}, segment length {S})")
         if np.any(leaf_path[~on, d:] >= 0):
             raise ValueError(f"prompt {p}: a leaf path has a gap at depth {d}")
         w_on = np.nonzero(on)[0]
-        order = w_on[np.argsort(cov[w_on], kind="stable")]  # the last write per node is its longest cover
-        rep[ids[order]] = order
-        np.maximum.at(length, ids[w_on], cov[w_on])
         par = leaf_path[w_on, d - 1]
         if known_tree:
             if np.any(parent[ids[w_on]] != par) or np.any(depth[ids[w_on]] != d):
                 raise ValueError(f"prompt {p}: leaf_path disagrees with the forest's node_parent / node_depth at "
                                  f"depth {d}")
-            continue
-        known = parent[ids[w_on]]
-        if np.any((known >= 0) & (known != par)) or np.any((depth[ids[w_on]] >= 0) & (depth[ids[w_on]] != d)):
-            raise ValueError(f"prompt {p}: a node has two parents or two depths in leaf_path")
-        parent[ids[w_on]] = par
-        depth[ids[w_on]] = d
-    # Every node with children is a full segment (only a leaf's last segment may be shorter).
+        else:
+            known = parent[ids[w_on]]
+            if np.any((known >= 0) & (known != par)) or np.any((depth[ids[w_on]] >= 0) & (depth[ids[w_on]] != d)):
+                raise ValueError(f"prompt {p}: a node has two parents or two depths in leaf_path")
+            parent[ids[w_on]] = par
+            depth[ids[w_on]] = d
+        if fixed:
+            start[ids[w_on]] = (d - 1) * S
+            cov = np.clip(leaf_length - (d - 1) * S, 0, S)
+            np.maximum.at(length, ids[w_on], cov[w_on])
+        else:
+            s = start[ids[w_on]]
+            if np.any(s != prev_end[w_on]):
+                k = int(np.argmax(s != prev_end[w_on]))
+                n = ids[w_on][k]
+                raise ValueError(f"prompt {p}: node {n} at depth {d} starts at response token {s[k]} but its parent "
+                                 f"{par[k]} ends at {prev_end[w_on][k]} (a node's span starts where its parent's "
+                                 "ends)")
+            if np.any(start[ids[w_on]] + length[ids[w_on]] > T):
+                n = ids[w_on][int(np.argmax(start[ids[w_on]] + length[ids[w_on]] > T))]
+                raise ValueError(f"prompt {p}: node {n}'s span ({start[n]}, {length[n]}) ends past the {T} response "
+                                 "tokens")
+            cov = np.clip(leaf_length - start[np.maximum(ids, 0)], 0, length[np.maximum(ids, 0)])
+        if np.any(on & (cov <= 0)):
+            w = int(np.argmax(on & (cov <= 0)))
+            raise ValueError(f"prompt {p}, leaf {w}: node {ids[w]} at depth {d} holds no token "
+                             f"(leaf_length {leaf_length[w]}, " +
+                             (f"segment length {S})" if fixed else f"span ({start[ids[w]]}, {length[ids[w]]}))"))
+        order = w_on[np.argsort(cov[w_on], kind="stable")]  # the last write per node is its longest cover
+        rep[ids[order]] = order
+        prev_end[w_on] = start[ids[w_on]] + length[ids[w_on]]
     has_child = np.zeros(num_ids, bool)
     has_child[parent[parent >= 0]] = True
-    bad = has_child & (depth >= 1) & (length < S)
-    if np.any(bad):
-        raise ValueError(f"prompt {p}: node {int(np.argmax(bad))} has children but only "
-                         f"{int(length[np.argmax(bad)])} < S={S} tokens")
+    if fixed:  # every node with children is a full segment (only a leaf's last segment may be shorter)
+        bad = has_child & (depth >= 1) & (length < S)
+        if np.any(bad):
+            raise ValueError(f"prompt {p}: node {int(np.argmax(bad))} has children but only "
+                             f"{int(length[np.argmax(bad)])} < S={S} tokens")
+    long_leaf = leaf_length > prev_end
+    if np.any(long_leaf):
+        w = int(np.argmax(long_leaf))
+        raise ValueError(f"prompt {p}, leaf {w}: leaf_length {leaf_length[w]} runs past its path's last node, which "
+                         f"ends at response token {prev_end[w]}")
     children: list[list[int]] = [[] for _ in range(num_ids)]
     for n in np.nonzero(depth >= 1)[0]:
         children[parent[n]].append(int(n))
@@ -108,10 +149,10 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
             hi[parent[n]] = max(hi[parent[n]], hi[n])
     seg_len = np.where(np.arange(num_ids) == 0, n_p, length)
     stored = np.where(seg_len > 0, -(-seg_len // align) * align, 0)
-    start = np.zeros(num_ids, np.int64)
+    row = np.zeros(num_ids, np.int64)  # where each node's tokens begin in the packed tree
     cursor = 0
     for n in order:
-        start[n] = cursor
+        row[n] = cursor
         cursor += stored[n]
     n_tok = cursor
     toks = np.full(n_tok, pad_id, np.int32)
@@ -121,7 +162,7 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
     prev = np.full(n_tok, -1, np.int64)
     real = np.zeros(n_tok, bool)
     for n in order:
-        a, m = start[n], seg_len[n]
+        a, m = row[n], seg_len[n]
         if m == 0:
             continue
         sl = slice(a, a + m)
@@ -129,7 +170,7 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
             toks[sl] = prompt
             pos[sl] = np.arange(n_p)
         else:
-            off = (depth[n] - 1) * S
+            off = start[n]
             toks[sl] = tokens[rep[n], off: off + m]
             pos[sl] = n_p + off + np.arange(m)
         lo[sl], hi_t[sl], real[sl] = pre[n], hi[n], True
@@ -138,19 +179,25 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
             prev[a] = -1
         elif depth[n] == 1:
             prev[a] = n_p - 1 if n_p > 0 else -1
-        else:
-            prev[a] = start[parent[n]] + S - 1
-    # Gather map: response token t of leaf w sits at start[node at depth t // S + 1] + t % S.
+        else:  # the parent's last token
+            prev[a] = row[parent[n]] + seg_len[parent[n]] - 1
+    # Gather map: response token t of leaf w sits in the node of its path whose span holds t, at
+    # row[node] + t - start[node] (fixed segments: the node at depth t // S + 1, at row[node] + t % S).
     t = np.arange(T)
-    valid = t[None, :] < leaf_length[:, None]
-    col = np.minimum(t // S + 1, D1 - 1)
-    node_wt = np.take_along_axis(leaf_path, np.broadcast_to(col, (W, T)), axis=1)
-    valid &= node_wt >= 0
+    node_wt = np.full((W, T), -1, np.int64)
+    for d in range(1, D1):
+        ids = leaf_path[:, d]
+        c = np.maximum(ids, 0)
+        s, e = start[c][:, None], (start[c] + length[c])[:, None]
+        inside = (ids >= 0)[:, None] & (t[None, :] >= s) & (t[None, :] < e)
+        node_wt = np.where(inside, ids[:, None], node_wt)
+    valid = (t[None, :] < leaf_length[:, None]) & (node_wt >= 0)
     node_c = np.where(valid, node_wt, 0)
-    idx = np.where(valid, start[node_c] + t[None, :] % S, 0)
+    idx = np.where(valid, row[node_c] + t[None, :] - start[node_c], 0)
     if np.any(valid & (toks[idx] != tokens)):
         w, tt = np.argwhere(valid & (toks[idx] != tokens))[0]
-        raise ValueError(f"prompt {p}: leaves sharing node {node_wt[w, tt]} disagree on its token {tt % S} "
+        n = node_wt[w, tt]
+        raise ValueError(f"prompt {p}: leaves sharing node {n} disagree on its token {tt - start[n]} "
                          f"(leaf {w} has {tokens[w, tt]}, the node {toks[idx[w, tt]]})")
     pair_valid = valid & (prev[idx] >= 0)
     return PackedTree(toks, pos, lo, hi_t, prev, real, idx, pair_valid, len(order))

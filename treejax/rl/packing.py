@@ -9,10 +9,14 @@ Layout of one packed row (``R`` rows of ``L`` tokens; one or more trees per row)
 
     [tree a: prompt | node | node | ...][tree b: prompt | node | ...][pad ...]
 
-* a tree is its prompt (the root, depth 0) followed by its nodes in depth-first **preorder** (a node's segment
+* a tree is its prompt (the root, depth 0) followed by its nodes in depth-first **preorder** (a node's tokens
   before its children's), so an ancestor's tokens always precede its descendants' in the row;
-* ``positions``: prompt token ``j`` at ``j``; token ``k`` of a depth-``d`` node at ``n_p + (d - 1) S + k``, i.e.
-  exactly the position the token has in its leaves' expanded rows (a node's tokens continue its parent's);
+* a node is a span ``(start, length)`` of its leaves' responses (:meth:`treejax.forest.Forest.spans`): a fixed
+  segment (``start = (d - 1) S`` at depth ``d``, ``S`` tokens but a leaf's last) or a turn of any length (a
+  multi-turn tree's policy tokens then the environment's observation tokens: observations are in the row and in
+  the forward, so later tokens attend to them, but their pairs carry ``loss_mask = 0``);
+* ``positions``: prompt token ``j`` at ``j``; token ``k`` of a node at ``n_p + start + k``, i.e. exactly the
+  position the token has in its leaves' expanded rows (a node's tokens continue its parent's);
 * attention: token ``i`` sees token ``j`` iff ``j <= i`` (row order) and ``j``'s node is an ancestor-or-self of
   ``i``'s node. Ancestry is stored as preorder (Euler-tour) intervals per token: ``node_lo`` = the preorder
   number of the token's node, ``node_hi`` = the largest preorder number in that node's subtree, and
@@ -166,7 +170,7 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
                  segment_length: int, config: PackingConfig = PackingConfig(), *, prompts=None,
                  trained_PxW=None, row_multiple: int = 1, pad_id: int = 0,
                  floor: tuple[int, int, int] | None = None, node_parent_PxN=None,
-                 node_depth_PxN=None) -> PackingPlan:
+                 node_depth_PxN=None, node_span_PxNx2=None) -> PackingPlan:
     """Host-side packing plan of the trees of ``prompts`` (default: all ``P``); arrays are NumPy (or fetched).
 
     ``trained_PxW`` (optional, bool): leaves with at least one trained token; with
@@ -178,7 +182,10 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     layout to use (a sticky run's :class:`LayoutFloor`): ``L`` and ``R`` at least the floor's, at most ``Wr / W``
     trees per row (one tree per row always fits, so only ``L`` or ``R`` can grow past the floor).
     ``node_parent_PxN`` / ``node_depth_PxN`` (optional, the forest's): each tree's parents and depths are read from
-    them instead of rebuilt from the leaf paths (which must agree with them).
+    them instead of rebuilt from the leaf paths (which must agree with them). ``node_span_PxNx2`` (optional, the
+    forest's :meth:`~treejax.forest.Forest.spans`): each node's ``(start, length)`` in its leaves' responses, so
+    nodes may hold any number of tokens (turns); ``None``: fixed segments of ``segment_length`` tokens (then
+    ``T = D * segment_length``). For a fixed-segment forest both give the same plan.
     """
     prompt_tokens = np.asarray(prompt_tokens_PxLp)
     lens = np.asarray(prompt_lengths_P).astype(np.int64)
@@ -191,7 +198,8 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     if tokens.shape[:2] != (P, W) or leaf_length.shape != (P, W) or lens.shape != (P,):
         raise ValueError(f"plan_packing: inconsistent shapes: leaf_path {leaf_path.shape}, tokens {tokens.shape}, "
                          f"leaf_length {leaf_length.shape}, prompt_lengths {lens.shape}")
-    if (D1 - 1) * S != T:
+    spans = None if node_span_PxNx2 is None else np.asarray(node_span_PxNx2).astype(np.int64)
+    if spans is None and (D1 - 1) * S != T:
         raise ValueError(f"plan_packing: T={T} response tokens but max depth {D1 - 1} x segment length {S}")
     if row_multiple < 1:
         raise ValueError(f"plan_packing: row_multiple must be >= 1, got {row_multiple}")
@@ -202,6 +210,8 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
         if config.skip_untrained and trained is not None and not trained[p].any():
             continue
         nodes = {} if node_parent_PxN is None else dict(node_parent=node_parent_PxN[p], node_depth=node_depth_PxN[p])
+        if spans is not None:
+            nodes["node_span"] = spans[p]
         trees.append((int(p), build_tree(int(p), prompt_tokens[p, : lens[p]], leaf_path[p], leaf_length[p],
                                           tokens[p], S, config.align, pad_id, **nodes)))
     sizes = [len(tr.tokens) for _, tr in trees]
@@ -346,21 +356,23 @@ def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: ja
 def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None
                  ) -> dict[str, jax.Array]:
     """The forest's per-pair arrays in leaf layout ``[P * W, T]``, as :func:`treejax.rl.batch.forest_to_batch` fills
-    them: ``loss_mask`` (0 past each leaf), ``advantages``, and the sampler's log-probs as both ``old_logp`` and
-    ``sampler_logp``."""
+    them: ``loss_mask`` (0 past each leaf and on observation tokens, ``Forest.policy_mask``), ``advantages``, and
+    the sampler's log-probs as both ``old_logp`` and ``sampler_logp``."""
     P, W, T = forest.tokens.shape
     mask = forest.loss_mask if loss_mask_PxWxT is None else loss_mask_PxWxT
     valid = forest.segment_index >= 0
+    trained = forest.policy_tokens() > 0  # observation tokens are in the rows, never in the loss
     flat = lambda x: jnp.asarray(x, jnp.float32).reshape(P * W, T)  # noqa: E731
     sampler = flat(jnp.where(valid, forest.logprobs, 0.0))
-    return {"loss_mask": flat(jnp.where(valid, mask, 0.0)),
+    return {"loss_mask": flat(jnp.where(trained, mask, 0.0)),
             "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)), "old_logp": sampler, "sampler_logp": sampler}
 
 
 def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_BxT) -> dict[str, np.ndarray]:
     """What :func:`plan_packing` reads, as NumPy on this process: ``prompts``, ``lengths``, the leaves' ``path``,
-    ``length`` and ``tokens``, the forest's ``node_parent`` / ``node_depth``, and ``trained [P, W]`` (a leaf with
-    any token in the loss).
+    ``length`` and ``tokens``, the forest's ``node_parent`` / ``node_depth``, its nodes' ``spans``
+    (:meth:`~treejax.forest.Forest.spans`), ``segment_length`` and ``trained [P, W]`` (a leaf with any token in
+    the loss).
 
     The plan is host code over the whole forest, so in a multi-process run every process gathers the global
     arrays (one all-gather, :func:`treejax.parallel.multihost.host_tree`): ``np.asarray`` / ``jax.device_get``
@@ -368,8 +380,9 @@ def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_
     P, W = forest.leaf_length.shape
     host = host_tree({"mask": loss_mask_BxT, "path": forest.leaf_path, "length": forest.leaf_length,
                       "tokens": forest.tokens, "prompts": prompt_tokens_PxLp, "lengths": prompt_lengths_P,
-                      "node_parent": forest.node_parent, "node_depth": forest.node_depth})
+                      "node_parent": forest.node_parent, "node_depth": forest.node_depth, "spans": forest.spans()})
     host["trained"] = host.pop("mask").reshape(P, W, -1).max(-1) > 0
+    host["segment_length"] = forest.segment_length
     return host
 
 
@@ -384,9 +397,9 @@ def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advan
     P, W = forest.leaf_length.shape
     host = host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest, pairs["loss_mask"])
     plan = plan_packing(host["prompts"], host["lengths"], host["path"], host["length"], host["tokens"],
-                        forest.segment_length, config, prompts=prompts, trained_PxW=host["trained"],
+                        host["segment_length"], config, prompts=prompts, trained_PxW=host["trained"],
                         row_multiple=row_multiple, pad_id=pad_id, node_parent_PxN=host["node_parent"],
-                        node_depth_PxN=host["node_depth"])
+                        node_depth_PxN=host["node_depth"], node_span_PxNx2=host["spans"])
     eps = None if eps_scale_PxW is None else jnp.asarray(eps_scale_PxW, jnp.float32).reshape(P * W)
     return packed_batch(plan, pairs, eps)
 

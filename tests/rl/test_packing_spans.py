@@ -393,7 +393,8 @@ GOLDEN = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(GOLDEN)))
+@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i >= 3 else i  # 3, 4: new shapes
+                                  for i in range(len(GOLDEN))])
 def test_fixed_segments_pack_exactly_as_before(case):
     """A fixed-segment forest gives byte-identical plans (i) from ``segment_length`` alone, (ii) from the forest's
     derived spans (``Forest.spans()``, what the learner passes), (iii) from the same forest rebuilt as a span

@@ -178,7 +178,8 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     count is a multiple of it (micro-batches x batch-sharded devices). Leaf ids are global (``p * W + w``), so
     :func:`pack_pairs` reads per-pair arrays of the whole forest. Raises ``ValueError`` on an inconsistent forest
     (a gap in a path, a node with two parents, leaves that disagree on a shared token, a node with children
-    shorter than a segment) or a tree longer than ``config.row_length``. ``floor`` ``(R, L, Wr)``: the smallest
+    shorter than a segment or, with spans, a node that does not start where its parent ends, a leaf longer than
+    its path) or a tree longer than ``config.row_length``. ``floor`` ``(R, L, Wr)``: the smallest
     layout to use (a sticky run's :class:`LayoutFloor`): ``L`` and ``R`` at least the floor's, at most ``Wr / W``
     trees per row (one tree per row always fits, so only ``L`` or ``R`` can grow past the floor).
     ``node_parent_PxN`` / ``node_depth_PxN`` (optional, the forest's): each tree's parents and depths are read from

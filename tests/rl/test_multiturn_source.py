@@ -138,5 +138,41 @@ def test_config_checks():
         MultiTurnConfig(max_turns=0)
     with pytest.raises(ConfigError, match="roots"):
         MultiTurnConfig(roots=0)
+    with pytest.raises(ConfigError, match="only multi-turn rollouts"):
+        RunConfig(rollout=chains, estimator="igpo")
+    RunConfig(multiturn=MultiTurnConfig(roots=2), rollout=chains, estimator="portool_tool")
+    RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo", packed_update=True)
     with pytest.raises(ConfigError, match="exceeds the 4 leaf slots"):
         RunConfig(multiturn=MultiTurnConfig(roots=5), rollout=chains, estimator="grpo")
+
+
+def test_turn_inputs_for_igpo_and_portool():
+    """The source supplies IGPO's ground-truth scores (the learner's forward, one per node) and PORTool's tool
+    success per node, shaped [P, N] like the forest, and both estimators run on them."""
+    from treejax.rl.advantages.registry import estimator_spec
+
+    params = transformer.init_params(CFG, jax.random.key(5))
+    base = _Base()
+    base.draw = lambda: ([types.SimpleNamespace(ground_truth="3"), types.SimpleNamespace(ground_truth="42")],
+                         np.array([[1, 2, 3], [1, 4, 0]], np.int32), np.array([3, 2], np.int32))
+    base.rollout = types.SimpleNamespace(tree_config=tree.independent_config(4, 32, 8, strategy=Temperature(1.0),
+                                                                             stop_ids=(63,)))
+    cfg = MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4, roots=2, branch_factor=2, fork_turns=1)
+    src = MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("truth_logp_PxN", "tool_success_PxN"),
+                            model_config=CFG, truth_prefix="A")
+    ro = src.sample(params, jax.random.key(2), 0)
+    f = ro.forest
+    truth, success = np.asarray(ro.estimator_inputs["truth_logp_PxN"]), np.asarray(ro.estimator_inputs["tool_success_PxN"])
+    assert truth.shape == success.shape == tuple(f.node_parent.shape)
+    used = np.asarray(f.node_depth) >= 0
+    assert np.all(np.isfinite(truth[used])) and np.all(truth[used] < 0)
+    # _Env's first two turns are successful tool calls, the third is the answer
+    depth = np.asarray(f.node_depth)
+    assert np.all(success[used & (depth >= 1) & (depth <= 2)] == 1.0) and np.all(np.isnan(success[depth == 3]))
+    for name, inputs in (("igpo", {"truth_logp_PxN": truth}), ("portool_tool", {"tool_success_PxN": success})):
+        spec = estimator_spec(name)
+        adv = spec.fn(f, ro.rewards_PxW, spec.default_options(), **inputs)
+        assert np.all(np.isfinite(np.asarray(adv.tokens)))
+        assert np.all(np.asarray(adv.tokens)[np.asarray(f.loss_mask) == 0] == 0)
+    with pytest.raises(ConfigError, match="supply only"):
+        MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("greedy_reward_P",))

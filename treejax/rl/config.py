@@ -26,7 +26,7 @@ from treejax.rl.losses import LossConfig
 from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.exemplars import ExemplarConfig
-from treejax.rl.multiturn import MultiTurnConfig
+from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnConfig
 from treejax.rl.partial import PartialConfig
 from treejax.rl.prompt_gdro import PromptGDROConfig
 from treejax.rl.replay import ReplayConfig
@@ -47,7 +47,7 @@ DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt"
 OLD_LOGP_SOURCES = ("trainer", "sampler", "ewma")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
 KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
-                "nudge_context_PxW", "nudge_source_PxW")
+                "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN")
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")
@@ -379,10 +379,16 @@ class RunConfig:
                 raise ConfigError(f"RunConfig.exemplars: fix: {why}")
 
     def _check_multiturn(self) -> None:
-        """Code-tool episodes are their own source of independent chains: nothing else may decide the rows."""
+        """Code-tool episodes are their own source of rows: nothing else may decide them; only they supply the
+        turn inputs (IGPO's ``truth_logp_PxN``, PORTool's ``tool_success_PxN``)."""
+        turn_inputs = [i for i in estimator_spec(self.estimator).inputs if i in MULTITURN_INPUTS]
         if self.multiturn is None:
+            if turn_inputs:
+                raise ConfigError(f"estimator {self.estimator!r} reads {turn_inputs}, which only multi-turn rollouts "
+                                  "supply: set RunConfig.multiturn = @MultiTurnConfig()")
             return
         self.multiturn.check(self.rollout)
+        other = [i for i in estimator_spec(self.estimator).inputs if i not in MULTITURN_INPUTS]
         for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False"),
                          (self.allocation is not None, "RunConfig.allocation = None"),
                          (self.selection is not None, "RunConfig.selection = None"),
@@ -392,8 +398,10 @@ class RunConfig:
                          (self.nudge is not None, "RunConfig.nudge = None"),
                          (self.async_rollouts.enabled, "AsyncConfig.enabled = False"),
                          (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
+                         (bool(other), f"an estimator without single-turn inputs (estimator {self.estimator!r} "
+                          f"reads {other})"),
+                         (bool(self.shapers), "RunConfig.shapers = [] (the shapers cut responses into fixed "
+                          "segments; turn forests hold spans)")):
             if bad:
                 raise ConfigError(f"RunConfig.multiturn: fix: {why}")
 

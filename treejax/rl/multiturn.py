@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,16 +84,35 @@ class MultiTurnConfig:
                               branch_factor=self.branch_factor, fork_turns=self.fork_turns)
 
 
+#: Estimator inputs only multi-turn rollouts supply (module docstring).
+MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN")
+
+
 class MultiTurnRollouts:
     """The loop's source with code-tool episodes (module docstring). ``base``: :class:`TaskRollouts`;
-    ``make_env``: a factory of the episodes' environment (default: the code tool on the base's task)."""
+    ``make_env``: a factory of the episodes' environment (default: the code tool on the base's task);
+    ``estimator_inputs``: the estimator's declared inputs; ``truth_logp_PxN`` needs ``model_config`` (the
+    learner's forward scores the ground truth, :func:`treejax.rl.info_gain.make_truth_scorer`) and
+    ``truth_prefix``, the text before the answer in the environment's answer format (the code tool's ``Answer:``)."""
 
-    def __init__(self, base, config: MultiTurnConfig, make_env=None):
-        self.base, self.config = base, config
+    def __init__(self, base, config: MultiTurnConfig, make_env=None, estimator_inputs: tuple[str, ...] = (),
+                 model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: "):
+        self.base, self.config, self.truth_prefix = base, config, truth_prefix
         self.make_env = make_env or (lambda: CodeToolEnv(base.task, sandbox=self.sandbox,
                                                          max_calls=config.max_turns - 1))
         self.pipeline = base.pipeline
-        self.estimator_inputs = ()
+        unknown = [i for i in estimator_inputs if i not in MULTITURN_INPUTS]
+        if unknown:
+            raise ConfigError(f"RunConfig.multiturn: the estimator reads {unknown}; multi-turn rollouts supply only "
+                              f"{MULTITURN_INPUTS}")
+        self.estimator_inputs = tuple(estimator_inputs)
+        self.scorer = None
+        if "truth_logp_PxN" in self.estimator_inputs:
+            if model_config is None:
+                raise ConfigError("MultiTurnRollouts: truth_logp_PxN needs the model_config to score the ground truth")
+            from treejax.rl.info_gain import make_truth_scorer
+
+            self.scorer = make_truth_scorer(model_config, pad_id=pad_id)
         self.tree_config = base.rollout.tree_config
         config.check(self.tree_config)
         if base.sampler_fns.extend is None:
@@ -154,9 +174,47 @@ class MultiTurnRollouts:
                    "multiturn/env_s": t_env, "multiturn/episode_s": episode_s}
         metrics.update({f"multiturn/status/{s}": sum(e.status == s for e in slots)
                         for s in ("done", "max_turns", "max_tokens")})
+        inputs = {}
+        if "tool_success_PxN" in self.estimator_inputs:
+            inputs["tool_success_PxN"] = jnp.asarray(tool_success(trees, forest.node_parent.shape[1]))
+        if self.scorer is not None:
+            t = time.perf_counter()
+            inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
+            metrics["multiturn/truth_scoring_s"] = time.perf_counter() - t
         return Rollouts(forest=forest, rewards_PxW=jnp.asarray(b.rewards(scores, length), jnp.float32),
                         scores_PxW=scores, prompts_PxLp=np.asarray(prompts), lengths_P=np.asarray(lens),
-                        counters=counters, examples=list(examples), reward_scores_PxW=scores, extra_metrics=metrics)
+                        counters=counters, estimator_inputs=inputs, examples=list(examples),
+                        reward_scores_PxW=scores, extra_metrics=metrics)
+
+    def truth_logp(self, params, examples, prompts, lens, forest):
+        """IGPO's teacher-forced scores ``[P, N]``: the mean log-prob of each prompt's ground truth, written as the
+        answer line (``truth_prefix + truth``, the code tool's ``"Answer: <truth>"``; only the truth's tokens are scored), after every node
+        (:func:`treejax.rl.info_gain.truth_logprobs`). The answer width is fixed (``TRUTH_WIDTH`` tokens) so the
+        scorer compiles once."""
+        from treejax.rl.info_gain import answer_tokens
+
+        answer, alen, scored = answer_tokens(self.base.tokenizer.encode, [ex.ground_truth for ex in examples],
+                                             prefix=self.truth_prefix, max_length=TRUTH_WIDTH)
+        truth = self.scorer(params, jnp.asarray(prompts), jnp.asarray(lens), forest, jnp.asarray(answer),
+                            jnp.asarray(alen), jnp.asarray(scored))
+        return jax.device_get(truth)
 
 
-__all__ = ["MultiTurnConfig", "MultiTurnRollouts"]
+#: Token width of the ground-truth answer row of the IGPO scoring pass (a longer answer is an error).
+TRUTH_WIDTH = 32
+
+
+def tool_success(trees, num_nodes: int) -> np.ndarray:
+    """float32[P, N]: per turn node, 1 when its tool call ran cleanly, 0 when it failed or timed out, NaN when the
+    turn made no call (PORTool's tool-success term, ``portool_tool``); NaN on the root and unused slots."""
+    out = np.full((len(trees), num_nodes), np.nan, np.float32)
+    for p, tr in enumerate(trees):
+        for sp, ep in zip(tr.slot_path, tr.slot_episode):
+            for d, n in enumerate(sp[1:]):
+                info = ep.infos[d] if d < len(ep.infos) else {}
+                if "tool_seconds" in info:
+                    out[p, n] = 0.0 if info.get("tool_error") else 1.0
+    return out
+
+
+__all__ = ["MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "tool_success"]

@@ -38,7 +38,7 @@ from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.nudge import NudgeRollouts
 from treejax.rl.exemplars import ExemplarRollouts
-from treejax.rl.multiturn import MultiTurnRollouts
+from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnRollouts
 from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.rollouts import TaskRollouts
@@ -177,7 +177,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     rollout = make_tree_rollout(rollout_fns, cfg.rollout, continuations=cfg.continuation_config())
     if cfg.nudge is None:
         source = TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width, pad_id,
-                              estimator_inputs=learner.estimator_inputs, allocation=cfg.allocation)
+                              estimator_inputs=tuple(i for i in learner.estimator_inputs if i not in MULTITURN_INPUTS),
+                              allocation=cfg.allocation)
     else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
         source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
@@ -188,7 +189,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
         source = ReplayRollouts(source, cfg.replay)
     if cfg.multiturn is not None:  # code-tool episodes (treejax.rl.multiturn)
-        source = MultiTurnRollouts(source, cfg.multiturn)
+        source = MultiTurnRollouts(source, cfg.multiturn, estimator_inputs=learner.estimator_inputs,
+                                   model_config=model_config, pad_id=pad_id)
     if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)
         source = PartialRollouts(source, cfg.partial)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,

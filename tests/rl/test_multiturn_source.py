@@ -146,6 +146,7 @@ def test_config_checks():
         RunConfig(multiturn=MultiTurnConfig(roots=5), rollout=chains, estimator="grpo")
 
 
+@pytest.mark.slow
 def test_turn_inputs_for_igpo_and_portool():
     """The source supplies IGPO's ground-truth scores (the learner's forward, one per node) and PORTool's tool
     success per node, shaped [P, N] like the forest, and both estimators run on them."""

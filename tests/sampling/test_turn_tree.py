@@ -103,6 +103,7 @@ def test_forks_copy_the_kv_and_the_environment(params):
         assert [sum(sp[1] == c for sp in t.slot_path) for c in children[0]] == [3, 3]
 
 
+@pytest.mark.slow
 def test_independent_roots_draw_what_one_row_per_episode_draws(params):
     W = 3
     trees = run_turn_trees(params, FNS, _Tok(), lambda p: _Counter(2), ["x", "y"], PROMPTS, LENS, jax.random.key(4),
@@ -140,6 +141,7 @@ def test_turn_forest_spans_masks_and_weights(params):
             assert int(f.leaf_status[p, w]) == int(NodeStatus.EOS if ep.status == "done" else NodeStatus.TRUNCATED)
 
 
+@pytest.mark.slow
 def test_fork_rule_and_bad_input(params):
     calls = []
 

@@ -145,9 +145,9 @@ def test_turn_forest_spans_masks_and_weights(params):
 def test_fork_rule_and_bad_input(params):
     calls = []
 
-    def rule(p, ep, n):
-        calls.append((p, ep.policy_turns, n))
-        return 1  # never branch: one path holds all the slots
+    def rule(reqs):
+        calls.extend((r.prompt, r.episode.policy_turns, r.slots) for r in reqs)
+        return [1] * len(reqs)  # never branch: one path holds all the slots
 
     trees = run_turn_trees(params, FNS, _Tok(), lambda p: _Counter(2), ["x"], PROMPTS[:1], LENS[:1],
                            jax.random.key(6), Temperature(1.0), LIMITS,
@@ -159,7 +159,7 @@ def test_fork_rule_and_bad_input(params):
     with pytest.raises(ValueError, match="fork_rule gave 5"):
         run_turn_trees(params, FNS, _Tok(), lambda p: _Counter(2), ["x"], PROMPTS[:1], LENS[:1], jax.random.key(6),
                        Temperature(1.0), LIMITS, TurnTreeConfig(num_slots=4, roots=1), stop_ids=(63,),
-                       fork_rule=lambda p, ep, n: 5)
+                       fork_rule=lambda reqs: [5] * len(reqs))
     with pytest.raises(ValueError, match="roots"):
         TurnTreeConfig(num_slots=2, roots=3)
     with pytest.raises(ValueError, match="does not fit"):

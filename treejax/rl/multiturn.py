@@ -49,7 +49,10 @@ class MultiTurnConfig:
     """Code-tool episodes (module docstring): ``max_turns`` policy turns, ``turn_tokens`` tokens per turn, ``chunk``
     tokens decoded between host checks, the sandbox's ``tool_timeout_s`` / ``tool_memory_mb`` per call, at most
     ``max_turns - 1`` tool calls (the last turn is for the answer). The response capacity (policy and observation
-    tokens together) is ``TreeConfig.max_length``."""
+    tokens together) is ``TreeConfig.max_length``. Trees of turns: ``roots`` episodes per prompt (``None``: one per
+    leaf slot, independent episodes), forks into ``branch_factor`` children at a path's first ``fork_turns`` turns;
+    ``fork_rule``: ``"uniform"`` (every path that may fork does) or ``"trace"`` (TRACE: the ``trace_fraction`` of each
+    round's paths whose predicted success is the most mixed fork, :class:`treejax.rl.trace.TraceRule`)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -59,6 +62,8 @@ class MultiTurnConfig:
     roots: int | None = None
     branch_factor: int = 2
     fork_turns: int = 1
+    fork_rule: str = "uniform"
+    trace_fraction: float = 0.5
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
@@ -67,6 +72,9 @@ class MultiTurnConfig:
         if (self.roots is not None and self.roots < 1) or self.branch_factor < 1 or self.fork_turns < 0:
             raise ConfigError(f"MultiTurnConfig: roots >= 1 (or None), branch_factor >= 1, fork_turns >= 0 "
                               f"required, got {self}")
+        if self.fork_rule not in FORK_RULES or not 0.0 < self.trace_fraction <= 1.0:
+            raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
+                              f"got {self.fork_rule!r}, {self.trace_fraction}")
 
     def check(self, tree_config) -> None:
         try:
@@ -84,6 +92,8 @@ class MultiTurnConfig:
                               branch_factor=self.branch_factor, fork_turns=self.fork_turns)
 
 
+#: ``MultiTurnConfig.fork_rule`` values.
+FORK_RULES = ("uniform", "trace")
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN")
 
@@ -106,7 +116,9 @@ class MultiTurnRollouts:
             raise ConfigError(f"RunConfig.multiturn: the estimator reads {unknown}; multi-turn rollouts supply only "
                               f"{MULTITURN_INPUTS}")
         self.estimator_inputs = tuple(estimator_inputs)
-        self.scorer = None
+        self.scorer, self.model_config, self.pad_id = None, model_config, pad_id
+        if config.fork_rule == "trace" and model_config is None:
+            raise ConfigError("MultiTurnRollouts: fork_rule 'trace' needs the model_config to predict success")
         if "truth_logp_PxN" in self.estimator_inputs:
             if model_config is None:
                 raise ConfigError("MultiTurnRollouts: truth_logp_PxN needs the model_config to score the ground truth")
@@ -128,9 +140,11 @@ class MultiTurnRollouts:
         P, W = len(examples), tc.num_leaves
         limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
                             chunk=cfg.chunk)
+        rule = self.trace_rule(params, examples, prompts, lens) if cfg.fork_rule == "trace" else None
         t = time.perf_counter()
         trees = run_turn_trees(params, b.sampler_fns, b.tokenizer, lambda p: self.make_env(), list(examples),
-                               prompts, lens, key, tc.strategy, limits, cfg.tree(W), stop_ids=tuple(tc.stop_ids or ()))
+                               prompts, lens, key, tc.strategy, limits, cfg.tree(W), stop_ids=tuple(tc.stop_ids or ()),
+                               fork_rule=rule)
         episode_s = time.perf_counter() - t
 
         def answered(ep) -> bool:
@@ -174,6 +188,12 @@ class MultiTurnRollouts:
                    "multiturn/env_s": t_env, "multiturn/episode_s": episode_s}
         metrics.update({f"multiturn/status/{s}": sum(e.status == s for e in slots)
                         for s in ("done", "max_turns", "max_tokens")})
+        if rule is not None:
+            p_hat = [h[0] for h in rule.history]
+            metrics.update({"multiturn/trace_requests": len(p_hat),
+                            "multiturn/trace_p_hat_mean": float(np.mean(p_hat)) if p_hat else 0.0,
+                            "multiturn/trace_forked_frac": float(np.mean([h[1] > 1 for h in rule.history]))
+                            if p_hat else 0.0})
         inputs = {}
         if "tool_success_PxN" in self.estimator_inputs:
             inputs["tool_success_PxN"] = jnp.asarray(tool_success(trees, forest.node_parent.shape[1]))
@@ -185,6 +205,22 @@ class MultiTurnRollouts:
                         scores_PxW=scores, prompts_PxLp=np.asarray(prompts), lengths_P=np.asarray(lens),
                         counters=counters, estimator_inputs=inputs, examples=list(examples),
                         reward_scores_PxW=scores, extra_metrics=metrics)
+
+    def trace_rule(self, params, examples, prompts, lens):
+        """TRACE's fork rule for this step (:class:`treejax.rl.trace.TraceRule`): the policy's probability of each
+        prompt's ground truth, written as ``truth_prefix + truth``, after a prefix predicts its success."""
+        from treejax.rl.info_gain import answer_tokens
+        from treejax.rl.trace import TraceRule, cached_prefix_scorer
+
+        answer, alen, scored = answer_tokens(self.base.tokenizer.encode, [ex.ground_truth for ex in examples],
+                                             prefix=self.truth_prefix, max_length=TRUTH_WIDTH)
+        prompts, lens = np.asarray(prompts), np.asarray(lens)
+        return TraceRule(cached_prefix_scorer(self.model_config), params,
+                         [prompts[p, :lens[p]] for p in range(len(lens))],
+                         [answer[p, :alen[p]] for p in range(len(alen))], [scored[p, :alen[p]] for p in range(len(alen))],
+                         width=prompts.shape[1] + self.tree_config.max_length + TRUTH_WIDTH,
+                         branch_factor=self.config.branch_factor, fraction=self.config.trace_fraction,
+                         pad_id=self.pad_id)
 
     def truth_logp(self, params, examples, prompts, lens, forest):
         """IGPO's teacher-forced scores ``[P, N]``: the mean log-prob of each prompt's ground truth, written as the

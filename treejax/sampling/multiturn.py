@@ -192,6 +192,16 @@ class TurnTree:
     forks: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ForkRequest:
+    """A path that may fork at a turn boundary: its ``prompt`` index, its :class:`Episode` so far (the conversation
+    through the observation just appended) and the number of leaf ``slots`` it owns (>= 2)."""
+
+    prompt: int
+    episode: Episode
+    slots: int
+
+
 @jax.jit
 def _fork(cache, src):
     return fork_rows(cache, src)
@@ -209,15 +219,17 @@ def run_turn_trees(params, model: decode.ModelFns, tokenizer, make_env: Callable
                    prompts, prompt_lengths, key: jax.Array, strategy: Strategy, limits: TurnLimits = TurnLimits(),
                    tree: TurnTreeConfig = TurnTreeConfig(), stop_ids: tuple[int, ...] = (),
                    observation_format: Callable[[str], str] | None = None,
-                   fork_rule: Callable[[int, Episode, int], int] | None = None) -> list[TurnTree]:
+                   fork_rule: Callable[[list[ForkRequest]], list[int]] | None = None) -> list[TurnTree]:
     """Runs a tree of turns per prompt (module docstring): ``examples[p]`` after prompt ``prompts[p,
     :prompt_lengths[p]]``, ``tree.roots`` episodes each with its own environment ``make_env(p)`` (reset on the
     example), forks at turn boundaries that copy the KV row (:func:`treejax.sampling.cache.fork_rows`) and the
     environment (``env.clone()``). ``model``: sampler fns with ``extend``; ``tokenizer``: ``encode`` / ``decode``;
-    ``observation_format``: observation text -> appended text (default: as is). ``fork_rule(p, episode, n)``:
-    the number of children (1..n) for a row of prompt ``p`` owning ``n`` slots whose path is ``episode``
-    (default ``min(branch_factor, n)``); it sees only the path so far (the child counts are fixed before the
-    children are drawn: each leaf slot is one sample of the policy, weight 1).
+    ``observation_format``: observation text -> appended text (default: as is). ``fork_rule(requests)``: for the
+    paths that may fork at this round's turn boundaries (one :class:`ForkRequest` each: prompt, path so far,
+    slots owned), the number of children of each, ``1..slots`` (default ``min(branch_factor, slots)``). It sees
+    only the paths so far, so the child counts are fixed before the children are drawn: each leaf slot stays one
+    sample of the policy, weight 1 (e.g. :class:`treejax.rl.trace.TraceRule` ranks the prefixes by predicted
+    success).
 
     Cache rows: prompt ``p``'s slots are rows ``p W .. p W + W - 1``; a path owning slots ``[lo, hi)`` decodes on
     row ``p W + lo``. Token ``t`` of the response on row ``r`` is drawn with ``decode.token_keys(key, r, 0, t)``,
@@ -249,7 +261,7 @@ def run_turn_trees(params, model: decode.ModelFns, tokenizer, make_env: Callable
     turn: list[list] = [[] for _ in range(B)]
     active = np.zeros(B, bool)
     trees = [TurnTree([TurnNode(-1, 0, 0, 0)], [[] for _ in range(W)], [None] * W) for _ in range(P)]
-    n_fork = fork_rule or (lambda p, ep, n: min(tree.branch_factor, n))
+    n_fork = fork_rule or (lambda reqs: [min(tree.branch_factor, r.slots) for r in reqs])
 
     def text_of(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -374,12 +386,15 @@ def run_turn_trees(params, model: decode.ModelFns, tokenizer, make_env: Callable
                     going_on.append(b)
         append(observations)
         src = np.arange(B, dtype=np.int32)
-        for b in going_on:  # the turn's node ends after its observation; forks copy the row and the environment
+        for b in going_on:  # the turn's node ends after its observation
             close(b)
+        may = [b for b in going_on if eps[b].policy_turns <= tree.fork_turns and slots[b][1] - slots[b][0] >= 2]
+        counts = list(n_fork([ForkRequest(b // W, eps[b], int(slots[b][1] - slots[b][0])) for b in may])) if may else []
+        if len(counts) != len(may):
+            raise ValueError(f"fork_rule gave {len(counts)} counts for {len(may)} requests")
+        for b, c in zip(may, counts):  # forks copy the row and the environment
             lo, hi = slots[b]
-            if eps[b].policy_turns > tree.fork_turns or hi - lo < 2:
-                continue
-            c = int(n_fork(b // W, eps[b], int(hi - lo)))
+            c = int(c)
             if not 1 <= c <= hi - lo:
                 raise ValueError(f"fork_rule gave {c} children for a row owning {hi - lo} slots (need 1..{hi - lo})")
             parts = _split(int(lo), int(hi), c)
@@ -455,5 +470,5 @@ def run_episodes(params, model: decode.ModelFns, tokenizer, envs: list, examples
     return [t.slot_episode[0] for t in trees]
 
 
-__all__ = ["Episode", "TurnLimits", "TurnNode", "TurnTree", "TurnTreeConfig", "chat_observation", "run_episodes",
+__all__ = ["Episode", "ForkRequest", "TurnLimits", "TurnNode", "TurnTree", "TurnTreeConfig", "chat_observation", "run_episodes",
            "run_turn_trees", "turn_forest"]

@@ -177,3 +177,34 @@ def test_turn_inputs_for_igpo_and_portool():
         assert np.all(np.asarray(adv.tokens)[np.asarray(f.loss_mask) == 0] == 0)
     with pytest.raises(ConfigError, match="supply only"):
         MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("greedy_reward_P",))
+
+
+def test_environment_choice_scores_and_tool_evaluation(monkeypatch):
+    """The game environment is built from the config; game episodes score their total reward, code-tool episodes
+    their answer turn's; the held-out evaluation with the environment runs greedy episodes."""
+    from treejax.envs.guess import GuessNumberEnv
+    from treejax.rl.multiturn import episode_score, episode_status
+    from treejax.sampling.multiturn import Episode
+
+    base = _Base()
+    src = MultiTurnRollouts(base, MultiTurnConfig(environment="guess_number", max_turns=5))
+    env = src.make_env()
+    assert isinstance(env, GuessNumberEnv) and env.max_turns == 5
+    game = Episode(rewards=[0.0, 0.0, 1.0], infos=[{"found": False}, {"found": False}, {"found": True}], status="done")
+    tool = Episode(rewards=[0.0, 1.0], infos=[{"tool_seconds": 0.1}, {"answered": True}], status="done")
+    limit = Episode(rewards=[0.0, 1.0], infos=[{"tool_seconds": 0.1}, {"answered": False}], status="done")
+    assert [episode_score(e) for e in (game, tool, limit)] == [1.0, 1.0, 0.0]
+    assert episode_status(limit) == 3 and episode_status(tool) == 2  # EOS, FINISHED
+    with pytest.raises(ConfigError, match="environment"):
+        MultiTurnConfig(environment="chess")
+
+    params = transformer.init_params(CFG, jax.random.key(5))
+    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=_Env)
+    examples = [types.SimpleNamespace(prompt_messages=[{"role": "user", "content": "1"}], ground_truth="3",
+                                      metadata={}) for _ in range(3)]
+    import treejax.data.prompts as prompts_lib
+
+    monkeypatch.setattr(prompts_lib, "encode_examples", lambda tok, exs, *a: [[1, 2, 3]] * len(exs))  # no template
+    out = src.evaluate_episodes(params, examples, prompt_width=4, batch_size=2)
+    assert set(out) == {"tool_accuracy", "tool_score", "tool_calls_mean", "tool_turns_mean"}
+    assert 0.0 <= out["tool_accuracy"] <= 1.0 and 1.0 <= out["tool_turns_mean"] <= 3.0

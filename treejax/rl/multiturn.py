@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from treejax.envs.code_tool import CodeToolEnv
+from treejax.envs.guess import GuessNumberEnv
 from treejax.envs.sandbox import SandboxConfig
 from treejax.errors import ConfigError
 from treejax.forest import NodeStatus
-from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, run_turn_trees, turn_forest
+from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, chat_observation, run_turn_trees, turn_forest
 from treejax.sampling.partial import check_chains
 
 
@@ -52,7 +53,12 @@ class MultiTurnConfig:
     tokens together) is ``TreeConfig.max_length``. Trees of turns: ``roots`` episodes per prompt (``None``: one per
     leaf slot, independent episodes), forks into ``branch_factor`` children at a path's first ``fork_turns`` turns;
     ``fork_rule``: ``"uniform"`` (every path that may fork does) or ``"trace"`` (TRACE: the ``trace_fraction`` of each
-    round's paths whose predicted success is the most mixed fork, :class:`treejax.rl.trace.TraceRule`)."""
+    round's paths whose predicted success is the most mixed fork, :class:`treejax.rl.trace.TraceRule`).
+    ``environment``: ``"code_tool"`` (:class:`~treejax.envs.code_tool.CodeToolEnv` on the task) or
+    ``"guess_number"`` (:class:`~treejax.envs.guess.GuessNumberEnv`, ``max_turns`` guesses, its hidden number a
+    hash of the problem's question); ``observation_format``: ``"raw"`` (the text as is) or ``"chat"`` (a user turn
+    of the model's chat template, :func:`~treejax.sampling.multiturn.chat_observation`); ``eval_with_tools``: the
+    held-out evaluation also runs greedy episodes with the environment (``eval/tool_accuracy``, ...)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -64,6 +70,9 @@ class MultiTurnConfig:
     fork_turns: int = 1
     fork_rule: str = "uniform"
     trace_fraction: float = 0.5
+    environment: str = "code_tool"
+    observation_format: str = "raw"
+    eval_with_tools: bool = True
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
@@ -72,6 +81,9 @@ class MultiTurnConfig:
         if (self.roots is not None and self.roots < 1) or self.branch_factor < 1 or self.fork_turns < 0:
             raise ConfigError(f"MultiTurnConfig: roots >= 1 (or None), branch_factor >= 1, fork_turns >= 0 "
                               f"required, got {self}")
+        if self.environment not in ENVIRONMENTS or self.observation_format not in ("raw", "chat"):
+            raise ConfigError(f"MultiTurnConfig: environment must be one of {ENVIRONMENTS} and observation_format "
+                              f"'raw' or 'chat', got {self.environment!r}, {self.observation_format!r}")
         if self.fork_rule not in FORK_RULES or not 0.0 < self.trace_fraction <= 1.0:
             raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
                               f"got {self.fork_rule!r}, {self.trace_fraction}")
@@ -92,6 +104,8 @@ class MultiTurnConfig:
                               branch_factor=self.branch_factor, fork_turns=self.fork_turns)
 
 
+#: ``MultiTurnConfig.environment`` values.
+ENVIRONMENTS = ("code_tool", "guess_number")
 #: ``MultiTurnConfig.fork_rule`` values.
 FORK_RULES = ("uniform", "trace")
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
@@ -108,8 +122,11 @@ class MultiTurnRollouts:
     def __init__(self, base, config: MultiTurnConfig, make_env=None, estimator_inputs: tuple[str, ...] = (),
                  model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: "):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
+        if make_env is None and config.environment == "guess_number":
+            make_env = lambda: GuessNumberEnv(max_turns=config.max_turns)  # noqa: E731
         self.make_env = make_env or (lambda: CodeToolEnv(base.task, sandbox=self.sandbox,
                                                          max_calls=config.max_turns - 1))
+        self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
         self.pipeline = base.pipeline
         unknown = [i for i in estimator_inputs if i not in MULTITURN_INPUTS]
         if unknown:
@@ -144,20 +161,13 @@ class MultiTurnRollouts:
         t = time.perf_counter()
         trees = run_turn_trees(params, b.sampler_fns, b.tokenizer, lambda p: self.make_env(), list(examples),
                                prompts, lens, key, tc.strategy, limits, cfg.tree(W), stop_ids=tuple(tc.stop_ids or ()),
-                               fork_rule=rule)
+                               observation_format=self.observation_format, fork_rule=rule)
         episode_s = time.perf_counter() - t
 
-        def answered(ep) -> bool:
-            return bool(ep.infos) and ep.infos[-1].get("answered", False)
-
-        def status_of(ep) -> int:
-            return int(NodeStatus.TRUNCATED if ep.status != "done" else
-                       NodeStatus.FINISHED if answered(ep) else NodeStatus.EOS)
-
-        forest = turn_forest(trees, tc.response_capacity, status_of, max_depth=cfg.max_turns,
+        forest = turn_forest(trees, tc.response_capacity, episode_status, max_depth=cfg.max_turns,
                              num_nodes=1 + W * cfg.max_turns)
         slots = [ep for tr in trees for ep in tr.slot_episode]
-        scores = np.array([ep.rewards[-1] if answered(ep) else 0.0 for ep in slots], np.float32).reshape(P, W)
+        scores = np.array([episode_score(ep) for ep in slots], np.float32).reshape(P, W)
         length = np.asarray(forest.leaf_length)
         # distinct work: each node's tokens were decoded / appended once, whatever the slots through it
         decoded = appended = segments = 0
@@ -236,6 +246,56 @@ class MultiTurnRollouts:
         return jax.device_get(truth)
 
 
+    def evaluate_episodes(self, params, examples, prompt_width: int, system_prompt=None, instruction=None,
+                          batch_size: int = 64) -> dict:
+        """Held-out evaluation with the environment: one greedy episode per problem (the same limits, observation
+        format and stop tokens as training; batches of ``batch_size``). Returns ``tool_accuracy`` (episodes scoring
+        1), ``tool_score`` (mean score), ``tool_calls_mean``, ``tool_turns_mean``."""
+        from treejax.data.prompts import encode_examples
+        from treejax.sampling.strategies import Greedy
+
+        b, tc, cfg = self.base, self.tree_config, self.config
+        toks = encode_examples(b.tokenizer, examples, system_prompt, instruction)
+        if max(len(t) for t in toks) > prompt_width:
+            raise ValueError(f"a prompt of {max(len(t) for t in toks)} tokens exceeds the prompt width {prompt_width}")
+        limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
+                            chunk=cfg.chunk)
+        eps = []
+        for i in range(0, len(toks), batch_size):
+            chunk = toks[i:i + batch_size]
+            prompts = np.zeros((len(chunk), prompt_width), np.int32)
+            for r, t in enumerate(chunk):
+                prompts[r, :len(t)] = t
+            trees = run_turn_trees(params, b.sampler_fns, b.tokenizer, lambda p: self.make_env(),
+                                   list(examples[i:i + batch_size]), prompts, np.array([len(t) for t in chunk]),
+                                   jax.random.key(0), Greedy(), limits, TurnTreeConfig(),
+                                   stop_ids=tuple(tc.stop_ids or ()), observation_format=self.observation_format)
+            eps += [t.slot_episode[0] for t in trees]
+        scores = np.array([episode_score(e) for e in eps])
+        return {"tool_accuracy": float(np.mean(scores >= 1.0)), "tool_score": float(np.mean(scores)),
+                "tool_calls_mean": float(np.mean([sum("tool_seconds" in i for i in e.infos) for e in eps])),
+                "tool_turns_mean": float(np.mean([e.policy_turns for e in eps]))}
+
+
+def answered(ep) -> bool:
+    """The episode ended with an answer turn (the code tool's ``answered``; a game's ``found``)."""
+    return bool(ep.infos) and bool(ep.infos[-1].get("answered", ep.infos[-1].get("found", False)))
+
+
+def episode_score(ep) -> float:
+    """An episode's score in [0, 1]: for environments that mark answer turns (the code tool's ``answered``), the
+    verifier's score of the answer turn and 0 without one; otherwise (games) the episode's total reward, clipped."""
+    if ep.infos and "answered" in ep.infos[-1]:
+        return float(ep.rewards[-1]) if ep.infos[-1]["answered"] else 0.0
+    return float(np.clip(sum(ep.rewards), 0.0, 1.0))
+
+
+def episode_status(ep) -> int:
+    """A leaf's :class:`~treejax.forest.NodeStatus`: FINISHED after an answer, EOS when the environment ended the
+    episode otherwise, TRUNCATED at a turn or token limit."""
+    return int(NodeStatus.TRUNCATED if ep.status != "done" else NodeStatus.FINISHED if answered(ep) else NodeStatus.EOS)
+
+
 #: Token width of the ground-truth answer row of the IGPO scoring pass (a longer answer is an error).
 TRUTH_WIDTH = 32
 
@@ -253,4 +313,5 @@ def tool_success(trees, num_nodes: int) -> np.ndarray:
     return out
 
 
-__all__ = ["MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "tool_success"]
+__all__ = ["ENVIRONMENTS", "FORK_RULES", "MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "answered",
+           "episode_score", "episode_status", "tool_success"]

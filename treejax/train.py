@@ -92,6 +92,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.multiturn import MultiTurnConfig
 
     classes.setdefault("MultiTurnConfig", MultiTurnConfig)
+    from treejax.rl.spear import SpearConfig
+
+    classes.setdefault("SpearConfig", SpearConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

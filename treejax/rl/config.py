@@ -30,6 +30,7 @@ from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnConfig
 from treejax.rl.partial import PartialConfig
 from treejax.rl.prompt_gdro import PromptGDROConfig
 from treejax.rl.replay import ReplayConfig
+from treejax.rl.spear import SpearConfig
 from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
@@ -244,6 +245,7 @@ class RunConfig:
     partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
     exemplars: ExemplarConfig | None = None  # XRPO: all-fail prompts re-rolled with solved exemplars (treejax.rl.exemplars)
     multiturn: MultiTurnConfig | None = None  # code-tool episodes: multi-turn rollouts (treejax.rl.multiturn)
+    spear: SpearConfig | None = None  # SPEAR: tool-call bonus + self-imitation rows on multiturn (treejax.rl.spear)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -256,7 +258,8 @@ class RunConfig:
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
             raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step"
                              f"{' + AllocationConfig.extra_rows' if self.allocation else ''}"
-                             f"{' + ReplayConfig.rows' if self.replay else ''}) x num_leaves"
+                             f"{' + ReplayConfig.rows' if self.replay else ''}"
+                             f"{' + SpearConfig.sil_rows' if self.spear else ''}) x num_leaves"
                              f"{' x NudgeConfig rows per problem' if self.nudge else ''}) must split into "
                              f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         self._check_choices()
@@ -269,6 +272,7 @@ class RunConfig:
                              f"{self.prompts_per_step}"
                              f"{f' + AllocationConfig.extra_rows={self.allocation.extra_rows}' if self.allocation else ''}"
                              f"{f' + ReplayConfig.rows={self.replay.rows}' if self.replay else ''}"
+                             f"{f' + SpearConfig.sil_rows={self.spear.sil_rows}' if self.spear else ''}"
                              f" does not split into mini_batches={self.mini_batches}")
         if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
             raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
@@ -284,6 +288,7 @@ class RunConfig:
         self._check_partial()
         self._check_exemplars()
         self._check_multiturn()
+        self._check_spear()
         self._check_proximal()
         self._check_async()
         self._check_schedule()
@@ -291,7 +296,8 @@ class RunConfig:
     def step_rows(self) -> int:
         """Prompt rows of one step's rollouts: ``prompts_per_step``, plus ``AllocationConfig.extra_rows``."""
         return (self.prompts_per_step + (self.allocation.extra_rows if self.allocation is not None else 0)
-                + (self.replay.rows if self.replay is not None else 0))
+                + (self.replay.rows if self.replay is not None else 0)
+                + (self.spear.sil_rows if self.spear is not None else 0))
 
     def _check_allocation(self) -> None:
         """Prompt-level allocation needs an estimator that honours unused slots, and nothing else that decides
@@ -404,6 +410,22 @@ class RunConfig:
                           "segments; turn forests hold spans)")):
             if bad:
                 raise ConfigError(f"RunConfig.multiturn: fix: {why}")
+
+    def _check_spear(self) -> None:
+        """SPEAR wraps the multi-turn source (its tool calls, its turn forests); its self-imitation rows were
+        sampled by older policies (decoupled PPO's correction) and carry their own advantage."""
+        if self.spear is None:
+            return
+        if self.multiturn is None:
+            raise ConfigError("RunConfig.spear wraps the multi-turn source (its tool-call bonus counts tool calls); "
+                              "fix: RunConfig.multiturn = @MultiTurnConfig()")
+        if self.old_logp == "sampler" or self.loss.tis_cap is None:
+            raise ConfigError("RunConfig.spear trains self-imitation rows sampled by older policies, which needs the "
+                              "importance correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' (or "
+                              "'ewma') and LossConfig.tis_cap = 2.0 (or another cap)")
+        if self.packed_update:
+            raise ConfigError("RunConfig.spear with the packed update is not verified (its self-imitation rows are "
+                              "W copies of one chain with one slot trained); fix: RunConfig.packed_update = False")
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""

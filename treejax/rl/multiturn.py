@@ -24,7 +24,8 @@ nodes as their segments.
 Metrics: ``multiturn/turns_mean`` (policy turns per leaf slot), ``tool_calls_mean``, ``tool_error_frac`` (calls
 whose code failed or timed out), ``answered_frac`` (slots whose episode gave an answer), ``appended_tokens``
 (observation tokens appended, each shared node counted once), ``forks``, ``env_s`` (host seconds in the
-environments), ``episode_s``, and the end statuses ``multiturn/status/<done|max_turns|max_tokens>`` (per slot).
+environments), ``episode_s``, and the end statuses ``multiturn/status/<done|max_turns|max_tokens>`` (per slot). ``Rollouts.tool_calls_PxW``: each slot's tool calls
+that ran cleanly (SPEAR's tool-call bonus, :mod:`treejax.rl.spear`).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ class MultiTurnRollouts:
                     k = sum(ep.policy_mask[node.start:node.end])
                     decoded, appended, segments = decoded + k, appended + (node.end - node.start - k), segments + 1
         calls = [sum(1 for i in e.infos if "tool_seconds" in i) for e in slots]
+        clean = np.array([sum(1 for i in e.infos if "tool_seconds" in i and not i.get("tool_error")) for e in slots],
+                         np.int32).reshape(P, W)
         errors = sum(1 for e in slots for i in e.infos if i.get("tool_error"))
         t_env = sum(e.env_seconds for e in distinct)
         status = np.asarray(forest.leaf_status)
@@ -214,7 +217,7 @@ class MultiTurnRollouts:
         return Rollouts(forest=forest, rewards_PxW=jnp.asarray(b.rewards(scores, length), jnp.float32),
                         scores_PxW=scores, prompts_PxLp=np.asarray(prompts), lengths_P=np.asarray(lens),
                         counters=counters, estimator_inputs=inputs, examples=list(examples),
-                        reward_scores_PxW=scores, extra_metrics=metrics)
+                        reward_scores_PxW=scores, extra_metrics=metrics, tool_calls_PxW=clean)
 
     def trace_rule(self, params, examples, prompts, lens):
         """TRACE's fork rule for this step (:class:`treejax.rl.trace.TraceRule`): the policy's probability of each

@@ -111,6 +111,10 @@ class Rollouts:
     ``p`` first, then its extra chunks (``-1``: none); the learner's estimator then runs over each prompt's whole
     group (:func:`treejax.rl.allocation.group_forest`). Rows ``P..`` are the extra chunks and the budget's unused
     rows (masked out of the loss).
+    ``tool_calls_PxW`` (multi-turn rollouts): the tool calls of each leaf slot's episode that ran cleanly (no
+    error, no time-out); ``None`` for other sources. ``fixed_advantage_PxW`` (SPEAR's self-imitation rows,
+    :mod:`treejax.rl.spear`): where not NaN, the leaf's advantage on every token of its loss mask, in place of
+    the estimator's (the learner applies it right after the estimator); ``None``: the estimator's everywhere.
     """
 
     forest: Forest
@@ -126,6 +130,8 @@ class Rollouts:
     groups_PxC: np.ndarray | None = None  # allocation: the rows of each prompt's group (-1: none)
     fresh_rows: int | None = None  # replay: the rows sampled this step (the rest are replayed)
     extra_metrics: dict | None = None  # the source's own host metrics (``alloc/...``, ``replay/...``)
+    tool_calls_PxW: np.ndarray | None = None  # multi-turn: each leaf slot's tool calls that ran cleanly
+    fixed_advantage_PxW: np.ndarray | None = None  # SPEAR: a leaf's advantage set by the source (NaN: estimator's)
 
     @property
     def main_rows(self) -> int:

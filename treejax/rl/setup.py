@@ -41,6 +41,7 @@ from treejax.rl.exemplars import ExemplarRollouts
 from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnRollouts
 from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
+from treejax.rl.spear import SpearRollouts
 from treejax.rl.rollouts import TaskRollouts
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
@@ -191,6 +192,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if cfg.multiturn is not None:  # code-tool episodes (treejax.rl.multiturn)
         source = MultiTurnRollouts(source, cfg.multiturn, estimator_inputs=learner.estimator_inputs,
                                    model_config=model_config, pad_id=pad_id)
+    if cfg.spear is not None:  # SPEAR: tool-call bonus and self-imitation rows (treejax.rl.spear)
+        source = SpearRollouts(source, cfg.spear)
     if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)
         source = PartialRollouts(source, cfg.partial)
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,

@@ -238,6 +238,8 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
             raise ValueError(f"estimator {cfg.estimator!r} does not honour unused leaf slots, so it cannot take "
                              "prompt-level allocation's groups (EstimatorSpec.ragged)")
         adv = learner.grouped_estimator(ro.forest, ro.rewards_PxW, inputs, jnp.asarray(ro.groups_PxC, jnp.int32))
+    if ro.fixed_advantage_PxW is not None:  # SPEAR's self-imitation rows: the source's advantage, not the estimator's
+        adv = with_fixed_advantages(adv, ro.forest, ro.fixed_advantage_PxW)
     if cfg.leaf_weighting == "mass":
         adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
     P, W = ro.rewards_PxW.shape
@@ -302,6 +304,16 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     if timed:
         info.update({"time/logp_s": t_logp - t0, "time/update_s": _wait(state.step) - t_logp})
     return state, device_metrics, info
+
+
+def with_fixed_advantages(adv: Advantages, forest: Forest, fixed_PxW) -> Advantages:
+    """``adv`` with the leaves whose ``fixed_PxW`` is not NaN given that advantage on every token of the forest's
+    loss mask (and that mask), in place of the estimator's (``Rollouts.fixed_advantage_PxW``)."""
+    fixed = jnp.asarray(fixed_PxW, jnp.float32)
+    on = ~jnp.isnan(fixed)[:, :, None]
+    mask = forest.loss_mask
+    return adv.replace(tokens=jnp.where(on, jnp.nan_to_num(fixed)[:, :, None] * mask, adv.tokens),
+                       loss_mask=jnp.where(on, mask, adv.loss_mask))
 
 
 def _wait(x) -> float:

@@ -24,8 +24,9 @@ nodes as their segments.
 Metrics: ``multiturn/turns_mean`` (policy turns per leaf slot), ``tool_calls_mean``, ``tool_error_frac`` (calls
 whose code failed or timed out), ``answered_frac`` (slots whose episode gave an answer), ``appended_tokens``
 (observation tokens appended, each shared node counted once), ``forks``, ``env_s`` (host seconds in the
-environments), ``episode_s``, and the end statuses ``multiturn/status/<done|max_turns|max_tokens>`` (per slot). ``Rollouts.tool_calls_PxW``: each slot's tool calls
-that ran cleanly (SPEAR's tool-call bonus, :mod:`treejax.rl.spear`).
+environments), ``episode_s``, and the end statuses ``multiturn/status/<done|max_turns|max_tokens>`` (per slot).
+``Rollouts.tool_calls_PxW``: each slot's tool calls that ran cleanly (SPEAR's tool-call bonus,
+:mod:`treejax.rl.spear`).
 """
 
 from __future__ import annotations

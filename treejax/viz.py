@@ -11,10 +11,16 @@ stopped, which says nothing about the answer) and their reward written next to t
 the verifier's results are given (``correct``). The colour scale is the run's reward range when given
 (``reward_range``), so one colour means one value in every picture of a run. Pruned nodes are crossed out. Matplotlib's object API is used without pyplot, so
 drawing never changes the global backend (safe in notebooks and headless servers).
+
+Trees of turns (multi-turn rollouts, :class:`~treejax.sampling.multiturn.TurnTree`): :func:`draw_turn_tree` draws
+a box per turn (its action, its observation, its kind: tool call ran / tool error / answer / no answer, the slots
+through it and the leaf's reward, forks marked), :func:`turn_tree_text` prints the same tree as an indented
+outline; both read the tree through :func:`turn_boxes`, which checks it first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import textwrap
 import warnings
@@ -201,3 +207,285 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
         fig.tight_layout()
         fig.savefig(path, dpi=dpi, format=ext[1:])
     return path
+
+
+# ------------------------------------------------------------------------------------------ trees of turns
+TURN_KINDS = {  # kind -> (box colour, legend text)
+    "root": ("white", "prompt"),
+    "tool ok": ("#cfe2f3", "tool call, ran"),
+    "tool error": ("#f4b6b6", "tool call, error"),
+    "answer": ("#c9e7c1", "answer"),
+    "no answer": ("#d9d9d9", "no answer (limit reached / none given)"),
+    "turn": ("#fff2cc", "other turn"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnBox:
+    """What the pictures show of one node of a :class:`~treejax.sampling.multiturn.TurnTree`: ``node`` id,
+    ``parent``, ``depth``, ``kind`` (a key of :data:`TURN_KINDS`), the abbreviated ``action`` (the turn's
+    code or answer line) and ``observation``, the number of ``slots`` through it, its ``children``, and
+    ``value`` (mean episode reward of those slots). ``reward`` / ``status``: the episode's total reward and
+    status for a leaf (a node no path goes past), else None."""
+
+    node: int
+    parent: int
+    depth: int
+    kind: str
+    action: str
+    observation: str
+    slots: int
+    children: tuple[int, ...]
+    value: float
+    reward: float | None = None
+    status: str | None = None
+
+
+def turn_kind(info: dict, last: bool, status: str) -> str:
+    """A turn's kind from its step ``info`` (the keys :class:`~treejax.envs.code_tool.CodeToolEnv` writes),
+    whether it is its episode's ``last`` turn and the episode's ``status``:
+
+    * ``info["tool_error"]`` present: "tool error" when true, else "tool ok";
+    * ``info["answered"]`` false (no answer given, or the tool-call limit ended the episode): "no answer";
+    * otherwise the last turn: "answer" when the environment ended the episode (``status == "done"``), else
+      "no answer" (``max_turns`` / ``max_tokens``); any other turn: "turn"."""
+    if "tool_error" in info:
+        return "tool error" if info["tool_error"] else "tool ok"
+    if info.get("answered") is False:
+        return "no answer"
+    if last:
+        return "answer" if status == "done" else "no answer"
+    return "turn"
+
+
+def _action_summary(text: str, max_chars: int) -> str:
+    """The code of a ``<code>...</code>`` call (its first ``max_chars`` characters), else the turn's
+    ``Answer:`` line or last non-empty line (its last ``max_chars``), on one line."""
+    from treejax.envs.code_tool import extract_code
+
+    code = extract_code(text)
+    if code is not None:
+        return _one_line(code, max_chars, tail=False)
+    lines = [ln for ln in str(text).splitlines() if ln.strip()]
+    answers = [ln for ln in lines if ln.strip().lower().startswith("answer")]
+    return _one_line(answers[-1] if answers else (lines[-1] if lines else ""), max_chars)
+
+
+def _observation_summary(text: str, kind: str, max_chars: int) -> str:
+    """The observation without ``<output>`` tags, on one line: its end for a tool error (where the error is),
+    else its start."""
+    flat = str(text).replace("<output>", " ").replace("</output>", " ")
+    return _one_line(flat, max_chars, tail=kind == "tool error")
+
+
+def _check_turn_tree(tree: Any, where: str) -> None:
+    """Raises ValueError (TypeError for a non-tree) naming what is wrong with ``tree``."""
+    if not all(hasattr(tree, a) for a in ("nodes", "slot_path", "slot_episode")):
+        raise TypeError(f"{where}: expected a TurnTree (nodes, slot_path, slot_episode), got {type(tree).__name__}")
+    nodes = tree.nodes
+    if not nodes or nodes[0].parent != -1 or nodes[0].depth != 0:
+        raise ValueError(f"{where}: node 0 must be the root (parent -1, depth 0)")
+    for n, node in enumerate(nodes[1:], start=1):
+        if not 0 <= node.parent < n:
+            raise ValueError(f"{where}: node {n} has parent {node.parent}; a parent must be an earlier node")
+        if node.depth != nodes[node.parent].depth + 1:
+            raise ValueError(f"{where}: node {n} has depth {node.depth}, its parent {node.parent} depth "
+                             f"{nodes[node.parent].depth}")
+        if not 0 <= node.start <= node.end:
+            raise ValueError(f"{where}: node {n} spans [{node.start}, {node.end})")
+    if not tree.slot_path or len(tree.slot_path) != len(tree.slot_episode):
+        raise ValueError(f"{where}: {len(tree.slot_path)} slot paths and {len(tree.slot_episode)} slot episodes")
+    seen = {0}
+    for s, (sp, ep) in enumerate(zip(tree.slot_path, tree.slot_episode)):
+        if ep is None or len(sp) < 2 or sp[0] != 0:
+            raise ValueError(f"{where}: slot {s} holds no episode or its path {sp} does not start at the root "
+                             "and reach a turn")
+        for a, b in zip(sp[:-1], sp[1:]):
+            if not 0 < b < len(nodes) or nodes[b].parent != a:
+                raise ValueError(f"{where}: slot {s}'s path {sp} does not follow the nodes' parents ({a} -> {b})")
+        if nodes[sp[-1]].end > len(ep.tokens):
+            raise ValueError(f"{where}: slot {s}'s last node ends at {nodes[sp[-1]].end}, past its episode's "
+                             f"{len(ep.tokens)} tokens")
+        if len(ep.rewards) < len(sp) - 1:
+            raise ValueError(f"{where}: slot {s}'s episode has {len(ep.rewards)} step rewards for {len(sp) - 1} "
+                             "turns")
+        seen.update(sp)
+    missing = sorted(set(range(len(nodes))) - seen)
+    if missing:
+        raise ValueError(f"{where}: nodes {missing} lie on no slot's path")
+
+
+def turn_boxes(tree: Any, tokenizer: Any, max_chars: int = 32, where: str = "turn_boxes") -> list[TurnBox]:
+    """One :class:`TurnBox` per node of ``tree`` (a :class:`~treejax.sampling.multiturn.TurnTree`, checked
+    first), node 0 the root. Node ``n`` at depth ``d`` is the ``d``-th policy turn of the episodes through it:
+    its action is the policy span inside the node's tokens, its observation the environment spans after it (a
+    path's reset observation, before its first turn, is not shown); its kind :func:`turn_kind` of the
+    episode's ``infos[d - 1]``. ``tokenizer.decode(ids, skip_special_tokens=True)`` gives the texts."""
+    _check_turn_tree(tree, where)
+    if max_chars < 4:
+        raise ValueError(f"{where}: max_chars must be >= 4, got {max_chars}")
+    nodes = tree.nodes
+    through: dict[int, list[int]] = {n: [] for n in range(len(nodes))}
+    for s, sp in enumerate(tree.slot_path):
+        for n in sp:
+            through[n].append(s)
+    children: dict[int, list[int]] = {n: [] for n in range(len(nodes))}
+    for n, node in enumerate(nodes[1:], start=1):
+        children[node.parent].append(n)
+    rewards = [float(ep.reward) for ep in tree.slot_episode]
+    boxes = []
+    for n, node in enumerate(nodes):
+        slots = through[n]
+        value = float(np.mean([rewards[s] for s in slots]))
+        kids = tuple(sorted(children[n]))
+        if n == 0:
+            boxes.append(TurnBox(0, -1, 0, "root", "", "", len(slots), kids, value))
+            continue
+        ep = tree.slot_episode[slots[0]]
+        spans = [(max(a, node.start), min(b, node.end), k) for a, b, k in ep.turns if a < node.end and b > node.start]
+        policy = [(a, b) for a, b, k in spans if k == "policy"]
+        act_ids = ep.tokens[policy[0][0]:policy[0][1]] if policy else []
+        after = policy[0][1] if policy else node.start
+        obs_ids = [t for a, b, k in spans if k != "policy" and a >= after for t in ep.tokens[a:b]]
+        leaf = not kids
+        kind = turn_kind(ep.infos[node.depth - 1] if len(ep.infos) >= node.depth else {},
+                         leaf and node.depth == ep.policy_turns, ep.status)
+        action = _action_summary(tokenizer.decode(list(act_ids), skip_special_tokens=True), max_chars)
+        observation = _observation_summary(tokenizer.decode(list(obs_ids), skip_special_tokens=True), kind,
+                                           max_chars)
+        boxes.append(TurnBox(n, node.parent, node.depth, kind, action, observation, len(slots), kids, value,
+                             float(ep.reward) if leaf else None, ep.status if leaf else None))
+    return boxes
+
+
+def _box_label(b: TurnBox, prompt_text: str | None, num_slots: int, forks: int, max_chars: int) -> str:
+    if b.node == 0:
+        lines = ["prompt"] + (textwrap.wrap(_one_line(prompt_text, 3 * max_chars, tail=False), max_chars)
+                              if prompt_text else [])
+        return "\n".join(lines + [f"{num_slots} slots, {forks} fork{'s' if forks != 1 else ''}"])
+    head = f"[{b.node}] {b.kind}" + (f"  fork x{len(b.children)}" if len(b.children) > 1 else "")
+    lines = [head, f"> {b.action}" if b.action else "> (empty)"]
+    if b.observation:
+        lines.append(f"< {b.observation}")
+    s = f"{b.slots} slot{'s' if b.slots != 1 else ''}"
+    lines.append(f"{s}  R={b.reward:+.2f} {b.status}" if b.reward is not None else f"{s}  V={b.value:+.2f}")
+    return "\n".join(lines)
+
+
+def turn_tree_text(tree: Any, tokenizer: Any, *, prompt_text: str | None = None, max_chars: int = 40) -> str:
+    """An indented outline of one prompt's tree of turns (a :class:`~treejax.sampling.multiturn.TurnTree`), for
+    notebooks and logs: a line for the prompt, then one line per turn node, depth-first (children by node id),
+    indented two spaces a level::
+
+        prompt: What is 2+3?  (4 slots, 1 fork)
+          [1] tool ok: print(2+3) => 5  (4 slots, fork x2, V=+0.50)
+            [2] answer: Answer: 5  (2 slots, R=+1.00 done)
+            [3] answer: Answer: 6  (2 slots, R=+0.00 done)
+
+    Each turn shows its kind (:func:`turn_kind`), its action (the code of a call, or the answer line) and its
+    observation after ``=>`` (both cut to ``max_chars`` characters; the prompt to ``3 max_chars``), the slots (samples) through it, and the
+    value (mean reward of those slots) or, at a leaf, the episode's reward and status."""
+    boxes = turn_boxes(tree, tokenizer, max_chars, where="turn_tree_text")
+    root = boxes[0]
+    forks = int(getattr(tree, "forks", 0))
+    head = f"prompt: {_one_line(prompt_text, 3 * max_chars, tail=False)}" if prompt_text else "prompt"
+    lines = [f"{head}  ({root.slots} slots, {forks} fork{'s' if forks != 1 else ''})"]
+
+    def visit(n: int) -> None:
+        b = boxes[n]
+        text = f"{'  ' * b.depth}[{n}] {b.kind}: {b.action}" + (f" => {b.observation}" if b.observation else "")
+        extra = [f"{b.slots} slot{'s' if b.slots != 1 else ''}"]
+        if len(b.children) > 1:
+            extra.append(f"fork x{len(b.children)}")
+        extra.append(f"R={b.reward:+.2f} {b.status}" if b.reward is not None else f"V={b.value:+.2f}")
+        lines.append(f"{text}  ({', '.join(extra)})")
+        for k in b.children:
+            visit(k)
+
+    for k in root.children:
+        visit(k)
+    return "\n".join(lines)
+
+
+def draw_turn_tree(tree: Any, tokenizer: Any, *, prompt_text: str | None = None, max_chars: int = 24,
+                   ax: Any = None, title: str | None = None, path: str | os.PathLike | None = None,
+                   dpi: int = 120) -> Any:
+    """Draws one prompt's tree of turns (a :class:`~treejax.sampling.multiturn.TurnTree`); returns the figure.
+
+    Left to right by depth, as :func:`draw_tree` (x = depth, the prompt at 0; y = depth-first leaf order, a
+    node at the mean height of its children). Each node is a box coloured by its kind (:data:`TURN_KINDS`:
+    tool call ran / tool error / answer / no answer, :func:`turn_kind`) showing its id, the turn's action (the
+    code of a ``<code>`` call or the answer line) after ``>``, the observation after ``<`` (tool output, or the
+    error's end), both cut to ``max_chars`` characters (the prompt, in the root's box, to three such lines), and the slots (samples) through it with their mean
+    reward ``V``, or at a leaf the episode's reward ``R`` and status. Edges go parent -> child; the edges out
+    of a fork (a turn whose conversation was copied into several children) are thick and blue, and the box
+    says ``fork xk``. Artists carry ids (``gid``): ``turn-node-<n>`` for node ``n``'s box,
+    ``turn-edge-<parent>-<child>`` for each edge.
+
+    ``ax``: draw into this matplotlib Axes (default: a new Figure, object API without pyplot, so the global
+    backend is untouched); ``path``: also save the figure there (``.png`` or ``.svg``)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if path is not None:
+        path = os.fspath(path)
+        if os.path.splitext(path)[1].lower() not in (".png", ".svg"):
+            raise ValueError(f"draw_turn_tree: path must end in .png or .svg, got {path!r}")
+    boxes = turn_boxes(tree, tokenizer, max_chars, where="draw_turn_tree")
+    forks = int(getattr(tree, "forks", 0))
+    # layout: the tree's own shape (children by node id), leaves on consecutive rows
+    pos: dict[int, tuple[float, float]] = {}
+    next_row = [0.0]
+
+    def place(n: int) -> float:
+        kids = boxes[n].children
+        y = float(np.mean([place(k) for k in kids])) if kids else next_row[0]
+        if not kids:
+            next_row[0] += 1.0
+        pos[n] = (float(boxes[n].depth), y)
+        return y
+
+    place(0)
+    depth = max(b.depth for b in boxes)
+    rows = next_row[0]
+    col_in = 0.062 * (max_chars + 6) + 0.5  # inches per depth column (7-point monospace, ~0.062 inch a character)
+    row_in = 0.78  # inches per leaf row (up to 4 text lines)
+    own = ax is None
+    if own:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(col_in * (depth + 1) + 0.4, row_in * rows + 1.6 + (0.3 if title else 0.0)))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+    fig = ax.figure
+    for b in boxes[1:]:
+        (px, py), (x, y) = pos[b.parent], pos[b.node]
+        fork = b.parent != 0 and len(boxes[b.parent].children) > 1
+        ax.add_line(Line2D([px, px + 0.5, px + 0.5, x], [py, py, y, y], color="tab:blue" if fork else "0.55",
+                           lw=2.2 if fork else 1.0, zorder=1, gid=f"turn-edge-{b.parent}-{b.node}"))
+    for b in boxes:
+        x, y = pos[b.node]
+        colour = TURN_KINDS[b.kind][0]
+        leaf = b.reward is not None
+        ax.text(x, y, _box_label(b, prompt_text, boxes[0].slots, forks, max_chars), ha="center", va="center",
+                fontsize=7, family="monospace", zorder=3, gid=f"turn-node-{b.node}",
+                bbox=dict(boxstyle="round,pad=0.35", fc=colour, ec="k", lw=1.6 if leaf else 0.7))
+    kinds = [k for k in TURN_KINDS if k != "root" and any(b.kind == k for b in boxes)]
+    handles = [Patch(fc=TURN_KINDS[k][0], ec="k", lw=0.7, label=TURN_KINDS[k][1]) for k in kinds]
+    handles.append(Line2D([], [], color="tab:blue", lw=2.2, label="fork (conversation copied)"))
+    handles.append(Patch(fc="white", ec="k", lw=1.6, label="leaf: R = episode reward"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7,
+              frameon=False)
+    ax.set_xlim(-0.5, depth + 0.5)
+    ax.set_ylim(rows - 0.4, -0.6)
+    ax.set_axis_off()
+    ax.set_title(title or f"tree of turns: {boxes[0].slots} slots, {len(boxes) - 1} turns, {forks} "
+                          f"fork{'s' if forks != 1 else ''}", fontsize=9)
+    with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        if own:
+            fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=dpi, format=os.path.splitext(path)[1][1:].lower())
+    return fig

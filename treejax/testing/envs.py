@@ -1,0 +1,78 @@
+"""A deterministic toy tool environment that a tiny *random* model over :class:`~treejax.testing.tokenizers.
+CharTokenizer`'s characters can drive (``'0'`` .. ``'n'``: digits, ``:;<=>?@``, upper case, ``[\\]^_```, ``a`` ..
+``n``; no spaces), so notebooks and tests can run trees of turns offline with tool calls, tool errors and answers.
+
+It has :class:`~treejax.envs.code_tool.CodeToolEnv`'s shape (a turn is a tool call or the answer; the same ``info``
+keys, so :func:`treejax.viz.draw_turn_tree` reads both alike), with a rule for each turn's text instead of Python:
+
+* a turn whose text ends with an upper-case letter is a **tool call**; its "code" is the whole turn. The toy tool
+  fails when the code holds one of ``:;<=>?@[\\]^_``` (observation ``<ERR=c>``, ``c`` the first such character),
+  else it prints the sum of the code's digits (``<OUT=n>``). Reward 0; the episode goes on. A call past
+  ``max_calls`` ends the episode without an answer (``<ERR=LIMIT>``, reward 0);
+* any other turn is the **answer**: the last digit of its text (no digit: no answer). Reward 1 when that digit is
+  within ``tolerance`` of the hidden target digit, else 0; the episode ends.
+
+The target is ``example["target"]`` (a digit) when given, else a hash of the example's text
+(:func:`treejax.envs.guess.target_of` on ``[0, 9]``). Turns end on the sampler's turn cap or a stop token
+(``stop_strings`` is empty). The state is plain data: ``clone()`` copies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from treejax.envs.base import StepResult
+from treejax.envs.guess import target_of
+
+TOOL_ERROR_CHARS = ":;<=>?@[\\]^_`"
+
+
+@dataclasses.dataclass
+class ToyToolEnv:
+    """The toy tool (module docstring): ``max_calls`` tool calls per episode, answers within ``tolerance`` of the
+    target digit score 1."""
+
+    max_calls: int = 3
+    tolerance: int = 2
+    stop_strings: tuple[str, ...] = ()
+    target: int | None = None
+    calls: int = 0
+    done: bool = False
+
+    def __post_init__(self):
+        if self.max_calls < 0 or self.tolerance < 0:
+            raise ValueError(f"ToyToolEnv: max_calls >= 0 and tolerance >= 0 required, got {self}")
+
+    def reset(self, example: Any) -> str:
+        self.target, self.calls, self.done = target_of(example, 0, 9), 0, False
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        if self.target is None:
+            raise RuntimeError("ToyToolEnv.step before reset")
+        if self.done:
+            raise RuntimeError("ToyToolEnv.step after the episode ended")
+        text = action.strip()
+        if text[-1:].isupper():  # a tool call
+            if self.calls >= self.max_calls:
+                self.done = True
+                return StepResult("<ERR=LIMIT>", 0.0, True,
+                                  {"tool_calls": self.calls, "answered": False, "call_limit": True})
+            self.calls += 1
+            bad = [c for c in text if c in TOOL_ERROR_CHARS]
+            obs = f"<ERR={bad[0]}>" if bad else f"<OUT={sum(int(c) for c in text if c.isdigit())}>"
+            return StepResult(obs, 0.0, False, {"tool_calls": self.calls, "tool_error": bool(bad)})
+        self.done = True
+        digits = re.findall(r"\d", text)
+        if not digits:
+            return StepResult("", 0.0, True, {"tool_calls": self.calls, "answered": False})
+        reward = float(abs(int(digits[-1]) - self.target) <= self.tolerance)
+        return StepResult("", reward, True, {"tool_calls": self.calls, "answered": True, "answer": int(digits[-1])})
+
+    def clone(self) -> "ToyToolEnv":
+        return dataclasses.replace(self)
+
+
+__all__ = ["TOOL_ERROR_CHARS", "ToyToolEnv"]

@@ -40,6 +40,8 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     assert not errors, errors
     if path.name == "new_estimator.ipynb":
         _check_new_estimator(nb)
+    if path.name == "turn_tree.ipynb":
+        _check_turn_tree(nb)
 
 
 def _check_new_estimator(nb):
@@ -53,3 +55,14 @@ def _check_new_estimator(nb):
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()
             if line.split() and line.split()[0] in ("grpo", "treepo", "std_subgroup")}
     assert len(rows) == 3 and rows["grpo"] != rows["treepo"] != rows["std_subgroup"], text
+
+
+def _check_turn_tree(nb):
+    """The library's turn-tree picture and outline (not home-made ones), and a per-turn advantage table."""
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "viz.draw_turn_tree(" in source and "viz.turn_tree_text(" in source and "pyplot" not in source
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "prompt: " in text and "  [1] " in text and "fork x2" in text, text
+    assert "per turn (node: advantage)" in text and "mask:" in text, text

@@ -10,6 +10,8 @@ micro-batches and data sharding split rows), one entry per (leaf, token) pair th
     sampler_logp  float  optional: the sampler's log-prob (truncated importance sampling)
     ref_logp      float  optional: the frozen reference policy's log-prob (KL term)
     eps_scale     float  optional ``[rows, *pairs[:-1]]``: per-sequence clip-range multiplier
+    token_eps_scale  float  optional: per-pair clip-range multiplier (an estimator's ``Advantages.clip_scale``),
+                  on top of ``eps_scale``; 1 on pairs it does not cover (prompt, padding, observations)
 
 and the aggregation terms ``num_sequences`` (the expanded batch's row count: Dr.GRPO's ``B``, filler leaves
 included) and ``sequence_length`` (``Lp + T``: Dr.GRPO's default ``T_max``). ``inputs`` is the layout's own pytree:
@@ -40,9 +42,10 @@ from flax import struct
 
 from treejax.forest import Forest
 
-PAIR_KEYS = ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
+PAIR_KEYS = ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp", "token_eps_scale")
 REQUIRED_KEYS = ("tokens", "positions", "loss_mask", "old_logp", "advantages")
-OPTIONAL_KEYS = ("segment_ids", "ref_logp", "sampler_logp", "eps_scale")
+OPTIONAL_KEYS = ("segment_ids", "ref_logp", "sampler_logp", "eps_scale", "token_eps_scale")
+PAIR_FILL = {"token_eps_scale": 1.0}  # value of a per-pair array where a layout has no pair (default 0)
 
 
 @struct.dataclass
@@ -81,6 +84,7 @@ class Batch:
     sampler_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
     eps_scale: jax.Array | None = None
+    token_eps_scale: jax.Array | None = None
     num_sequences: int = struct.field(pytree_node=False, default=0)
     sequence_length: int = struct.field(pytree_node=False, default=0)
 
@@ -147,13 +151,13 @@ def validate_batch(batch: dict[str, Any]) -> None:
 def expanded_batch(batch: dict[str, jax.Array]) -> Batch:
     """The :class:`Batch` of an expanded dict batch (keys as :func:`forest_to_batch` returns them:
     ``tokens``, ``positions``, ``loss_mask``, ``old_logp``, ``advantages`` and optionally ``segment_ids``,
-    ``sampler_logp``, ``ref_logp``, ``eps_scale``); the loss mask is narrowed by :func:`trainable_mask`."""
+    ``sampler_logp``, ``ref_logp``, ``eps_scale``, ``token_eps_scale``); the loss mask is narrowed by :func:`trainable_mask`."""
     validate_batch(batch)
     B, L = batch["tokens"].shape
     return Batch(inputs=SequenceInputs(batch["tokens"], batch["positions"], batch.get("segment_ids")),
                  loss_mask=trainable_mask(batch), advantages=batch["advantages"], old_logp=batch["old_logp"],
                  sampler_logp=batch.get("sampler_logp"), ref_logp=batch.get("ref_logp"),
-                 eps_scale=batch.get("eps_scale"), num_sequences=int(B), sequence_length=int(L))
+                 eps_scale=batch.get("eps_scale"), token_eps_scale=batch.get("token_eps_scale"), num_sequences=int(B), sequence_length=int(L))
 
 
 def response_to_sequence(x_PxWxT: jax.Array, prompt_lengths_P: jax.Array, seq_len: int, fill=0) -> jax.Array:
@@ -169,7 +173,8 @@ def response_to_sequence(x_PxWxT: jax.Array, prompt_lengths_P: jax.Array, seq_le
 
 def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, forest: Forest,
                     advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None,
-                    pad_id: int = 0, eps_scale_PxW: jax.Array | None = None) -> dict[str, jax.Array]:
+                    pad_id: int = 0, eps_scale_PxW: jax.Array | None = None,
+                    token_eps_scale_PxWxT: jax.Array | None = None) -> dict[str, jax.Array]:
     """The update batch (``treejax.rl.update`` layout) for all ``P * W`` leaves of ``forest``.
 
     ``old_logp`` and ``sampler_logp`` both hold the sampler's log-probs of the policy at temperature 1. They are
@@ -177,7 +182,10 @@ def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, 
     accelerators (on SmolLM2 the two differ by up to ~0.03 nats). ``treejax.rl.step`` replaces ``old_logp`` by
     the trainer's own forward (default) and keeps ``sampler_logp`` for truncated importance sampling; a caller
     that trains on this batch directly uses the sampler's values as pi_old. ``loss_mask`` defaults to the
-    forest's; ``eps_scale_PxW`` (optional) becomes the per-sequence clip-range multiplier ``eps_scale``.
+    forest's; ``eps_scale_PxW`` (optional) becomes the per-sequence clip-range multiplier ``eps_scale``;
+    ``token_eps_scale_PxWxT`` (optional, an estimator's ``Advantages.clip_scale``) the per-token one
+    ``token_eps_scale``, moved to the sequence positions like the advantages (1 on the prompt, padding and
+    observation tokens).
 
     Turn forests (:func:`treejax.forest.forest_from_spans`): each row holds every response token of its leaf,
     the environment's observation tokens included (they are context for the tokens after them), at position
@@ -210,4 +218,7 @@ def forest_to_batch(prompt_tokens_PxLp: jax.Array, prompt_lengths_P: jax.Array, 
     }
     if eps_scale_PxW is not None:
         out["eps_scale"] = eps_scale_PxW.reshape(P * W).astype(jnp.float32)
+    if token_eps_scale_PxWxT is not None:
+        scale = jnp.where(valid, jnp.asarray(token_eps_scale_PxWxT, jnp.float32), 1.0)
+        out["token_eps_scale"] = response_to_sequence(scale, lens, L, fill=1.0)
     return out

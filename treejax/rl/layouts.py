@@ -11,7 +11,8 @@ the same loss and gradient (``tests/rl/test_packing.py``); they differ in the ro
 
 The learner (:func:`treejax.rl.step.learn`) only calls the protocol:
 
-    pool = layout.pool(rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW)   every pair of the step, full layout
+    pool = layout.pool(rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW, token_eps_scale_PxWxT=None)
+                                             every pair of the step, full layout
     plan = layout.plan(pool, units)          one mini-batch of ``units`` (rows or prompts) of ``range(pool.units)``
     batch = layout.assemble(pool, plan)      its :class:`~treejax.rl.batch.Batch`
     pool_x = layout.scatter(pool_x, plans, xs)  per-pair values of mini-batches back into the pool's layout
@@ -41,7 +42,7 @@ from treejax.models import transformer
 from treejax.models.config import ModelConfig
 from treejax.models.tree_flash import TreeFlashBlocks
 from treejax.rl import packing as packing_lib
-from treejax.rl.batch import (Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch,
+from treejax.rl.batch import (PAIR_KEYS, Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch,
                               response_to_sequence)
 
 
@@ -59,8 +60,12 @@ class Pool:
 
 
 class Layout(Protocol):
-    def pool(self, rollouts, adv_PxWxT: jax.Array, adv_mask_PxWxT: jax.Array, eps_scale_PxW: jax.Array) -> Pool:
-        """Every pair of ``rollouts`` with the estimator's advantages and the per-leaf clip scale."""
+    def pool(self, rollouts, adv_PxWxT: jax.Array, adv_mask_PxWxT: jax.Array, eps_scale_PxW: jax.Array,
+             token_eps_scale_PxWxT: jax.Array | None = None) -> Pool:
+        """Every pair of ``rollouts`` with the estimator's advantages, the per-leaf clip scale and, when given (an
+        estimator's ``Advantages.clip_scale``), the per-token clip scale as the pairs' ``token_eps_scale`` (1 on
+        pairs off the policy tokens; ``None``: the batch has no such array and the programs are the same as
+        without it)."""
 
     def plan(self, pool: Pool, units: jax.Array) -> Any:
         """One mini-batch's plan: the units (rows or prompts) it holds."""
@@ -188,13 +193,13 @@ class Expanded:
         object.__setattr__(self, "_pool", jax.jit(self._pool_body))
         object.__setattr__(self, "_take", jax.jit(Batch.take_rows))
 
-    def _pool_body(self, prompts, lens, forest, adv_tokens, adv_mask, eps_scale_PxW) -> Batch:
+    def _pool_body(self, prompts, lens, forest, adv_tokens, adv_mask, eps_scale_PxW, token_eps_scale) -> Batch:
         return expanded_batch(forest_to_batch(prompts, lens, forest, adv_tokens, adv_mask, self.pad_id,
-                                              eps_scale_PxW=eps_scale_PxW))
+                                              eps_scale_PxW=eps_scale_PxW, token_eps_scale_PxWxT=token_eps_scale))
 
-    def pool(self, rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW) -> Pool:
+    def pool(self, rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW, token_eps_scale_PxWxT=None) -> Pool:
         batch = self._pool(jnp.asarray(rollouts.prompts_PxLp), jnp.asarray(rollouts.lengths_P), rollouts.forest,
-                           adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW)
+                           adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW, token_eps_scale_PxWxT)
         return Pool(batch, batch.num_rows)
 
     def plan(self, pool: Pool, units: jax.Array) -> jax.Array:
@@ -264,10 +269,10 @@ class Packed:
             object.__setattr__(self, "floor", packing_lib.LayoutFloor())
         object.__setattr__(self, "_pairs", jax.jit(packing_lib.forest_pairs))
 
-    def pool(self, rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW) -> Pool:
+    def pool(self, rollouts, adv_PxWxT, adv_mask_PxWxT, eps_scale_PxW, token_eps_scale_PxWxT=None) -> Pool:
         forest = rollouts.forest
         P, W, T = forest.tokens.shape
-        pairs = self._pairs(forest, adv_PxWxT, adv_mask_PxWxT)
+        pairs = self._pairs(forest, adv_PxWxT, adv_mask_PxWxT, token_eps_scale_PxWxT)
         host = packing_lib.host_forest(rollouts.prompts_PxLp, rollouts.lengths_P, forest, pairs["loss_mask"])
         batch = Batch(inputs=None, eps_scale=eps_scale_PxW.reshape(P * W), num_sequences=P * W,
                       sequence_length=rollouts.prompts_PxLp.shape[1] + T, **pairs)
@@ -287,8 +292,7 @@ class Packed:
 
     def assemble(self, pool: Pool, plan: packing_lib.PackingPlan) -> Batch:
         b = pool.batch
-        pairs = {k: getattr(b, k) for k in ("loss_mask", "advantages", "old_logp", "sampler_logp", "ref_logp")
-                 if getattr(b, k) is not None}
+        pairs = {k: getattr(b, k) for k in PAIR_KEYS if getattr(b, k) is not None}
         return packing_lib.packed_batch(plan, pairs, b.eps_scale)
 
     def scatter(self, pool_x: jax.Array, plans: list, xs: list) -> jax.Array:

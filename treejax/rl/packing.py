@@ -79,7 +79,7 @@ from treejax.choices import check_choice
 from treejax.forest import Forest
 from treejax.models.tree_attention import TREE_ATTENTION_IMPLS
 from treejax.parallel.multihost import host_tree
-from treejax.rl.batch import PAIR_KEYS, Batch, TreeInputs
+from treejax.rl.batch import PAIR_FILL, PAIR_KEYS, Batch, TreeInputs
 from treejax.rl.pack_tree import PAD_NODE, PackedTree, build_tree
 
 
@@ -331,7 +331,7 @@ def assemble(arrays: dict[str, jax.Array], pairs: dict[str, jax.Array], eps_scal
              num_sequences: int, sequence_length: int) -> Batch:
     """Jitted body of :func:`packed_batch`: gathers the per-pair arrays into the plan's slots."""
     leaf = arrays["leaf_id"]
-    packed = {k: pack_pairs(arrays["leaf_id"], jnp.asarray(v, jnp.float32)) for k, v in pairs.items()}
+    packed = {k: pack_pairs(leaf, jnp.asarray(v, jnp.float32), fill=PAIR_FILL.get(k, 0)) for k, v in pairs.items()}
     packed["loss_mask"] = jnp.where(arrays["pair_valid"], packed["loss_mask"], 0.0)
     eps = None if eps_scale_B is None else pack_pairs(leaf, jnp.asarray(eps_scale_B, jnp.float32), fill=1.0)
     inputs = TreeInputs(tokens=arrays["tokens"], positions=arrays["positions"], node_lo=arrays["node_lo"],
@@ -342,8 +342,9 @@ def assemble(arrays: dict[str, jax.Array], pairs: dict[str, jax.Array], eps_scal
 def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: jax.Array | None = None
                  ) -> Batch:
     """The packed :class:`~treejax.rl.batch.Batch` of ``plan`` with per-pair arrays ``pairs`` in the forest's leaf layout
-    ``[P * W, T]`` (``loss_mask``, ``advantages`` and ``old_logp`` required; ``sampler_logp`` / ``ref_logp``
-    optional) and an optional per-leaf ``eps_scale_B [P * W]``. ``loss_mask`` is narrowed to ``pair_valid``."""
+    ``[P * W, T]`` (``loss_mask``, ``advantages`` and ``old_logp`` required; ``sampler_logp`` / ``ref_logp`` /
+    ``token_eps_scale`` optional; empty slots get 0, ``token_eps_scale`` 1) and an optional per-leaf
+    ``eps_scale_B [P * W]``. ``loss_mask`` is narrowed to ``pair_valid``."""
     for k in ("loss_mask", "advantages", "old_logp"):
         if k not in pairs:
             raise ValueError(f"packed_batch: pairs is missing {k!r}; required: loss_mask, advantages, old_logp")
@@ -354,19 +355,23 @@ def packed_batch(plan: PackingPlan, pairs: dict[str, jax.Array], eps_scale_B: ja
                     sequence_length=plan.sequence_length)
 
 
-def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None
-                 ) -> dict[str, jax.Array]:
+def forest_pairs(forest: Forest, advantages_PxWxT: jax.Array, loss_mask_PxWxT: jax.Array | None = None,
+                 token_eps_scale_PxWxT: jax.Array | None = None) -> dict[str, jax.Array]:
     """The forest's per-pair arrays in leaf layout ``[P * W, T]``, as :func:`treejax.rl.batch.forest_to_batch` fills
-    them: ``loss_mask`` (0 past each leaf and on observation tokens, ``Forest.policy_mask``), ``advantages``, and
-    the sampler's log-probs as both ``old_logp`` and ``sampler_logp``."""
+    them: ``loss_mask`` (0 past each leaf and on observation tokens, ``Forest.policy_mask``), ``advantages``, the
+    sampler's log-probs as both ``old_logp`` and ``sampler_logp``, and with ``token_eps_scale_PxWxT`` (an
+    estimator's ``Advantages.clip_scale``) ``token_eps_scale`` (1 off the policy tokens)."""
     P, W, T = forest.tokens.shape
     mask = forest.loss_mask if loss_mask_PxWxT is None else loss_mask_PxWxT
     valid = forest.segment_index >= 0
     trained = forest.policy_tokens() > 0  # observation tokens are in the rows, never in the loss
     flat = lambda x: jnp.asarray(x, jnp.float32).reshape(P * W, T)  # noqa: E731
     sampler = flat(jnp.where(valid, forest.logprobs, 0.0))
-    return {"loss_mask": flat(jnp.where(trained, mask, 0.0)),
-            "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)), "old_logp": sampler, "sampler_logp": sampler}
+    out = {"loss_mask": flat(jnp.where(trained, mask, 0.0)),
+           "advantages": flat(jnp.where(valid, advantages_PxWxT, 0.0)), "old_logp": sampler, "sampler_logp": sampler}
+    if token_eps_scale_PxWxT is not None:
+        out["token_eps_scale"] = flat(jnp.where(trained, token_eps_scale_PxWxT, 1.0))
+    return out
 
 
 def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_BxT) -> dict[str, np.ndarray]:
@@ -389,12 +394,12 @@ def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_
 
 def forest_to_packed(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, advantages_PxWxT,
                      loss_mask_PxWxT=None, pad_id: int = 0, eps_scale_PxW=None,
-                     config: PackingConfig = PackingConfig(), *, prompts=None, row_multiple: int = 1
-                     ) -> Batch:
+                     config: PackingConfig = PackingConfig(), *, prompts=None, row_multiple: int = 1,
+                     token_eps_scale_PxWxT=None) -> Batch:
     """The packed counterpart of :func:`treejax.rl.batch.forest_to_batch` (same arguments, same loss): plans on
     the host (:func:`plan_packing`), then places the per-pair arrays (:func:`packed_batch`). Not jittable (the
     plan's shapes depend on the forest); ``prompts`` selects a subset of the trees (a mini-batch)."""
-    pairs = forest_pairs(forest, advantages_PxWxT, loss_mask_PxWxT)
+    pairs = forest_pairs(forest, advantages_PxWxT, loss_mask_PxWxT, token_eps_scale_PxWxT)
     P, W = forest.leaf_length.shape
     host = host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest, pairs["loss_mask"])
     plan = plan_packing(host["prompts"], host["lengths"], host["path"], host["length"], host["tokens"],

@@ -12,6 +12,11 @@ planner needs (the forest, already on the host after scoring); the metrics come 
 loop reads them one step late (:class:`treejax.metrics.DeferredMetrics`). :func:`rl_step` is collect + learn
 (the loop's step; tests and benchmarks drive it with their own sources).
 
+Per-token clip ranges: an estimator may return ``Advantages.clip_scale [P, W, T]`` (A2TGPO's adaptive turn clip);
+the pool then carries it per pair (``Batch.token_eps_scale``, gathered like the advantages in either layout) to
+``policy_loss(..., eps_scale_BxT=...)``, on top of the per-leaf ``eps_scale``. Estimators without one leave the
+batch without that array, so their programs are the same as before it existed.
+
 Shapers (``StepConfig.shapers``, :mod:`treejax.rl.shaping`): the old-log-prob pass then also returns each pair's
 entropy and top-k log-probs (:meth:`Layout.pair_stats`, the same forward), the reference pass runs when a shaper
 reads it, and the shapers rewrite the pool's advantages and clip scales in the forest's response layout before the
@@ -209,8 +214,10 @@ def grouped_advantages(fn: Callable, options: Any, forest: Forest, rewards_RxW: 
     out = fn(group_forest(forest, rows_PxC), group_leaves(rewards_RxW, rows_PxC), options,
              **{k: group_input(v) for k, v in inputs.items()})
     back = lambda x: None if x is None else ungroup(x, rows_PxC, R)  # noqa: E731
+    clip = None if out.clip_scale is None else jnp.where(  # 1 on rows in no group
+        back(jnp.ones_like(out.clip_scale)) > 0, back(out.clip_scale), 1.0)
     return Advantages(tokens=back(out.tokens), loss_mask=back(out.loss_mask) * forest.loss_mask,
-                      leaves=back(out.leaves), segments=back(out.segments))
+                      leaves=back(out.leaves), segments=back(out.segments), clip_scale=clip)
 
 
 def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any = None, *, timed: bool = False,
@@ -245,7 +252,9 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     P, W = ro.rewards_PxW.shape
     eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
                  else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
-    pool = layout.pool(ro, adv.tokens, adv.loss_mask, eps_scale)
+    # an estimator's per-token clip scale (Advantages.clip_scale) rides along as the pairs' token_eps_scale; the
+    # loss multiplies it with the per-leaf eps_scale (clip_scale_fn, then the shapers'). None: no extra array
+    pool = layout.pool(ro, adv.tokens, adv.loss_mask, eps_scale, token_eps_scale_PxWxT=adv.clip_scale)
     if pool.units % cfg.mini_batches:
         raise ValueError(f"{pool.units} mini-batch units (rows, or prompts with the packed update) do not split "
                          f"into mini_batches={cfg.mini_batches}")

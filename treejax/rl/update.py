@@ -7,6 +7,9 @@ loss is ``losses.policy_loss`` of the layout's pair log-probs::
     logp, entropy = layout.pair_logprobs(params, batch.inputs, with_entropy=True)        [rows, *pairs]
     loss = policy_loss(logp, batch.old_logp, batch.advantages, batch.loss_mask, ...)   pairs flattened to [N, T]
 
+(``batch.eps_scale`` / ``batch.token_eps_scale``, when present, are the loss's per-sequence ``eps_scale_B`` and
+per-token ``eps_scale_BxT`` clip-range multipliers)
+
 so the expanded and the tree-packed update are one function (same loss and gradient for the same leaves:
 ``tests/rl/test_packing.py``). The aggregation's denominator is the mini-batch's (:func:`batch_denominator`).
 
@@ -102,7 +105,7 @@ def make_grad_fn(
         return losses.policy_loss(
             flat(logp), mb.flat("old_logp"), mb.flat("advantages"), mb.flat("loss_mask"), loss_config,
             ref_logp=mb.flat("ref_logp"), entropy=flat(entropy), sampler_logp=mb.flat("sampler_logp"),
-            eps_scale_B=mb.flat("eps_scale"), denominator=denominator)
+            eps_scale_B=mb.flat("eps_scale"), eps_scale_BxT=mb.flat("token_eps_scale"), denominator=denominator)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 

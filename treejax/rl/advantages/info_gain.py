@@ -74,11 +74,13 @@ class IGPOOptions:
 @dataclasses.dataclass(frozen=True)
 class A2TGPOOptions:
     """``alpha``: weight of the rescaled information-gain sum (official recipe 0.3); ``clip_beta``: half-width of
-    the adaptive clip multiplier, ``c in (1 - beta, 1 + beta)`` (official 0.3); ``gamma``, ``info_gain``,
-    ``scale_by_std``, ``eps`` as in :class:`IGPOOptions`."""
+    the adaptive clip multiplier, ``c in (1 - beta, 1 + beta)`` (official 0.3); ``adaptive_clip``: return the
+    adaptive turn-level clip as ``Advantages.clip_scale`` (the paper's method, default; ``False``: plain
+    token-level PPO clip ranges); ``gamma``, ``info_gain``, ``scale_by_std``, ``eps`` as in :class:`IGPOOptions`."""
 
     alpha: float = 0.3
     clip_beta: float = 0.3
+    adaptive_clip: bool = True
     gamma: float = 1.0
     info_gain: str = "prob_diff"
     scale_by_std: bool = True
@@ -232,15 +234,26 @@ def a2tgpo(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOptions = A2TG
 
     broadcast to each turn's policy tokens (0 on observations). The adaptive turn-level clip (the paper's third
     part) is :func:`a2tgpo_clip_scale`: ``c_{w,t} = 1 + clip_beta (2 sigmoid(z_{w,t}) - 1)`` on non-final turns, 1
-    on the final turn, multiplying both PPO clip ranges (``policy_loss(..., eps_scale_BxT=...)``).
+    on the final turn, multiplying both PPO clip ranges (``policy_loss(..., eps_scale_BxT=...)``). With
+    ``options.adaptive_clip`` (default) its per-token values are ``Advantages.clip_scale``, which the learner
+    carries to the loss (:func:`treejax.rl.step.learn`); without, ``clip_scale`` is ``None``.
 
     Variant notes: the official code indexes a leaf's IG turns by the positions of non-zero token rewards (an IG of
     exactly 0 is skipped and does not count as a turn); here the turn index is the depth - 1 of the turn's node,
     every non-final turn counts. Its turn-level (sequence-per-turn) importance ratio (``ENABLE_POLICY_LOSS_GSPO_TURN``)
     is a loss change not built here: this estimator feeds the token-level PPO-clip loss.
     """
-    adv, _ = a2tgpo_turns(forest, rewards_PxW, options, truth_logp_PxN)
-    return Advantages(tokens=_tokens(forest, adv), loss_mask=forest.loss_mask, segments=adv)
+    adv, clip = a2tgpo_turns(forest, rewards_PxW, options, truth_logp_PxN)
+    return Advantages(tokens=_tokens(forest, adv), loss_mask=forest.loss_mask, segments=adv,
+                      clip_scale=_clip_tokens(forest, clip) if options.adaptive_clip else None)
+
+
+def _clip_tokens(forest: Forest, clip_PxWxD: jax.Array) -> jax.Array:
+    """float32[P, W, T]: each turn's clip multiplier on its policy tokens (``loss_mask``), 1 elsewhere."""
+    idx = jnp.clip(forest.segment_index, 0, clip_PxWxD.shape[-1] - 1)
+    per_token = jnp.where((forest.loss_mask > 0) & (forest.segment_index >= 0),
+                          jnp.take_along_axis(clip_PxWxD, idx, axis=-1), 1.0)
+    return per_token.astype(jnp.float32)
 
 
 def a2tgpo_clip_scale(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOptions,
@@ -248,12 +261,10 @@ def a2tgpo_clip_scale(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOpt
     """A2TGPO's adaptive turn-level clip: ``(per_turn [P, W, D], per_token [P, W, T])`` multipliers of the clip
     ranges, ``c = 1 + clip_beta (2 sigmoid(z) - 1)`` on non-final turns (``z`` the turn-group-normalised IG of
     :func:`a2tgpo`), 1 on final turns, observation tokens, padding and absent turns. Feed ``per_token`` (rows
-    flattened like the advantages) to :func:`treejax.rl.losses.policy_loss` as ``eps_scale_BxT``."""
+    flattened like the advantages) to :func:`treejax.rl.losses.policy_loss` as ``eps_scale_BxT`` (the learner does
+    this itself with ``options.adaptive_clip``: ``per_token`` is :func:`a2tgpo`'s ``Advantages.clip_scale``)."""
     _, clip = a2tgpo_turns(forest, rewards_PxW, options, truth_logp_PxN)
-    idx = jnp.clip(forest.segment_index, 0, clip.shape[-1] - 1)
-    per_token = jnp.where((forest.loss_mask > 0) & (forest.segment_index >= 0),
-                          jnp.take_along_axis(clip, idx, axis=-1), 1.0)
-    return clip, per_token.astype(jnp.float32)
+    return clip, _clip_tokens(forest, clip)
 
 
 __all__ = ["A2TGPOOptions", "IGPOOptions", "a2tgpo", "a2tgpo_clip_scale", "a2tgpo_turns", "discounted_to_go",

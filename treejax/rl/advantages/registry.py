@@ -30,13 +30,19 @@ class Advantages:
     * ``leaves``    [P, W] one scalar per leaf for estimators that give one (final, i.e. after whitening),
       else ``None``;
     * ``segments``  [P, W, D] per-segment advantages *before* any batch whitening for segment-level estimators
-      (0 past a leaf's last segment), else ``None``.
+      (0 past a leaf's last segment), else ``None``;
+    * ``clip_scale`` [P, W, T] an optional per-token multiplier of both PPO clip ranges (A2TGPO's adaptive turn
+      clip), exactly 1 where ``loss_mask`` is 0 (observations, padding), else ``None`` (no per-token clip; the
+      learner then builds exactly the programs it builds without this field). The learner carries it per
+      (leaf, token) pair through either layout to ``policy_loss(..., eps_scale_BxT=...)``, where it multiplies
+      any per-sequence clip scale (``StepConfig.clip_scale_fn``, the shapers' ``eps_scale``).
     """
 
     tokens: jax.Array
     loss_mask: jax.Array
     leaves: jax.Array | None = None
     segments: jax.Array | None = None
+    clip_scale: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

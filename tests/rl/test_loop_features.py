@@ -168,7 +168,11 @@ def test_feature_runs_through_the_cli(case, tiny_checkpoint, tmp_path):
 # trainer's no-gradient log-prob pass and the update's gradient pass are different XLA programs, here summing over
 # 2x longer rows (1.34e-5 is ~14 ulps at |log p| ~ 11). Kept strict and marked, not loosened; the tiny-model case
 # above passes the same check.
-_SMOLLM2_XFAIL = {"exemplars": "first ratio 1 - 1.34e-5 at twice the prompt width (fp32 rounding, see above)"}
+_SMOLLM2_XFAIL = {"exemplars": "first ratio 1 - 1.34e-5 at twice the prompt width (fp32 rounding, see above)",
+                  # measured 2026-11-28: first ratio max 1 + 1.14e-5 (min 1 + 5.7e-6), identically at a533ec3, before
+                  # this session's multi-turn changes: the conversation's observation tokens make the row longer
+                  # than the single-turn cases' (same two-program fp32 rounding as above, not verified op by op)
+                  "multiturn": "first ratio 1 + 1.14e-5 (fp32 rounding over the longer conversation rows)"}
 
 
 @pytest.mark.slow

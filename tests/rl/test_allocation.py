@@ -14,6 +14,7 @@ from treejax.rl import advantages as adv
 from treejax.rl.advantages.registry import estimator_spec, list_estimators
 from treejax.rl.allocation import (DARS, Budget, PromptStats, RolloutGDRO, XRPOAllocator, dars_extra, group_forest,
                                    group_leaves, plan_chunks, sqrt_rule, ungroup, xrpo_extra)
+from treejax.testing.checkpoints import latest_data_state
 from treejax.testing.forests import random_forest, random_rewards
 
 
@@ -279,7 +280,6 @@ def test_allocated_rollouts_hold_each_prompts_group(tiny_checkpoint, tmp_path):
     import os
 
     from treejax import train
-    from treejax.testing.checkpoints import latest_data_state
     from treejax.rl.setup import build_run
 
     cfg = train.parse([os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.gin")],

@@ -159,7 +159,8 @@ def test_turn_inputs_for_igpo_and_portool():
     base.rollout = types.SimpleNamespace(tree_config=tree.independent_config(4, 32, 8, strategy=Temperature(1.0),
                                                                              stop_ids=(63,)))
     cfg = MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4, roots=2, branch_factor=2, fork_turns=1)
-    src = MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("truth_logp_PxN", "tool_success_PxN"),
+    src = MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("truth_logp_PxN", "tool_success_PxN",
+                                                                         "state_cluster_PxN"),
                             model_config=CFG, truth_prefix="A")
     ro = src.sample(params, jax.random.key(2), 0)
     f = ro.forest
@@ -170,7 +171,10 @@ def test_turn_inputs_for_igpo_and_portool():
     # _Env's first two turns are successful tool calls, the third is the answer
     depth = np.asarray(f.node_depth)
     assert np.all(success[used & (depth >= 1) & (depth <= 2)] == 1.0) and np.all(np.isnan(success[depth == 3]))
-    for name, inputs in (("igpo", {"truth_logp_PxN": truth}), ("portool_tool", {"tool_success_PxN": success})):
+    clusters = np.asarray(ro.estimator_inputs["state_cluster_PxN"])
+    assert clusters.shape == truth.shape and np.all(clusters[used & (depth <= 2) & (depth >= 1)] == 0)  # all "OK"
+    for name, inputs in (("igpo", {"truth_logp_PxN": truth}), ("portool_tool", {"tool_success_PxN": success}),
+                         ("gigpo_similar", {"state_cluster_PxN": clusters})):
         spec = estimator_spec(name)
         adv = spec.fn(f, ro.rewards_PxW, spec.default_options(), **inputs)
         assert np.all(np.isfinite(np.asarray(adv.tokens)))

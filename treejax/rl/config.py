@@ -48,7 +48,8 @@ DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt"
 OLD_LOGP_SOURCES = ("trainer", "sampler", "ewma")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
 KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
-                "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN")
+                "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN",
+                "state_cluster_PxN")
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")

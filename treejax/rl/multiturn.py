@@ -60,7 +60,9 @@ class MultiTurnConfig:
     ``"guess_number"`` (:class:`~treejax.envs.guess.GuessNumberEnv`, ``max_turns`` guesses, its hidden number a
     hash of the problem's question); ``observation_format``: ``"raw"`` (the text as is) or ``"chat"`` (a user turn
     of the model's chat template, :func:`~treejax.sampling.multiturn.chat_observation`); ``eval_with_tools``: the
-    held-out evaluation also runs greedy episodes with the environment (``eval/tool_accuracy``, ...)."""
+    held-out evaluation also runs greedy episodes with the environment (``eval/tool_accuracy``, ...);
+    ``state_similarity``: the ``difflib`` ratio at which two observations are one anchor state for ``gigpo_similar``
+    (:func:`state_clusters`)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -75,6 +77,7 @@ class MultiTurnConfig:
     environment: str = "code_tool"
     observation_format: str = "raw"
     eval_with_tools: bool = True
+    state_similarity: float = 0.95
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
@@ -86,6 +89,8 @@ class MultiTurnConfig:
         if self.environment not in ENVIRONMENTS or self.observation_format not in ("raw", "chat"):
             raise ConfigError(f"MultiTurnConfig: environment must be one of {ENVIRONMENTS} and observation_format "
                               f"'raw' or 'chat', got {self.environment!r}, {self.observation_format!r}")
+        if not 0.0 < self.state_similarity <= 1.0:
+            raise ConfigError(f"MultiTurnConfig.state_similarity must be in (0, 1], got {self.state_similarity}")
         if self.fork_rule not in FORK_RULES or not 0.0 < self.trace_fraction <= 1.0:
             raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
                               f"got {self.fork_rule!r}, {self.trace_fraction}")
@@ -111,7 +116,7 @@ ENVIRONMENTS = ("code_tool", "guess_number")
 #: ``MultiTurnConfig.fork_rule`` values.
 FORK_RULES = ("uniform", "trace")
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
-MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN")
+MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN")
 
 
 class MultiTurnRollouts:
@@ -211,6 +216,9 @@ class MultiTurnRollouts:
         inputs = {}
         if "tool_success_PxN" in self.estimator_inputs:
             inputs["tool_success_PxN"] = jnp.asarray(tool_success(trees, forest.node_parent.shape[1]))
+        if "state_cluster_PxN" in self.estimator_inputs:
+            inputs["state_cluster_PxN"] = jnp.asarray(state_clusters(trees, b.tokenizer, forest.node_parent.shape[1],
+                                                                     cfg.state_similarity))
         if self.scorer is not None:
             t = time.perf_counter()
             inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
@@ -304,6 +312,39 @@ def episode_status(ep) -> int:
 TRUTH_WIDTH = 32
 
 
+def state_clusters(trees, tokenizer, num_nodes: int, threshold: float = 0.95) -> np.ndarray:
+    """int32[P, N]: per prompt, the nodes' observations (the text of a node's environment tokens) clustered
+    greedily in node order: a node joins the first cluster whose first member's observation has a
+    ``difflib.SequenceMatcher`` ratio >= ``threshold`` with its own (1.0: identical text only), else starts one;
+    ``-1`` for the root, unused slots and nodes without observation tokens (GiGPO's similar anchor states,
+    ``gigpo_similar``)."""
+    import difflib
+
+    out = np.full((len(trees), num_nodes), -1, np.int32)
+    for p, tr in enumerate(trees):
+        texts = {}
+        for sp, ep in zip(tr.slot_path, tr.slot_episode):
+            for n in sp[1:]:
+                if n in texts:
+                    continue
+                node = tr.nodes[n]
+                ids = [t for t, m in zip(ep.tokens[node.start:node.end], ep.policy_mask[node.start:node.end]) if not m]
+                texts[n] = tokenizer.decode(ids, skip_special_tokens=True) if ids else None
+        reps: list[str] = []
+        for n in sorted(texts):
+            if texts[n] is None:
+                continue
+            for k, rep in enumerate(reps):
+                if rep == texts[n] or (threshold < 1.0 and
+                                       difflib.SequenceMatcher(None, rep, texts[n]).ratio() >= threshold):
+                    out[p, n] = k
+                    break
+            else:
+                out[p, n] = len(reps)
+                reps.append(texts[n])
+    return out
+
+
 def tool_success(trees, num_nodes: int) -> np.ndarray:
     """float32[P, N]: per turn node, 1 when its tool call ran cleanly, 0 when it failed or timed out, NaN when the
     turn made no call (PORTool's tool-success term, ``portool_tool``); NaN on the root and unused slots."""
@@ -318,4 +359,4 @@ def tool_success(trees, num_nodes: int) -> np.ndarray:
 
 
 __all__ = ["ENVIRONMENTS", "FORK_RULES", "MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "answered",
-           "episode_score", "episode_status", "tool_success"]
+           "episode_score", "episode_status", "state_clusters", "tool_success"]

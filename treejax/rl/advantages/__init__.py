@@ -3,10 +3,10 @@
 Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mod:`.registry`).
 Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
 Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain. Hinted contexts: nudge.
-Multi-turn (turn forests): gigpo, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool.
+Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool.
 """
 
-from treejax.rl.advantages.agentic import GiGPOOptions, HGPOOptions, SALTOptions, gigpo, hgpo, salt
+from treejax.rl.advantages.agentic import GiGPOOptions, HGPOOptions, SALTOptions, gigpo, gigpo_similar, hgpo, salt
 from treejax.rl.advantages.agentic_tree import (
     PORToolOptions,
     PORToolToolOptions,
@@ -52,7 +52,7 @@ __all__ = [
     "spo_chain", "SPOChainOptions", "nudge", "NudgeOptions",
     "GRPOOptions", "DECSOptions", "RLOOOptions", "ReinforcePPBaselineOptions", "MCGRPOOptions", "ReMaxOptions",
     "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
-    "gigpo", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool",
+    "gigpo", "gigpo_similar", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool",
     "GiGPOOptions", "HGPOOptions", "SALTOptions", "TreeGRPOOptions", "TreePSOptions", "PORToolOptions",
     "PORToolToolOptions",
 ]

@@ -270,6 +270,40 @@ def gigpo(forest: Forest, rewards_PxW: jax.Array, options: GiGPOOptions = GiGPOO
     return _finish(forest, seg)
 
 
+def cluster_state_keys(forest: Forest, state_cluster_PxN: jax.Array):
+    """``(hash [P, W, D+1, 2], count [P, W, D+1])`` like :func:`node_state_keys`, from a host clustering of the
+    nodes' observations: ``state_cluster_PxN[p, n]`` the cluster id of node n's observation (``-1``: none, the node
+    is then identified by its id only). Two nodes are the same state iff they share a cluster id."""
+    cluster = jnp.asarray(state_cluster_PxN, jnp.int32)
+    col = jnp.take_along_axis(cluster[:, None, :], jnp.maximum(forest.leaf_path, 0), axis=-1)  # [P, W, D+1]
+    col = jnp.where(forest.leaf_path >= 0, col, -1)
+    has = col >= 0
+    h = jnp.stack([jnp.where(has, col, 0).astype(jnp.uint32), jnp.zeros_like(col, jnp.uint32)], axis=-1)
+    return h, has.astype(jnp.int32)
+
+
+@register_estimator("gigpo_similar", GiGPOOptions, inputs=("state_cluster_PxN",))
+def gigpo_similar(forest: Forest, rewards_PxW: jax.Array, options: GiGPOOptions = GiGPOOptions(), *,
+                  state_cluster_PxN: jax.Array) -> Advantages:
+    """GiGPO with the official code's *similar* anchor states: as :func:`gigpo`, but two parents are the same
+    anchor state when their observations fall in one cluster of ``state_cluster_PxN`` (``[P, N]`` int, ``-1`` for
+    a node without observation), which the multi-turn source builds on the host: observations whose
+    ``difflib.SequenceMatcher`` ratio to a cluster's first member is at least ``MultiTurnConfig.state_similarity``
+    (0.95, verl-agent's ``similarity_thresh``) join it (:func:`treejax.rl.multiturn.state_clusters`).
+    ``match_observations`` must be on (it is what the clusters feed)."""
+    if not options.match_observations:
+        raise ValueError("gigpo_similar matches observations by their clusters: GiGPOOptions.match_observations must "
+                         "be True")
+    expected = tuple(forest.node_parent.shape)
+    if tuple(state_cluster_PxN.shape) != expected:
+        raise ValueError(f"state_cluster_PxN has shape {tuple(state_cluster_PxN.shape)}, the forest has [P, N] = "
+                         f"{expected}")
+    r = check_rewards(forest, rewards_PxW)
+    h, c = cluster_state_keys(forest, state_cluster_PxN)
+    seg, _ = jax.vmap(lambda p, x, hh, cc: gigpo_core(p, x, hh, cc, options))(forest.leaf_path, r, h, c)
+    return _finish(forest, seg)
+
+
 # ----------------------------------------------------------------------------------------------- hgpo
 @dataclasses.dataclass(frozen=True)
 class HGPOOptions:

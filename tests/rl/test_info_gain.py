@@ -23,7 +23,7 @@ from treejax.rl import info_gain as ig
 from treejax.rl import losses
 from treejax.rl.advantages.info_gain import A2TGPOOptions, IGPOOptions, a2tgpo_clip_scale
 from treejax.rl.layouts import sequence_logprobs
-from treejax.testing.forests import random_tree_paths
+from treejax.testing.forests import lay_out_nodes, random_tree_paths
 
 CFG = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -55,18 +55,8 @@ def random_turn_forest(rng, P, W, D, max_len=3, T_len=None):
     node_length = rng.integers(1, max_len + 1, (P, N))
     node_tok = rng.integers(3, 250, (P, N, max_len))
     node_pm = (np.arange(max_len)[None, None, :] < rng.integers(1, max_len + 1, (P, N))[:, :, None])
-    T_len = T_len or D * max_len
-    tok = np.zeros((P, W, T_len), np.int32)
-    pm = np.zeros((P, W, T_len), np.float32)
-    for p in range(P):
-        for w in range(W):
-            pos = 0
-            for n in paths[p, w, 1:]:
-                if n < 0:
-                    break
-                k = node_length[p, n]
-                tok[p, w, pos:pos + k], pm[p, w, pos:pos + k] = node_tok[p, n, :k], node_pm[p, n, :k]
-                pos += k
+    tok, pm = lay_out_nodes(paths, node_length, node_tok.astype(np.int32), node_pm.astype(np.float32),
+                            width=T_len or D * max_len)
     return paths, node_length, tok, pm, forest_from_spans(paths, node_length, tok, policy_mask=pm)
 
 

@@ -10,42 +10,18 @@ import jax
 import numpy as np
 import pytest
 
-from treejax.envs.base import StepResult
 from treejax.errors import ConfigError
 from treejax.models import presets, transformer
 from treejax.rl.multiturn import MultiTurnConfig, MultiTurnRollouts
 from treejax.sampling import decode, tree
 from treejax.sampling.strategies import Temperature
+from treejax.testing.envs import ScriptedToolEnv
 from treejax.testing.tokenizers import CharTokenizer as _Tok
 
 
 CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
 FNS = decode.make_model_fns(CFG, attention="dense", cache_dtype="float32")
 TC = tree.independent_config(2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,))
-
-
-class _Env:
-    """A turn ends on '5'; the observation is 'OK'; the third turn is the answer: score 1 when it holds a '3'."""
-
-    stop_strings = ("5",)
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, example):
-        self.n = 0
-        return ""
-
-    def step(self, action):
-        self.n += 1
-        if self.n < 3:
-            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": False})
-        return StepResult("", float("3" in action), True, {"answered": True})
-
-    def clone(self):
-        c = _Env()
-        c.n = self.n
-        return c
 
 
 class _Base:
@@ -63,7 +39,7 @@ class _Base:
 
 def test_episodes_become_chain_leaves_with_observations_masked():
     params = transformer.init_params(CFG, jax.random.key(5))
-    src = MultiTurnRollouts(_Base(), MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=_Env)
+    src = MultiTurnRollouts(_Base(), MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=ScriptedToolEnv)
     ro = src.sample(params, jax.random.key(0), 0)
     f = ro.forest
     assert f.tokens.shape == (2, 2, 32) and ro.num_rows == 2
@@ -105,7 +81,7 @@ def test_turn_trees_share_decoded_turns():
     base.rollout = types.SimpleNamespace(tree_config=tree.independent_config(4, 32, 8, strategy=Temperature(1.0),
                                                                              stop_ids=(63,)))
     cfg = MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4, roots=1, branch_factor=2, fork_turns=2)
-    ro = MultiTurnRollouts(base, cfg, make_env=_Env).sample(params, jax.random.key(1), 0)
+    ro = MultiTurnRollouts(base, cfg, make_env=ScriptedToolEnv).sample(params, jax.random.key(1), 0)
     f = ro.forest
     assert not f.fixed_segments and f.leaf_path.shape == (2, 4, 4) and f.node_parent.shape == (2, 13)
     path, spans = np.asarray(f.leaf_path), np.asarray(f.spans())
@@ -159,7 +135,7 @@ def test_turn_inputs_for_igpo_and_portool():
     base.rollout = types.SimpleNamespace(tree_config=tree.independent_config(4, 32, 8, strategy=Temperature(1.0),
                                                                              stop_ids=(63,)))
     cfg = MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4, roots=2, branch_factor=2, fork_turns=1)
-    src = MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("truth_logp_PxN", "tool_success_PxN",
+    src = MultiTurnRollouts(base, cfg, make_env=ScriptedToolEnv, estimator_inputs=("truth_logp_PxN", "tool_success_PxN",
                                                                          "state_cluster_PxN"),
                             model_config=CFG, truth_prefix="A")
     ro = src.sample(params, jax.random.key(2), 0)
@@ -168,7 +144,7 @@ def test_turn_inputs_for_igpo_and_portool():
     assert truth.shape == success.shape == tuple(f.node_parent.shape)
     used = np.asarray(f.node_depth) >= 0
     assert np.all(np.isfinite(truth[used])) and np.all(truth[used] < 0)
-    # _Env's first two turns are successful tool calls, the third is the answer
+    # ScriptedToolEnv's first two turns are successful tool calls, the third is the answer
     depth = np.asarray(f.node_depth)
     assert np.all(success[used & (depth >= 1) & (depth <= 2)] == 1.0) and np.all(np.isnan(success[depth == 3]))
     clusters = np.asarray(ro.estimator_inputs["state_cluster_PxN"])
@@ -180,7 +156,7 @@ def test_turn_inputs_for_igpo_and_portool():
         assert np.all(np.isfinite(np.asarray(adv.tokens)))
         assert np.all(np.asarray(adv.tokens)[np.asarray(f.loss_mask) == 0] == 0)
     with pytest.raises(ConfigError, match="supply only"):
-        MultiTurnRollouts(base, cfg, make_env=_Env, estimator_inputs=("greedy_reward_P",))
+        MultiTurnRollouts(base, cfg, make_env=ScriptedToolEnv, estimator_inputs=("greedy_reward_P",))
 
 
 def test_environment_choice_scores_and_tool_evaluation(monkeypatch):
@@ -203,7 +179,7 @@ def test_environment_choice_scores_and_tool_evaluation(monkeypatch):
         MultiTurnConfig(environment="chess")
 
     params = transformer.init_params(CFG, jax.random.key(5))
-    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=_Env)
+    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=ScriptedToolEnv)
     examples = [types.SimpleNamespace(prompt_messages=[{"role": "user", "content": "1"}], ground_truth="3",
                                       metadata={}) for _ in range(3)]
     import treejax.data.prompts as prompts_lib

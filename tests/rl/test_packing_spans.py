@@ -32,7 +32,7 @@ from treejax.rl import losses, packing
 from treejax.rl.batch import TreeInputs, expanded_batch, forest_to_batch, response_to_sequence
 from treejax.rl.layouts import Expanded, Packed
 from treejax.rl.update import make_grad_fn
-from treejax.testing.forests import random_forest, random_tree_paths, with_copies
+from treejax.testing.forests import lay_out_nodes, random_forest, random_tree_paths, with_copies
 
 CFG = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250)
 P, W, D, TR, LP = 2, 6, 4, 48, 6  # every span forest here has these shapes: one compile per layout
@@ -76,20 +76,9 @@ def _forest(arr):
     """The turn forest of node arrays: each leaf's response is its path's nodes' tokens in order; policy_mask 1
     on each node's first ``policy`` tokens, 0 on its observation tokens."""
     paths, length = arr["path"], arr["length"]
-    tokens = np.zeros((P, W, TR), np.int32)
-    logp = np.zeros((P, W, TR), np.float32)
-    pm = np.zeros((P, W, TR), np.float32)
-    for p in range(P):
-        for w in range(W):
-            pos = 0
-            for n in paths[p, w, 1:]:
-                if n < 0:
-                    break
-                m = length[p, n]
-                tokens[p, w, pos:pos + m] = arr["tokens"][p, n, :m]
-                logp[p, w, pos:pos + m] = arr["logp"][p, n, :m]
-                pm[p, w, pos:pos + m] = np.arange(m) < arr["policy"][p, n]
-                pos += m
+    node_pm = (np.arange(arr["tokens"].shape[2])[None, None, :] < arr["policy"][:, :, None]).astype(np.float32)
+    tokens, logp, pm = lay_out_nodes(paths, length, arr["tokens"].astype(np.int32), arr["logp"].astype(np.float32),
+                                     node_pm, width=TR)
     return forest_from_spans(paths, length, tokens, logp, pm)
 
 

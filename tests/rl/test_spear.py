@@ -225,7 +225,7 @@ def test_over_multiturn_source_with_a_learning_step():
     episodes' own tokens, the next step replays them as rows the learner trains on, with a finite update."""
     import types
 
-    from treejax.envs.base import StepResult
+    from treejax.testing.envs import ScriptedToolEnv
     from treejax.models import presets, transformer
     from treejax.precision import Precision
     from treejax.rl.config import StepConfig
@@ -244,29 +244,10 @@ def test_over_multiturn_source_with_a_learning_step():
     fns = decode.make_model_fns(cfg_m, attention="dense", cache_dtype="float32")
     tc = tree.independent_config(2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,))
 
-    class Env:  # a turn ends on '5'; observation 'OK'; the 3rd turn answers; slot 0 of each prompt wins
-        stop_strings = ("5",)
-        count = 0
+    count = iter(range(10**6))  # slot 0 of each prompt wins; the second tool call of every episode fails
 
-        def __init__(self):
-            self.n = 0
-            self.win = Env.count % 2 == 0
-            Env.count += 1
-
-        def reset(self, example):
-            self.n = 0
-            return ""
-
-        def step(self, action):
-            self.n += 1
-            if self.n < 3:
-                return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": self.n == 2})
-            return StepResult("", float(self.win), True, {"answered": True})
-
-        def clone(self):
-            c = Env.__new__(Env)
-            c.n, c.win = self.n, self.win
-            return c
+    def make_env():
+        return ScriptedToolEnv(error_turns=(2,), win=next(count) % 2 == 0)
 
     class Base:
         def __init__(self):
@@ -281,7 +262,7 @@ def test_over_multiturn_source_with_a_learning_step():
             return (2.0 * scores - 1.0).astype(np.float32)
 
     params = transformer.init_params(cfg_m, jax.random.key(5))
-    mt = MultiTurnRollouts(Base(), MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=Env)
+    mt = MultiTurnRollouts(Base(), MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=make_env)
     src = SpearRollouts(mt, SpearConfig(sil_rows=2, sil_warmup_steps=0))
     ro0 = src.sample(params, jax.random.key(0), 0)
     calls = ro0.tool_calls_PxW[:P]

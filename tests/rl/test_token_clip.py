@@ -32,7 +32,7 @@ from treejax.rl.advantages.info_gain import A2TGPOOptions
 from treejax.rl.batch import TreeInputs, expanded_batch, forest_to_batch, response_to_sequence
 from treejax.rl.layouts import Expanded, Packed
 from treejax.rl.update import make_grad_fn
-from treejax.testing.forests import random_tree_paths
+from treejax.testing.forests import lay_out_nodes, random_tree_paths
 
 CFG = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250, num_layers=1)  # one layer: compile time
 P, W, D, MAXLEN = 2, 6, 3, 4
@@ -60,18 +60,8 @@ def turn_forest(seed: int):
     node_tok = rng.integers(3, 250, (P, N, MAXLEN))
     node_pm = np.arange(MAXLEN)[None, None, :] < rng.integers(1, MAXLEN + 1, (P, N))[:, :, None]
     node_logp = -np.log(250.0) + rng.normal(0, 0.05, (P, N, MAXLEN))  # near the tiny random model's own
-    tok, pm = np.zeros((P, W, TR), np.int32), np.zeros((P, W, TR), np.float32)
-    logp = np.zeros((P, W, TR), np.float32)
-    for p in range(P):
-        for w in range(W):
-            pos = 0
-            for n in paths[p, w, 1:]:
-                if n < 0:
-                    break
-                k = node_length[p, n]
-                tok[p, w, pos:pos + k], pm[p, w, pos:pos + k] = node_tok[p, n, :k], node_pm[p, n, :k]
-                logp[p, w, pos:pos + k] = node_logp[p, n, :k]
-                pos += k
+    tok, pm, logp = lay_out_nodes(paths, node_length, node_tok.astype(np.int32), node_pm.astype(np.float32),
+                                  node_logp.astype(np.float32), width=TR)
     return forest_from_spans(paths, node_length, tok, logp, pm)
 
 

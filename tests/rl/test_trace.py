@@ -13,6 +13,7 @@ import pytest
 from treejax.models import presets, transformer
 from treejax.rl.trace import TraceRule, make_prefix_scorer, prefix_rows
 from treejax.sampling.multiturn import Episode, ForkRequest
+from treejax.testing.envs import ScriptedToolEnv
 
 CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
 
@@ -80,43 +81,17 @@ def _base():
     return base
 
 
-class _Env:
-    """Two tool turns ('OK') then the answer turn; a turn ends on '5'."""
-
-    stop_strings = ("5",)
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, example):
-        self.n = 0
-        return ""
-
-    def step(self, action):
-        from treejax.envs.base import StepResult
-
-        self.n += 1
-        if self.n < 3:
-            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": False})
-        return StepResult("", float("3" in action), True, {"answered": True})
-
-    def clone(self):
-        c = _Env()
-        c.n = self.n
-        return c
-
-
 def test_source_builds_trace_trees():
     from treejax.rl.multiturn import MultiTurnConfig, MultiTurnRollouts
 
     params = transformer.init_params(CFG, jax.random.key(5))
     cfg = MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4, roots=1, branch_factor=2, fork_turns=2,
                           fork_rule="trace", trace_fraction=0.5)
-    src = MultiTurnRollouts(_base(), cfg, make_env=_Env, model_config=CFG, truth_prefix="A")
+    src = MultiTurnRollouts(_base(), cfg, make_env=ScriptedToolEnv, model_config=CFG, truth_prefix="A")
     ro = src.sample(params, jax.random.key(1), 0)
     m = ro.extra_metrics
     assert m["multiturn/trace_requests"] >= 2 and 0.0 < m["multiturn/trace_p_hat_mean"] < 1.0
     assert 0.0 < m["multiturn/trace_forked_frac"] < 1.0  # round 1: the single path forks; later rounds: half
     np.testing.assert_array_equal(np.asarray(ro.forest.leaf_weights()), 1.0)
     with pytest.raises(Exception, match="trace"):
-        MultiTurnRollouts(_base(), cfg, make_env=_Env)
+        MultiTurnRollouts(_base(), cfg, make_env=ScriptedToolEnv)

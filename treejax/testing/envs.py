@@ -75,4 +75,32 @@ class ToyToolEnv:
         return dataclasses.replace(self)
 
 
-__all__ = ["TOOL_ERROR_CHARS", "ToyToolEnv"]
+class ScriptedToolEnv:
+    """A scripted environment for tests of multi-turn sources: a turn ends on ``'5'``; the first ``tool_turns``
+    turns are tool calls answered ``"OK"`` (``info``: ``tool_seconds`` 0 and ``tool_error`` on the turns listed in
+    ``error_turns``, 1-based), the next turn is the answer (``answered``), scoring 1 when ``win`` is None and the
+    answer holds a ``'3'``, else ``float(win)``. Plain-data state: ``clone()`` copies it."""
+
+    stop_strings = ("5",)
+
+    def __init__(self, tool_turns: int = 2, error_turns: tuple[int, ...] = (), win: bool | None = None):
+        self.tool_turns, self.error_turns, self.win, self.n = tool_turns, tuple(error_turns), win, 0
+
+    def reset(self, example):
+        self.n = 0
+        return ""
+
+    def step(self, action: str):
+        self.n += 1
+        if self.n <= self.tool_turns:
+            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": self.n in self.error_turns})
+        score = float("3" in action) if self.win is None else float(self.win)
+        return StepResult("", score, True, {"answered": True})
+
+    def clone(self) -> "ScriptedToolEnv":
+        c = ScriptedToolEnv(self.tool_turns, self.error_turns, self.win)
+        c.n = self.n
+        return c
+
+
+__all__ = ["ScriptedToolEnv", "TOOL_ERROR_CHARS", "ToyToolEnv"]

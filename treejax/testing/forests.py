@@ -78,6 +78,27 @@ def pad_nodes(forest: Forest, num_nodes: int) -> Forest:
     )
 
 
+def lay_out_nodes(paths, node_length, *node_arrays, width: int):
+    """Per-leaf response arrays of a turn forest from per-node ones (host): ``node_arrays[i]`` ``[P, N, M]`` holds
+    node n's values in its first ``node_length[p, n]`` columns; each returned ``[P, W, width]`` array has the nodes of
+    leaf w's path (``paths [P, W, D+1]``, column 0 the root) end to end, zeros after. What
+    :func:`treejax.forest.forest_from_spans` takes as ``tokens`` / ``logprobs`` / ``policy_mask``."""
+    paths = np.asarray(paths)
+    P, W, _ = paths.shape
+    outs = [np.zeros((P, W, width), np.asarray(a).dtype) for a in node_arrays]
+    for p in range(P):
+        for w in range(W):
+            pos = 0
+            for n in paths[p, w, 1:]:
+                if n < 0:
+                    break
+                k = int(node_length[p, n])
+                for out, a in zip(outs, node_arrays):
+                    out[p, w, pos:pos + k] = np.asarray(a)[p, n, :k]
+                pos += k
+    return outs
+
+
 def random_rewards(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
     """Rewards of a given ``kind``: "pm1" (+-1), "01", "grid" (multiples of 0.25 in [-1, 1], e.g. with an
     overlong penalty), "equal" (one value per prompt), "mixed" (a random choice of these per prompt),

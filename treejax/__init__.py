@@ -16,6 +16,7 @@ _EXPORTS = {
     "Forest": "treejax.forest",
     "NodeStatus": "treejax.forest",
     "forest_from_paths": "treejax.forest",
+    "forest_from_spans": "treejax.forest",
     "subgroup_masks": "treejax.forest",
     "ModelConfig": "treejax.models.config",
     "get_config": "treejax.models.presets",
@@ -34,6 +35,15 @@ _EXPORTS = {
     "generate": "treejax.sampling",
     "make_independent_rollout": "treejax.sampling",
     "make_tree_rollout": "treejax.sampling",
+    "TurnLimits": "treejax.sampling.multiturn",
+    "TurnTreeConfig": "treejax.sampling.multiturn",
+    "run_episodes": "treejax.sampling.multiturn",
+    "run_turn_trees": "treejax.sampling.multiturn",
+    "turn_forest": "treejax.sampling.multiturn",
+    "CodeToolEnv": "treejax.envs.code_tool",
+    "GuessNumberEnv": "treejax.envs.guess",
+    "GymnasiumText": "treejax.envs.base",
+    "StepResult": "treejax.envs.base",
     "ECHO": "treejax.sampling.branching",
     "LATR": "treejax.sampling.branching",
     "BranchingRule": "treejax.sampling.branching",
@@ -74,6 +84,8 @@ _EXPORTS = {
     "make_mesh": "treejax.parallel.mesh",
     "Checkpointer": "treejax.checkpoint",
     "draw_tree": "treejax.viz",
+    "draw_turn_tree": "treejax.viz",
+    "turn_tree_text": "treejax.viz",
 }
 
 __all__ = sorted(_EXPORTS)

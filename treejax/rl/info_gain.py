@@ -139,11 +139,15 @@ def truth_logprobs(logprob_fn: Callable, params: Any, prompts_PxLp: jax.Array, p
         split = lambda x: jnp.pad(x, ((0, pad), (0, 0))).reshape((chunks, rows_per_call, L))  # noqa: E731
         logp = jax.lax.map(lambda xs: logprob_fn(params, *xs),
                            (split(b.tokens), split(b.positions), split(b.segment_ids))).reshape((-1, L))[:B]
-    on = b.scored > 0
-    total = jnp.sum(jnp.where(on, logp.astype(jnp.float32), 0.0), axis=-1)
-    count = jnp.sum(b.scored, axis=-1)
-    out = jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
-    return out.reshape((P, N)).astype(jnp.float32)
+    return mean_scored_logprob(logp, b.scored).reshape((P, N))
+
+
+def mean_scored_logprob(logp_BxL: jax.Array, scored_BxL: jax.Array) -> jax.Array:
+    """float32[B]: the mean of ``logp`` over each row's scored positions (``scored > 0``); 0 for a row with none."""
+    on = scored_BxL > 0
+    total = jnp.sum(jnp.where(on, logp_BxL.astype(jnp.float32), 0.0), axis=-1)
+    count = jnp.sum(on.astype(jnp.float32), axis=-1)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0).astype(jnp.float32)
 
 
 def make_truth_scorer(model_config, *, rows_per_call: int | None = None, pad_id: int = 0, chunk_size: int = 8192,
@@ -186,5 +190,5 @@ def answer_tokens(encode: Callable[[str], Sequence[int]], answers: Sequence[str]
     return toks, lengths, scored
 
 
-__all__ = ["TruthBatch", "answer_tokens", "make_truth_scorer", "node_ends", "node_leaves", "truth_logprobs",
+__all__ = ["TruthBatch", "answer_tokens", "make_truth_scorer", "mean_scored_logprob", "node_ends", "node_leaves", "truth_logprobs",
            "truth_sequences"]

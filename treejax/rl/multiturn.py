@@ -228,14 +228,21 @@ class MultiTurnRollouts:
                         counters=counters, estimator_inputs=inputs, examples=list(examples),
                         reward_scores_PxW=scores, extra_metrics=metrics, tool_calls_PxW=clean)
 
+    def answer_rows(self, examples):
+        """``(answer_PxLa, answer_lengths_P, answer_scored_PxLa)``: each prompt's ground truth written as the
+        environment's answer line, ``truth_prefix + truth`` (only the truth's tokens scored), ``TRUTH_WIDTH`` wide
+        (:func:`treejax.rl.info_gain.answer_tokens`)."""
+        from treejax.rl.info_gain import answer_tokens
+
+        return answer_tokens(self.base.tokenizer.encode, [ex.ground_truth for ex in examples],
+                             prefix=self.truth_prefix, max_length=TRUTH_WIDTH)
+
     def trace_rule(self, params, examples, prompts, lens):
         """TRACE's fork rule for this step (:class:`treejax.rl.trace.TraceRule`): the policy's probability of each
         prompt's ground truth, written as ``truth_prefix + truth``, after a prefix predicts its success."""
-        from treejax.rl.info_gain import answer_tokens
         from treejax.rl.trace import TraceRule, cached_prefix_scorer
 
-        answer, alen, scored = answer_tokens(self.base.tokenizer.encode, [ex.ground_truth for ex in examples],
-                                             prefix=self.truth_prefix, max_length=TRUTH_WIDTH)
+        answer, alen, scored = self.answer_rows(examples)
         prompts, lens = np.asarray(prompts), np.asarray(lens)
         return TraceRule(cached_prefix_scorer(self.model_config), params,
                          [prompts[p, :lens[p]] for p in range(len(lens))],
@@ -249,10 +256,7 @@ class MultiTurnRollouts:
         answer line (``truth_prefix + truth``, the code tool's ``"Answer: <truth>"``; only the truth's tokens are scored), after every node
         (:func:`treejax.rl.info_gain.truth_logprobs`). The answer width is fixed (``TRUTH_WIDTH`` tokens) so the
         scorer compiles once."""
-        from treejax.rl.info_gain import answer_tokens
-
-        answer, alen, scored = answer_tokens(self.base.tokenizer.encode, [ex.ground_truth for ex in examples],
-                                             prefix=self.truth_prefix, max_length=TRUTH_WIDTH)
+        answer, alen, scored = self.answer_rows(examples)
         truth = self.scorer(params, jnp.asarray(prompts), jnp.asarray(lens), forest, jnp.asarray(answer),
                             jnp.asarray(alen), jnp.asarray(scored))
         return jax.device_get(truth)
@@ -263,23 +267,18 @@ class MultiTurnRollouts:
         """Held-out evaluation with the environment: one greedy episode per problem (the same limits, observation
         format and stop tokens as training; batches of ``batch_size``). Returns ``tool_accuracy`` (episodes scoring
         1), ``tool_score`` (mean score), ``tool_calls_mean``, ``tool_turns_mean``."""
-        from treejax.data.prompts import encode_examples
+        from treejax.data.prompts import encode_examples, pad_token_lists
         from treejax.sampling.strategies import Greedy
 
         b, tc, cfg = self.base, self.tree_config, self.config
         toks = encode_examples(b.tokenizer, examples, system_prompt, instruction)
-        if max(len(t) for t in toks) > prompt_width:
-            raise ValueError(f"a prompt of {max(len(t) for t in toks)} tokens exceeds the prompt width {prompt_width}")
         limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
                             chunk=cfg.chunk)
         eps = []
         for i in range(0, len(toks), batch_size):
-            chunk = toks[i:i + batch_size]
-            prompts = np.zeros((len(chunk), prompt_width), np.int32)
-            for r, t in enumerate(chunk):
-                prompts[r, :len(t)] = t
+            prompts, lens = pad_token_lists(toks[i:i + batch_size], prompt_width)
             trees = run_turn_trees(params, b.sampler_fns, b.tokenizer, lambda p: self.make_env(),
-                                   list(examples[i:i + batch_size]), prompts, np.array([len(t) for t in chunk]),
+                                   list(examples[i:i + batch_size]), prompts, lens,
                                    jax.random.key(0), Greedy(), limits, TurnTreeConfig(),
                                    stop_ids=tuple(tc.stop_ids or ()), observation_format=self.observation_format)
             eps += [t.slot_episode[0] for t in trees]

@@ -37,14 +37,14 @@ def make_prefix_scorer(model_config, chunk_size: int = 8192, attention_impl: str
     """A jitted ``score(params, tokens_BxL, positions_BxL, segment_ids_BxL, scored_BxL) -> mean_logp_B``: the mean
     log-prob of the ``scored`` positions under the learner's sequence forward
     (:func:`treejax.rl.layouts.sequence_logprobs`)."""
+    from treejax.rl.info_gain import mean_scored_logprob
     from treejax.rl.layouts import sequence_logprobs
 
     @jax.jit
     def score(params, tokens, positions, segment_ids, scored):
         logp = sequence_logprobs(params, model_config, tokens, positions, segment_ids, chunk_size=chunk_size,
-                                 attention_impl=attention_impl).astype(jnp.float32)
-        count = jnp.sum(scored, axis=-1)
-        return jnp.where(count > 0, jnp.sum(jnp.where(scored > 0, logp, 0.0), -1) / jnp.maximum(count, 1.0), 0.0)
+                                 attention_impl=attention_impl)
+        return mean_scored_logprob(logp, scored)
 
     return score
 

@@ -14,14 +14,20 @@ Where, in order (the first that is set wins):
 
 :func:`default_cache_dir` is ``$XDG_CACHE_HOME/treejax/jax`` (``~/.cache/treejax/jax``). JAX only caches programs
 that took at least :data:`MIN_COMPILE_SECONDS` to compile; the folder can be deleted at any time.
+
+:func:`compile_clock` counts the seconds the process spends making programs (JAX's own monitoring events: tracing
+to a jaxpr, lowering to StableHLO, and the XLA compile or the persistent-cache load), which the training loop logs
+as ``time/compile_s`` and ``compile/programs`` (running totals) so a run shows what its recompiles cost.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
-__all__ = ["MIN_COMPILE_SECONDS", "default_cache_dir", "enable_compilation_cache", "resolve_cache_dir"]
+__all__ = ["MIN_COMPILE_SECONDS", "COMPILE_EVENTS", "CompileClock", "compile_clock", "default_cache_dir",
+           "enable_compilation_cache", "resolve_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +72,43 @@ def enable_compilation_cache(setting: str | None = "auto") -> str | None:
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return folder
+
+
+#: JAX's monitoring events (``jax._src.dispatch``) whose durations :class:`CompileClock` sums; the last one is
+#: recorded once per program (an XLA compile or a load from the persistent cache).
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class CompileClock:
+    """Running totals of program-making time: ``seconds`` (every :data:`COMPILE_EVENTS` duration) and ``programs``
+    (backend compiles or cache loads). One listener per process (:func:`compile_clock`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.programs = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
+        if event in COMPILE_EVENTS:
+            with self._lock:
+                self.seconds += float(duration_secs)
+                self.programs += event == COMPILE_EVENTS[-1]
+
+    def totals(self) -> dict[str, float]:
+        """``{"time/compile_s": seconds, "compile/programs": count}`` so far."""
+        return {"time/compile_s": self.seconds, "compile/programs": self.programs}
+
+
+_CLOCK: CompileClock | None = None
+
+
+def compile_clock() -> CompileClock:
+    """The process's :class:`CompileClock`, registered with ``jax.monitoring`` on first use."""
+    global _CLOCK
+    if _CLOCK is None:
+        from jax import monitoring
+
+        _CLOCK = CompileClock()
+        monitoring.register_event_duration_secs_listener(_CLOCK)
+    return _CLOCK

@@ -369,6 +369,40 @@ def test_sticky_layout_only_grows_and_keeps_the_loss(sampled, policy_params):
 
 
 # ----------------------------------------------------------------------------------------------- slot trees
+@pytest.mark.parametrize("align", [1, 3])
+def test_startup_layout_holds_every_tree_and_never_changes(sampled, align):
+    """A sticky ``Packed`` layout is fixed at the first mini-batch from the config's bounds: the bound holds every
+    sampled tree (alone, aligned or not), every later mini-batch of the run gets the same layout (one compile),
+    and with two rows the trees are spread over both (balanced micro-batches / devices)."""
+    import types
+
+    prompts, lens, forest = sampled
+    P, W, Tr = forest.tokens.shape
+    N = forest.node_parent.shape[1]
+    cfg = dataclasses.replace(SMALL_ROWS, align=align, attention_impl="xla")
+    bound = packing.tree_token_bound(prompts.shape[1], W, Tr, N, TC.segment_length, align)
+    args = (prompts, lens, np.asarray(forest.leaf_path), np.asarray(forest.leaf_length), np.asarray(forest.tokens),
+            TC.segment_length, dataclasses.replace(cfg, skip_untrained=False))
+    alone = [int(packing.plan_packing(*args, prompts=[p]).positions.shape[1]) for p in range(P)]
+    sizes = [int(packing.plan_packing(*args, prompts=[p]).unique_tokens) for p in range(P)]
+    assert max(sizes) <= bound and max(alone) >= max(sizes)
+    assert packing.tree_token_bound(6, 4, 10, 9, 4) == 6 + min(40, 32)
+    assert packing.tree_token_bound(6, 4, 10, 9, 4, align=3) == 6 + 32 + 8 * 2
+    ro = types.SimpleNamespace(forest=forest, prompts_PxLp=prompts, lengths_P=lens)
+    adv, *_ = _inputs(forest, "treepo")
+    for row_multiple in (1, 2):
+        layout = Packed(CFG, cfg, row_multiple=row_multiple)
+        pool = layout.pool(ro, adv.tokens, adv.loss_mask, jnp.ones((P, W)))
+        plans = [layout.plan(pool, np.asarray(u)) for u in ([0, 1], [2, 3], [1, 2], [3, 0], [2, 0])]
+        R0, L0, Wr0 = packing.startup_layout(cfg, prompt_width=prompts.shape[1], num_leaves=W, response_length=Tr,
+                                             num_nodes=N, node_length=TC.segment_length, trees=2,
+                                             row_multiple=row_multiple)
+        assert L0 == packing.bucket_row_length(bound, cfg.granule) and Wr0 == 2 * W and R0 == row_multiple
+        assert {pl.shape for pl in plans} == {(R0, L0, Wr0)} and len(layout.floor.layouts) == 1
+        if row_multiple == 2:  # two trained trees (prompt 3 is the untrained filler) in different rows, not both in row 0
+            assert all(((pl.leaf_id >= 0).any(axis=1)).all() for pl in (plans[0], plans[2], plans[4]))
+
+
 def test_packed_equals_expanded_with_duplicate_leaves(policy_params):
     """A slot tree stores a path that stops holding n slots n times: the packed batch holds its tokens once and
     gathers them to every copy's (leaf, token) pairs, so loss, metrics and gradients equal the expanded batch's,

@@ -251,9 +251,10 @@ class Expanded:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Packed:
     """Tree-packed rows (module docstring; :mod:`treejax.rl.packing`). ``row_multiple``: the packed row count is a
-    multiple of it (micro-batches x batch-sharded devices). With ``packing.sticky`` the layout keeps the largest
-    packed shape met so far (host state, :class:`~treejax.rl.packing.LayoutFloor`) and packs later mini-batches
-    into it, so the update compiles once per growth. ``blocks``: the Pallas tree kernel's tiles
+    multiple of it (micro-batches x batch-sharded devices). With ``packing.sticky`` the layout is fixed at the first
+    mini-batch from the config's bounds (host state, :class:`~treejax.rl.packing.LayoutFloor`,
+    :func:`~treejax.rl.packing.startup_layout`) and later mini-batches are packed into it: the update compiles once
+    (again only if a mini-batch needs more rows). ``blocks``: the Pallas tree kernel's tiles
     (``tree_flash.TreeFlashBlocks``; ``None``: ``tree_flash.DEFAULT_BLOCKS``)."""
 
     model_config: ModelConfig
@@ -280,12 +281,19 @@ class Packed:
 
     def plan(self, pool: Pool, units) -> packing_lib.PackingPlan:
         h = pool.host
+        if self.floor is not None and self.floor.shape is None:  # the run's start-up layout, from the bounds
+            P, W, T = h["tokens"].shape
+            self.floor.start(packing_lib.startup_layout(
+                self.packing, prompt_width=h["prompts"].shape[1], num_leaves=W, response_length=T,
+                num_nodes=h["node_parent"].shape[1],
+                node_length=h["segment_length"] if h["fixed_segments"] else T, trees=len(np.asarray(units)),
+                row_multiple=self.row_multiple))
         pl = packing_lib.plan_packing(h["prompts"], h["lengths"], h["path"], h["length"], h["tokens"],
                                       h["segment_length"], self.packing, prompts=np.asarray(units),
                                       trained_PxW=h["trained"], row_multiple=self.row_multiple, pad_id=self.pad_id,
                                       floor=None if self.floor is None else self.floor.shape,
                                       node_parent_PxN=h["node_parent"], node_depth_PxN=h["node_depth"],
-                                      node_span_PxNx2=h["spans"])
+                                      node_span_PxNx2=h["spans"], balance=self.floor is not None)
         if self.floor is not None:
             self.floor.grow(pl.shape)
         return pl

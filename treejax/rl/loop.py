@@ -49,7 +49,7 @@ import optax
 
 from treejax import checkpoint as ckpt_lib
 from treejax import metrics as metrics_lib
-from treejax.compile_cache import enable_compilation_cache
+from treejax.compile_cache import compile_clock, enable_compilation_cache
 from treejax.errors import DivergenceError, record_failure
 from treejax.log import show_progress
 from treejax.models.export import export_hf
@@ -105,6 +105,7 @@ def train(r: Run) -> int | None:
     if threading.current_thread() is threading.main_thread():
         preemption.install()
     logger = StepLogger(r)
+    clock = compile_clock()  # running totals of compile seconds / programs, logged with every step
     collector = make_collector(r, key)
     collector.publish(r.start_step, r.state)  # the weights the first rollouts are sampled with
     t_loop = time.perf_counter()
@@ -122,7 +123,8 @@ def train(r: Run) -> int | None:
                                                          behaviour_params=item.behaviour_params)
             done = step + 1
             collector.publish(done, r.state)
-            host = dict(item.host_metrics(), **layout_info, **{"time/learn_dispatch_s": time.perf_counter() - t_learn})
+            host = dict(item.host_metrics(), **layout_info, **{"time/learn_dispatch_s": time.perf_counter() - t_learn},
+                        **clock.totals())
             log.info("%s", step_line(done, cfg.num_steps, host, time.perf_counter() - t_step))
             logger.push(done, dict(host, **{"time/step_s": time.perf_counter() - r.t_start}), device_metrics,
                         t_learn)
@@ -263,6 +265,21 @@ def loop_throughput(cfg: RunConfig, history: list[dict], start_step: int, loop_s
     return out
 
 
+def compile_summary(history: list[dict]) -> dict:
+    """The process's program-making totals (:func:`treejax.compile_cache.compile_clock`): ``compile_s`` and
+    ``compile_programs``; from the step history, ``compile_after_first_step_s`` (what later steps spent on
+    programs: recompiles of new shapes, e.g. a packed layout that grows) and ``packing_layouts`` (the packed
+    update's distinct layouts)."""
+    out = compile_clock().totals()
+    out = {"compile_s": out["time/compile_s"], "compile_programs": out["compile/programs"]}
+    timed = [h for h in history if "time/compile_s" in h]
+    if timed:
+        out["compile_after_first_step_s"] = timed[-1]["time/compile_s"] - timed[0]["time/compile_s"]
+    if history and "packing/layouts" in history[-1]:
+        out["packing_layouts"] = history[-1]["packing/layouts"]
+    return out
+
+
 def finish_preempted(r: Run, preempted_at: int) -> dict:
     r.checkpointer.wait()
     r.checkpointer.close()
@@ -305,6 +322,7 @@ def finish(r: Run) -> dict:
         "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
         "divergence": diverged,
     }
+    summary.update(compile_summary(history))
     if r.loop_s is not None:
         summary.update(loop_throughput(cfg, history, r.start_step, r.loop_s))
     if multihost.is_primary():

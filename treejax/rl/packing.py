@@ -47,13 +47,22 @@ per step). Let ``n`` be the largest tree's unique tokens (after alignment paddin
 * ``align`` (optional) pads the prompt and every node to a multiple of ``align`` tokens, so block-sparse
   attention kernels see node-aligned blocks.
 
-Sticky layouts (``PackingConfig.sticky``, default on): a run keeps the largest layout ``(R, L, Wr)`` it has met
-(:class:`LayoutFloor`) and packs every later mini-batch into it whenever the trees fit: ``L`` is at least the
-floor's, trees per row are capped at ``Wr / W`` and the row count is padded up to the floor's. A layout only ever
-grows, so the jitted update meets a handful of shapes over a run (one per growth: the first steps) instead of a
-new one whenever the longest tree crosses a bucket edge in either direction; the price is padding rows and
-tokens when later trees are smaller. ``row_length`` (and ``max_trees_per_row``) pin ``L`` (and ``Wr``) from the
-first step.
+Sticky layouts (``PackingConfig.sticky``, default on): a run's layout ``(R, L, Wr)`` is fixed at its first
+mini-batch from the config's bounds (:func:`startup_layout`), so the jitted update and log-prob passes compile
+once per run:
+
+* ``L`` = ``row_length`` when set, else the bucketed bound on one tree's unique tokens
+  (:func:`tree_token_bound`: ``Lp + min(W T, (N - 1) S)`` for ``N`` node slots of at most ``S`` tokens, plus
+  alignment), so every tree the rollout can produce fits one row;
+* ``Wr = W * 2^k`` for the trees of a whole mini-batch (``max_trees_per_row`` caps it), so trees share rows as
+  densely as they fit (first-fit decreasing), then spread over the layout's rows largest-first into the emptiest
+  row (``balance``: equal work per micro-batch and device);
+* ``R`` starts at ``row_multiple`` and is the only size that can grow: a mini-batch whose trees do not fit in
+  ``R`` rows of ``L`` takes the next ``row_multiple * 2^k`` and keeps it (:class:`LayoutFloor`; one compile per
+  growth, counted in ``packing/layouts``).
+
+The price is padding (a mini-batch of small trees still runs ``R x L`` token slots); the bound is on one tree, so
+a row is about as long as the largest tree the config allows and a mini-batch of typical trees fits one row.
 
 Trees without any trained token (dynamic sampling's filler prompts, ``skip_untrained``) are not packed at all:
 they carry no loss and no gradient, but still count as sequences in the Dr.GRPO denominator
@@ -96,8 +105,9 @@ class PackingConfig:
       attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
         mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU) or ``"auto"``
         (pallas on a GPU, xla elsewhere).
-      sticky: keep the largest layout met so far and pack later mini-batches into it (module docstring), so a
-        run compiles the update once per layout growth instead of once per new bucket.
+      sticky: fix the layout at the first mini-batch from the config's bounds (:func:`startup_layout`, module
+        docstring) and pack every later mini-batch into it; only the row count can grow. ``False``: each
+        mini-batch gets its own bucketed layout (a compile per new shape).
     """
 
     row_length: int | None = None
@@ -170,7 +180,7 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
                  segment_length: int, config: PackingConfig = PackingConfig(), *, prompts=None,
                  trained_PxW=None, row_multiple: int = 1, pad_id: int = 0,
                  floor: tuple[int, int, int] | None = None, node_parent_PxN=None,
-                 node_depth_PxN=None, node_span_PxNx2=None) -> PackingPlan:
+                 node_depth_PxN=None, node_span_PxNx2=None, balance: bool = False) -> PackingPlan:
     """Host-side packing plan of the trees of ``prompts`` (default: all ``P``); arrays are NumPy (or fetched).
 
     ``trained_PxW`` (optional, bool): leaves with at least one trained token; with
@@ -181,7 +191,10 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     shorter than a segment or, with spans, a node that does not start where its parent ends, a leaf longer than
     its path) or a tree longer than ``config.row_length``. ``floor`` ``(R, L, Wr)``: the smallest
     layout to use (a sticky run's :class:`LayoutFloor`): ``L`` and ``R`` at least the floor's, at most ``Wr / W``
-    trees per row (one tree per row always fits, so only ``L`` or ``R`` can grow past the floor).
+    trees per row (one tree per row always fits, so only ``L`` or ``R`` can grow past the floor). ``balance``:
+    after first-fit decreasing has fixed ``R``, the trees are re-placed largest first into the row with the most
+    free tokens (worst-fit decreasing; kept only if every tree fits), so the ``R`` rows hold even work rather than
+    the first rows all of it.
     ``node_parent_PxN`` / ``node_depth_PxN`` (optional, the forest's): each tree's parents and depths are read from
     them instead of rebuilt from the leaf paths (which must agree with them). ``node_span_PxNx2`` (optional, the
     forest's :meth:`~treejax.forest.Forest.spans`): each node's ``(start, length)`` in its leaves' responses, so
@@ -249,6 +262,8 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     Wr = W * (1 << (max((len(r) for r in rows), default=1) - 1).bit_length())
     if floor is not None:
         R, Wr = max(R, f_rows), max(Wr, f_slots)
+    if balance and len(rows) < R:
+        rows = _spread(sizes, rows, R, L, min(cap, Wr // W))
     out_tok = np.full((R, L), pad_id, np.int32)
     out_pos = np.zeros((R, L), np.int32)
     out_lo = np.full((R, L), PAD_NODE, np.int32)
@@ -282,15 +297,64 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
                        expanded_tokens=expanded)
 
 
-class LayoutFloor:
-    """The largest packed layout ``(R, L, Wr)`` a run has met (host state of a sticky run, module docstring).
+def _spread(sizes: list[int], rows: list[list[int]], R: int, L: int, cap: int) -> list[list[int]]:
+    """Worst-fit decreasing of the trees over ``R`` rows of ``L`` tokens (at most ``cap`` trees a row); ``rows``
+    (the first-fit placement) when some tree would not fit."""
+    out: list[list[int]] = [[] for _ in range(R)]
+    free = [L] * R
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = max((r for r in range(R) if len(out[r]) < cap), key=lambda r: free[r], default=None)
+        if r is None or free[r] < sizes[i]:
+            return rows
+        out[r].append(i)
+        free[r] -= sizes[i]
+    return [r for r in out if r] + [r for r in out if not r]
 
-    ``shape`` is ``None`` until the first plan; :meth:`grow` takes a plan's shape and keeps the elementwise
-    maximum (row count, row length and leaf slots each only grow)."""
+
+def tree_token_bound(prompt_width: int, num_leaves: int, response_length: int, num_nodes: int,
+                     node_length: int, align: int = 1) -> int:
+    """An upper bound on the packed tokens of one tree (prompt + unique response tokens, alignment included)::
+
+        ceil_a(Lp) + min(W T, (N - 1) S) + (N - 1)(a - 1)
+
+    ``Lp`` the prompt width, ``W`` leaves of ``T`` response tokens, ``N`` node slots (the root included) of at
+    most ``S`` tokens each (``node_length``: the segment length; ``T`` for a span forest, whose turns may be
+    any length), ``a`` = ``align`` (every node padded to a multiple of it). A tree's response tokens are its
+    non-root nodes', at most ``N - 1`` of at most ``S`` each, and at most all ``W T`` of its leaves'."""
+    a = max(int(align), 1)
+    nodes = max(int(num_nodes) - 1, 1)
+    return (_round_up(int(prompt_width), a) + min(int(num_leaves) * int(response_length), nodes * int(node_length))
+            + nodes * (a - 1))
+
+
+def startup_layout(config: PackingConfig, *, prompt_width: int, num_leaves: int, response_length: int,
+                   num_nodes: int, node_length: int, trees: int, row_multiple: int = 1) -> tuple[int, int, int]:
+    """The layout ``(R, L, Wr)`` a sticky run starts from (module docstring): ``R = row_multiple``; ``L`` =
+    ``config.row_length`` or the bucketed :func:`tree_token_bound`; ``Wr = W * 2^k >= W * min(trees,
+    max_trees_per_row)`` (``trees``: the trees of one mini-batch)."""
+    if config.row_length is not None:
+        L = config.row_length
+    else:
+        L = bucket_row_length(tree_token_bound(prompt_width, num_leaves, response_length, num_nodes, node_length,
+                                               config.align), config.granule)
+    per_row = max(min(int(trees), config.max_trees_per_row or int(trees)), 1)
+    return int(row_multiple), int(L), int(num_leaves) * (1 << (per_row - 1).bit_length())
+
+
+class LayoutFloor:
+    """A sticky run's layout ``(R, L, Wr)`` (host state, module docstring).
+
+    ``shape`` is ``None`` until :meth:`start` (the start-up layout) or the first :meth:`grow`; :meth:`grow` takes a
+    plan's shape and keeps the elementwise maximum (sizes only grow); ``layouts`` holds every distinct layout
+    planned (one compile of the update each)."""
 
     def __init__(self):
         self.shape: tuple[int, int, int] | None = None
-        self.layouts: set[tuple[int, int, int]] = set()  # every layout planned so far (one compile each)
+        self.layouts: set[tuple[int, int, int]] = set()
+
+    def start(self, shape: tuple[int, int, int]) -> None:
+        if self.shape is None:
+            self.shape = tuple(int(x) for x in shape)
 
     def grow(self, shape: tuple[int, int, int]) -> None:
         self.layouts.add(tuple(shape))
@@ -389,6 +453,7 @@ def host_forest(prompt_tokens_PxLp, prompt_lengths_P, forest: Forest, loss_mask_
                       "node_parent": forest.node_parent, "node_depth": forest.node_depth, "spans": forest.spans()})
     host["trained"] = host.pop("mask").reshape(P, W, -1).max(-1) > 0
     host["segment_length"] = forest.segment_length
+    host["fixed_segments"] = forest.fixed_segments
     return host
 
 
@@ -418,6 +483,6 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
             "token_saving": plan.expanded_tokens / max(plan.unique_tokens, 1)}
 
 
-__all__ = ["PackingConfig", "PackingPlan", "LayoutFloor", "plan_packing", "pack_pairs", "unpack_pairs",
-           "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest", "forest_to_packed",
+__all__ = ["PackingConfig", "PackingPlan", "LayoutFloor", "plan_packing", "startup_layout", "tree_token_bound",
+           "pack_pairs", "unpack_pairs", "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest", "forest_to_packed",
            "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

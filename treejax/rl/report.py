@@ -41,6 +41,11 @@ def format_summary(s: dict) -> str:
                      "OptimizerConfig.learning_rate; RunConfig.nonfinite='raise' stops such a run before export.")
     lines.append(f"  decoded tokens: {s['decoded_tokens']} in {s['steps']} steps; precision: "
                  f"{s['precision']['param_dtype']} master, {s['precision']['compute_dtype']} compute")
+    if "compile_s" in s:
+        later = s.get("compile_after_first_step_s")
+        layouts = f", {s['packing_layouts']} packed layout(s)" if "packing_layouts" in s else ""
+        lines.append(f"  programs: {s['compile_programs']} compiled or loaded in {s['compile_s']:.1f} s"
+                     + ("" if later is None else f" ({later:.1f} s of it after the first step)") + layouts)
     lines += [
         f"  TensorBoard logs: {s['log_dir']}",
         f"  checkpoint:       {s['checkpoint_dir']}",

@@ -190,15 +190,30 @@ def place_train_state(params: Any, param_logical_axes: Any, create_state: Callab
 def sharded_update(update_fn: Callable, state_shardings: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Callable:
     """``update(state, mini_batch)`` jitted once per mini-batch layout (the tree-packed update's shapes bucket):
     each layout gets its batch shardings (:func:`batch_sharding`) and :func:`jit_update`; the mini-batch is placed
-    with them before the call."""
+    with them before the call. ``update.precompile(abstract_state, abstract_mini)`` compiles a layout ahead of
+    time (:mod:`treejax.rl.precompile`)."""
     jitted: dict = {}
 
+    def key(mini):
+        return jax.tree.structure(mini), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(mini))
+
     def update(state, mini):
-        sig = (jax.tree.structure(mini), tuple(x.shape for x in jax.tree.leaves(mini)))
+        sig = key(mini)
         if sig not in jitted:
             sh = batch_sharding(mesh, mini, rules)
             jitted[sig] = (sh, jit_update(update_fn, state_shardings, sh, mesh))
         sh, fn = jitted[sig]
         return fn(state, jax.device_put(mini, sh))
 
+    def precompile(abstract_state, abstract_mini) -> None:
+        """Compiles the update for a mini-batch layout ahead of time (``jax.ShapeDtypeStruct`` arguments; the
+        state's with its shardings): :mod:`treejax.rl.precompile`. A later call with that layout runs it."""
+        sig = key(abstract_mini)
+        if sig in jitted:
+            return
+        sh = batch_sharding(mesh, abstract_mini, rules)
+        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_mini, sh)
+        jitted[sig] = (sh, jit_update(update_fn, state_shardings, sh, mesh).lower(abstract_state, placed).compile())
+
+    update.precompile = precompile
     return update

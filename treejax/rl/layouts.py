@@ -283,11 +283,12 @@ class Packed:
         h = pool.host
         if self.floor is not None and self.floor.shape is None:  # the run's start-up layout, from the bounds
             P, W, T = h["tokens"].shape
+            trees = len(np.asarray(units))
             self.floor.start(packing_lib.startup_layout(
                 self.packing, prompt_width=h["prompts"].shape[1], num_leaves=W, response_length=T,
                 num_nodes=h["node_parent"].shape[1],
-                node_length=h["segment_length"] if h["fixed_segments"] else T, trees=len(np.asarray(units)),
-                row_multiple=self.row_multiple))
+                node_length=h["segment_length"] if h["fixed_segments"] else T, trees=trees,
+                row_multiple=self.row_multiple), max_rows=-(-trees // self.row_multiple) * self.row_multiple)
         pl = packing_lib.plan_packing(h["prompts"], h["lengths"], h["path"], h["length"], h["tokens"],
                                       h["segment_length"], self.packing, prompts=np.asarray(units),
                                       trained_PxW=h["trained"], row_multiple=self.row_multiple, pad_id=self.pad_id,
@@ -337,6 +338,8 @@ class Packed:
                 "packing/row_tokens": sum(pl.shape[0] * pl.shape[1] for pl in plans)}
         if self.floor is not None:
             info["packing/layouts"] = len(self.floor.layouts)
+            if self.floor.precompiled is not None:
+                info["packing/precompiled"] = self.floor.precompiled
         return info
 
 

@@ -59,7 +59,9 @@ once per run:
   row (``balance``: equal work per micro-batch and device);
 * ``R`` starts at ``row_multiple`` and is the only size that can grow: a mini-batch whose trees do not fit in
   ``R`` rows of ``L`` takes the next ``row_multiple * 2^k`` and keeps it (:class:`LayoutFloor`; one compile per
-  growth, counted in ``packing/layouts``).
+  growth, counted in ``packing/layouts``). The rungs ``R = row_multiple * 2^k`` up to one tree per row are known
+  from the start, and ``precompile`` compiles them on a background thread after the first step
+  (:mod:`treejax.rl.precompile`), so a growth costs no stall.
 
 The price is padding (a mini-batch of small trees still runs ``R x L`` token slots); the bound is on one tree, so
 a row is about as long as the largest tree the config allows and a mini-batch of typical trees fits one row.
@@ -108,6 +110,9 @@ class PackingConfig:
       sticky: fix the layout at the first mini-batch from the config's bounds (:func:`startup_layout`, module
         docstring) and pack every later mini-batch into it; only the row count can grow. ``False``: each
         mini-batch gets its own bucketed layout (a compile per new shape).
+      precompile: with ``sticky``, compile the update and the log-prob pass for every other row count the layout
+        can grow to (:meth:`LayoutFloor.ladder`) on a background thread after the first step's plan
+        (:mod:`treejax.rl.precompile`), so a growth later in the run does not stop a step to compile.
     """
 
     row_length: int | None = None
@@ -117,6 +122,7 @@ class PackingConfig:
     skip_untrained: bool = True
     attention_impl: str = "auto"
     sticky: bool = True
+    precompile: bool = True
 
     def __post_init__(self):
         if self.row_length is not None and self.row_length < 1:
@@ -351,10 +357,25 @@ class LayoutFloor:
     def __init__(self):
         self.shape: tuple[int, int, int] | None = None
         self.layouts: set[tuple[int, int, int]] = set()
+        self.max_rows: int | None = None  # one tree per row (set by start): the ladder's top
+        self.precompiled: int | None = None  # ahead-of-time compiles done (None: not started)
 
-    def start(self, shape: tuple[int, int, int]) -> None:
+    def start(self, shape: tuple[int, int, int], max_rows: int | None = None) -> None:
         if self.shape is None:
             self.shape = tuple(int(x) for x in shape)
+            self.max_rows = max_rows
+
+    def ladder(self) -> list[int]:
+        """The row counts a growth can reach from the current layout (``row_multiple * 2^k``, capped at one tree
+        per row, as :func:`plan_packing` rounds them), smallest first; ``[]`` before :meth:`start`."""
+        if self.shape is None or self.max_rows is None:
+            return []
+        R, out = self.shape[0], []
+        step = R
+        while step < self.max_rows:
+            step = min(2 * step, self.max_rows)
+            out.append(step)
+        return out
 
     def grow(self, shape: tuple[int, int, int]) -> None:
         self.layouts.add(tuple(shape))

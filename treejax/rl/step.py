@@ -58,6 +58,7 @@ from treejax.rl.allocation.groups import group_forest, group_leaves, ungroup
 from treejax.rl.batch import Batch
 from treejax.rl.config import StepConfig
 from treejax.rl.optimizer import proximal_params
+from treejax.rl.precompile import AheadOfTime, abstract, precompile_ladder
 from treejax.rl.layouts import Layout, make_layout
 from treejax.rl.pseudo_labels import label_accuracy
 from treejax.rl.losses import LossConfig
@@ -162,6 +163,7 @@ class Learner:
     sampler_params: Callable[[Any], Any]
     stats: Callable | None = None
     grouped_estimator: Callable | None = None  # (forest, rewards, inputs, rows_PxC) -> Advantages (allocation)
+    update_fn: Callable | None = None  # the update as given (``sharded_update``'s has ``precompile``)
 
     @property
     def estimator_inputs(self) -> tuple[str, ...]:
@@ -194,9 +196,10 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
         sampler_params = lambda p: p  # noqa: E731
     else:
         sampler_params = jax.jit(precision.sampler_params)  # cast once per step
-    return Learner(cfg, precision, layout, estimator, jax.jit(make_logprob_fn(layout, cfg.micro_batches)),
+    return Learner(cfg, precision, layout, estimator,
+                   AheadOfTime(jax.jit(make_logprob_fn(layout, cfg.micro_batches))),
                    lambda state, batch: update(state, place(batch)), place, sampler_params,
-                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3, 4)), grouped)
+                   jax.jit(make_stats_fn(layout, cfg.micro_batches), static_argnums=(2, 3, 4)), grouped, update)
 
 
 def grouped_advantages(fn: Callable, options: Any, forest: Forest, rewards_RxW: jax.Array, inputs: dict,
@@ -297,7 +300,10 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
         state = state.replace(aux=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), aux, state.aux))
         b = b.replace(advantages=layout.from_response(shaped_adv, ro.lengths_P, b.advantages), eps_scale=shaped_eps)
         mismatch = {**mismatch, **shaping_metrics}
+    logp_pool = pool
     pool = dataclasses.replace(pool, batch=b)
+    if _ladder_wanted(learner):  # once per run: the packed layout's other row counts, compiled in the background
+        start_ladder(learner, state, logp_pool, pool, first[0], logp_used=old is not None or ref is not None)
     t_logp = _wait(b.old_logp) if timed else None
     all_metrics = []
     for e, perm in enumerate(perms):
@@ -313,6 +319,32 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     if timed:
         info.update({"time/logp_s": t_logp - t0, "time/update_s": _wait(state.step) - t_logp})
     return state, device_metrics, info
+
+
+def _ladder_wanted(learner: Learner) -> bool:
+    floor = getattr(learner.layout, "floor", None)
+    return (floor is not None and floor.precompiled is None and learner.layout.packing.precompile
+            and hasattr(learner.update_fn, "precompile"))
+
+
+def start_ladder(learner: Learner, state, logp_pool, pool, plan, *, logp_used: bool):
+    """Compiles the update (and, when the step ran it, the log-prob pass) for every other row count of the packed
+    layout's ladder on a background thread (:mod:`treejax.rl.precompile`); ``packing/precompiled`` counts the
+    compiles done so far. Returns the thread (``None`` when the layout cannot grow)."""
+    floor, layout = learner.layout.floor, learner.layout
+    floor.precompiled = 0
+    rungs = floor.ladder()
+    if not rungs:
+        return None
+    jobs = [(learner.update_fn.precompile, (abstract(state), layout.assemble(pool, plan)), 1)]
+    if logp_used and hasattr(learner.logprobs, "precompile"):
+        jobs.append((learner.logprobs.precompile, (abstract(state.params),
+                                                   learner.place(layout.assemble(logp_pool, plan))), 1))
+
+    def done(count, seconds):
+        floor.precompiled = count
+
+    return precompile_ladder(rungs, jobs, on_done=done)
 
 
 def with_fixed_advantages(adv: Advantages, forest: Forest, fixed_PxW) -> Advantages:

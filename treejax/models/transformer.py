@@ -618,3 +618,37 @@ def decode_step(params: Params, config: ModelConfig, tokens: jax.Array, position
         ks.append(ck)
         vs.append(cv)
     return rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}
+
+
+@functools.partial(jax.named_call, name="decode_step_shared")
+@apply_policy
+def decode_step_shared(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: dict,
+                       prefix: dict, base_R: jax.Array, attention_fn):
+    """One decoding step over a shared-prefix cache (``treejax.sampling.cache.SharedPrefixCache``).
+
+    ``cache``: the per-row suffix buffers ``{"k", "v"}`` (``[R, K, Ls, H]`` per layer); ``prefix``: the
+    per-prompt buffers ``{"k", "v"}`` (``[P, K, Lpre, H]``), read only; ``base_R``: the prefix length ``n_p`` of
+    each row's prompt. The token at RoPE position ``positions[r]`` writes its key/value at suffix slot
+    ``j_r = positions[r] - base_R[r]`` (``j_r >= Ls`` drops the write: dead rows), then
+    ``attention_fn(q [R, 1, Q, H], k_suf, v_suf, j_R, k_pre, v_pre) -> [R, 1, Q, H]`` attends over the row's
+    prompt prefix and suffix slots ``0..j_r`` (e.g. ``treejax.sampling.attention.cascade_decode_attention``).
+    Everything else is :func:`decode_step`. Returns ``(hidden [R, E], suffix cache)``.
+    """
+    B = tokens.shape[0]
+    b_idx = jnp.arange(B)
+    slots = positions - base_R
+    x = embed(params, config, tokens[:, None])
+    ks, vs = [], []
+    for layer in range(config.num_layers):
+        ck, cv = cache["k"][layer], cache["v"][layer]
+        pk, pv = prefix["k"][layer], prefix["v"][layer]
+
+        def attend(q, k, v, ck=ck, cv=cv, pk=pk, pv=pv):
+            ck2 = ck.at[b_idx, :, slots].set(k[:, 0].astype(ck.dtype), mode="drop")
+            cv2 = cv.at[b_idx, :, slots].set(v[:, 0].astype(cv.dtype), mode="drop")
+            return attention_fn(q, ck2, cv2, slots, pk, pv), (ck2, cv2)
+
+        x, (ck, cv) = _block(config, _layer_params(params, layer), x, positions[:, None], attend)
+        ks.append(ck)
+        vs.append(cv)
+    return rms_norm(x[:, 0], params["final_norm"], config.rms_norm_eps), {"k": tuple(ks), "v": tuple(vs)}

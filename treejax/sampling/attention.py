@@ -115,18 +115,37 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         raise ValueError(f"cache length {L} must be a multiple of the attention block size {C}")
     G = Q // K
     qg = (q[:, 0].reshape(B, K, G, H).astype(jnp.float32) / math.sqrt(H)).astype(k_cache.dtype)
-    live = positions < L
-    max_pos = jnp.max(jnp.where(live, positions, 0))
-    num_blocks = max_pos // C + 1
+    out, _ = _ragged_attention_lse(qg, k_cache, v_cache, positions, C)
+    return out.reshape(B, 1, Q, H).astype(q.dtype)
+
+
+def _ragged_attention_lse(qg_BxKxGxH: jax.Array, k_BxKxLxH: jax.Array, v_BxKxLxH: jax.Array, last_B: jax.Array,
+                          C: int) -> tuple[jax.Array, jax.Array]:
+    """The online-softmax loop of :func:`ragged_decode_attention`, also returning the log-sum-exp.
+
+    ``qg_BxKxGxH``: the queries already scaled by ``1/sqrt(H)`` and cast to the cache dtype (``G`` queries per KV
+    head; any number). Query row ``b`` attends to slots ``0..last_B[b]`` (``last_B[b] < 0``: none; ``>= L``: a
+    dead row, also none, and excluded from the loop bound). Returns fp32 ``(o_BxKxGxH, lse_BxKxG)``::
+
+        s_j = q . k_j,   lse = log sum_{j <= last} e^{s_j},   o = sum_j e^{s_j - lse} v_j
+
+    (``o = 0`` and ``lse = -inf`` for a row with no slot), so two partial attentions over disjoint slot sets merge
+    exactly (:func:`merge_attention`). ``L`` must be a multiple of ``C``.
+    """
+    B, K, G, H = qg_BxKxGxH.shape
+    L = k_BxKxLxH.shape[2]
+    live = last_B < L
+    max_pos = jnp.max(jnp.where(live, last_B, 0))
+    num_blocks = jnp.maximum(max_pos, 0) // C + 1
 
     def body(i, carry):
         m, l, acc = carry
         start = i * C
-        kb = lax.dynamic_slice_in_dim(k_cache, start, C, axis=2)  # [B, K, C, H]
-        vb = lax.dynamic_slice_in_dim(v_cache, start, C, axis=2)
-        s = jnp.einsum("bkgh,bkch->bkgc", qg, kb, preferred_element_type=jnp.float32)
+        kb = lax.dynamic_slice_in_dim(k_BxKxLxH, start, C, axis=2)  # [B, K, C, H]
+        vb = lax.dynamic_slice_in_dim(v_BxKxLxH, start, C, axis=2)
+        s = jnp.einsum("bkgh,bkch->bkgc", qg_BxKxGxH, kb, preferred_element_type=jnp.float32)
         slot = start + jnp.arange(C)
-        valid = (slot[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, C]
+        valid = (slot[None, :] <= last_B[:, None])[:, None, None, :]  # [B, 1, 1, C]
         s = jnp.where(valid, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -141,7 +160,82 @@ def ragged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
             jnp.zeros((B, K, G, H), jnp.float32))
     m, l, acc = lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(B, 1, Q, H).astype(q.dtype)
+    lse = jnp.where(l > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return out, lse
+
+
+def merge_attention(o1: jax.Array, lse1: jax.Array, o2: jax.Array, lse2: jax.Array) -> jax.Array:
+    """Exact softmax attention over the union of two disjoint slot sets from the two partial results
+    (fp32 ``o [..., H]``, ``lse [...]``, e.g. of :func:`_ragged_attention_lse`)::
+
+        m = max(lse1, lse2),   o = (e^{lse1 - m} o1 + e^{lse2 - m} o2) / (e^{lse1 - m} + e^{lse2 - m})
+
+    A side with no slot has ``lse = -inf`` and weight 0; with neither, ``o = 0``."""
+    m = jnp.maximum(lse1, lse2)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
+    den = w1 + w2
+    return (w1[..., None] * o1 + w2[..., None] * o2) / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def _attention_block(L: int, block_size: int) -> int:
+    """The loop's block: ``min(block_size, L)`` if it divides ``L``, else the whole length (one block; caches of
+    the ``"dense"`` model fns are not rounded to blocks)."""
+    C = min(block_size, L)
+    return C if L % C == 0 else L
+
+
+def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_suf_RxKxLsxH: jax.Array,
+                             suffix_pos_R: jax.Array, k_pre_PxKxLpxH: jax.Array, v_pre_PxKxLpxH: jax.Array, *,
+                             prefix_len_P: jax.Array, row_prompt_R: jax.Array, row_rank_R: jax.Array,
+                             rows_per_prompt: int, block_size: int = 256) -> jax.Array:
+    """Decode attention over a shared-prefix ("cascade", Hydragen-style) cache; exact, XLA, every backend.
+
+    Row ``r`` belongs to prompt ``p = row_prompt_R[r]``, whose first ``n_p = prefix_len_P[p]`` tokens' keys/values
+    are stored once, in ``k_pre[p, :, 0:n_p]``; the row's own tokens (from the prompt's last token on) are in its
+    suffix ``k_suf[r, :, 0..suffix_pos_R[r]]`` (suffix slot ``j`` = position ``n_p + j``; this step's key already
+    written). The query attends to the union, as one softmax, computed as two partial attentions merged by
+    log-sum-exp (fp32 statistics, :func:`merge_attention`)::
+
+        (o1, lse1) = attn(q_r, k_pre[p, :, :n_p])                 prefix, read once per prompt
+        (o2, lse2) = attn(q_r, k_suf[r, :, :suffix_pos_r + 1])      suffix, per row (ragged loop)
+        o_r = (e^{lse1 - m} o1 + e^{lse2 - m} o2) / (e^{lse1 - m} + e^{lse2 - m}),   m = max(lse1, lse2)
+
+    Prefix part without a per-row gather of the prefix: row ``r`` has a rank ``row_rank_R[r] < W`` unique among
+    the rows of its prompt (``W = rows_per_prompt``), so its query is scattered to ``q_PxWxKxGxH[p, rank]``
+    (entries of absent rows are zero and their outputs unused) and regrouped as ``[P, K, W*G, H]``: each prompt
+    is then one "row" with ``W*G`` queries per KV head, i.e. the same online-softmax loop over
+    ``k_pre_PxKxLpxH`` (bounded by the longest prefix), which reads every prompt's prefix once per step however
+    many rows decode from it; the outputs are gathered back by ``p * W + rank``. Rows may be in any physical
+    order (the tree sampler permutes and slices them). Dead rows (``suffix_pos_R >= Ls``) get an unused output
+    and are excluded from the suffix loop's bound. ``q`` is scaled by ``1/sqrt(H)`` and cast to the cache dtype
+    like :func:`ragged_decode_attention`; returns ``[R, 1, Q, H]`` in ``q``'s dtype.
+
+    Blocks: ``block_size`` for both loops (a cache length it does not divide is read in one block).
+    """
+    R, _, Q, H = q_Rx1xQxH.shape
+    P, K, Lp = k_pre_PxKxLpxH.shape[:3]
+    Ls = k_suf_RxKxLsxH.shape[2]
+    G, W = Q // K, rows_per_prompt
+    if k_suf_RxKxLsxH.shape[0] != R or k_suf_RxKxLsxH.shape[1] != K:
+        raise ValueError(f"suffix cache must be [R={R}, K={K}, Ls, H], got {k_suf_RxKxLsxH.shape}")
+    qg_RxKxGxH = (q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(jnp.float32) / math.sqrt(H)).astype(
+        k_suf_RxKxLsxH.dtype)
+    # suffix: per row, slots 0..suffix_pos
+    o2_RxKxGxH, lse2_RxKxG = _ragged_attention_lse(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R,
+                                                   _attention_block(Ls, block_size))
+    # prefix: queries grouped by prompt, one pass over each prompt's prefix
+    flat_R = row_prompt_R * W + row_rank_R
+    q_PWxKxGxH = jnp.zeros((P * W, K, G, H), qg_RxKxGxH.dtype).at[flat_R].set(
+        qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), mode="drop")
+    q_PxKxWGxH = q_PWxKxGxH.reshape(P, W, K, G, H).transpose(0, 2, 1, 3, 4).reshape(P, K, W * G, H)
+    o1_PxKxWGxH, lse1_PxKxWG = _ragged_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
+                                                     prefix_len_P - 1, _attention_block(Lp, block_size))
+    o1_PWxKxGxH = o1_PxKxWGxH.reshape(P, K, W, G, H).transpose(0, 2, 1, 3, 4).reshape(P * W, K, G, H)
+    lse1_PWxKxG = lse1_PxKxWG.reshape(P, K, W, G).transpose(0, 2, 1, 3).reshape(P * W, K, G)
+    idx_R = jnp.clip(flat_R, 0, P * W - 1)
+    out = merge_attention(o1_PWxKxGxH[idx_R], lse1_PWxKxG[idx_R], o2_RxKxGxH, lse2_RxKxG)
+    return out.reshape(R, 1, Q, H).astype(q_Rx1xQxH.dtype)
 
 
 def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,

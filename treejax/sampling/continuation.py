@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode
 from treejax.sampling.strategies import Strategy
 
@@ -125,7 +126,7 @@ def continue_from_cuts(params, cache, *, model: decode.ModelFns, strategy: Strat
         leaf, cut = pair // B, cut_flat[pair]
         cut = jnp.where(live0, cut, 0)
         src = jnp.where(live0, leaf_row_R[leaf], 0)
-        work = model.shard_cache(jax.tree.map(lambda x: jnp.take(x, src, axis=0), cache))
+        work = model.shard_cache(cache_lib.per_row_rows(cache, src))  # a shared prefix: expanded per row
         prev = jnp.take_along_axis(tokens_RxT[leaf], jnp.maximum(cut - 1, 0)[:, None], axis=1)[:, 0]
         pending = jnp.where(cut > 0, prev, prompt_token_R[leaf])
         position = prompt_position_R[leaf] + cut

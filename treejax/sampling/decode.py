@@ -75,6 +75,10 @@ class ModelFns:
     ``extend`` (optional): ``(params, tokens [B, C], positions [B, C], valid [B, C], cache, rows [B]) -> cache``,
     a chunk appended over the rows' cached prefix (:func:`append_tokens`; multi-turn observations).
     ``cache_multiple``: allocated cache lengths are rounded up to a multiple of it (the attention block).
+    ``init_shared_cache`` (optional): ``(prompts, rows_per_prompt, prefix_length, suffix_length) ->``
+    :class:`~treejax.sampling.cache.SharedPrefixCache`; fns that have it take such a cache in ``prefill`` (the
+    prompts go to the prefix buffers: ``rows`` are then prompt indices) and ``step`` / ``step_hidden`` (cascade
+    attention); the tree sampler's ``TreeConfig.prefix_cache = "shared"`` needs it.
     ``mesh`` / ``rules``: with a mesh, the samplers constrain the cache (:meth:`shard_cache`) and the per-row
     state (:meth:`shard_rows`) to their logical shardings wherever they are rebuilt; params are expected already
     placed by ``transformer.param_logical_axes`` (e.g. ``logical_to_sharding(..., mesh, shapes=params)``).
@@ -93,6 +97,7 @@ class ModelFns:
     rules: Rules = DEFAULT_RULES
     step_hidden: Callable | None = None
     extend: Callable | None = None
+    init_shared_cache: Callable | None = None
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -131,25 +136,48 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     def init_cache(rows, length):
         return cache_lib.init_kv_cache(config, rows, length, dtype)
 
+    def init_shared_cache(prompts, rows_per_prompt, prefix_length, suffix_length):
+        return cache_lib.init_shared_cache(config, prompts, rows_per_prompt, prefix_length, suffix_length, dtype)
+
     def prefill(params, tokens, positions, segment_ids, cache, rows):
+        if cache_lib.is_shared(cache):  # rows = prompts; the prefix holds the written (non-padding) tokens
+            kv = transformer.prefill(params, config, tokens, positions, segment_ids, cache.prefix_kv(), rows)[1]
+            written = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
+            return cache.with_prefix_kv(kv, cache.prefix_length.at[rows].set(written))
         return transformer.prefill(params, config, tokens, positions, segment_ids, cache, rows)[1]
 
+    def decode_hidden(params, tokens, positions, cache):
+        if cache_lib.is_shared(cache):  # cascade attention (XLA on every backend, also where attn_fn is Pallas)
+            cascade = functools.partial(
+                attention_lib.cascade_decode_attention, prefix_len_P=cache.prefix_length,
+                row_prompt_R=cache.row_prompt, row_rank_R=cache.row_rank, rows_per_prompt=cache.rows_per_prompt,
+                block_size=block_size)
+            hidden, kv = transformer.decode_step_shared(params, config, tokens, positions, cache.suffix_kv(),
+                                                        cache.prefix_kv(), cache.prefix_length[cache.row_prompt],
+                                                        cascade)
+            return hidden, cache.with_suffix_kv(kv)
+        return transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
+
     def step(params, tokens, positions, cache):
-        hidden, cache = transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
+        hidden, cache = decode_hidden(params, tokens, positions, cache)
         return transformer.logits(params, config, hidden), cache
 
     def step_hidden(params, tokens, positions, cache):
-        hidden, cache = transformer.decode_step(params, config, tokens, positions, cache, attention_fn=attn_fn)
+        hidden, cache = decode_hidden(params, tokens, positions, cache)
         return transformer.logits(params, config, hidden), hidden, cache
 
     def extend(params, tokens, positions, valid, cache, rows):
+        if cache_lib.is_shared(cache):
+            raise ValueError("extend (appending tokens to cached rows) takes a per-row cache, not a shared-prefix "
+                             "cache (the multi-turn sampler runs per-row only)")
         return transformer.extend(params, config, tokens, positions, valid, cache, rows)[1]
 
     return ModelFns(init_cache, prefill, step, config.vocab_size, config.sampling_vocab_size,
                     cache_multiple=block_size if attention != "dense" else 1,
                     name=f"transformer[{attention}]",
                     prepare=transformer.fuse_projections if fuse else transformer.unstack_layers,
-                    mesh=mesh, rules=rules, step_hidden=step_hidden, extend=extend)
+                    mesh=mesh, rules=rules, step_hidden=step_hidden, extend=extend,
+                    init_shared_cache=init_shared_cache)
 
 
 def as_model_fns(model: ModelConfig | ModelFns, mesh=None, rules: Rules = DEFAULT_RULES) -> ModelFns:
@@ -290,8 +318,7 @@ def decode_token_stats(model: ModelFns, strategy: Strategy, params, cache, pendi
     nothing) and the ``token_stats`` channels ``[R, C]`` (:mod:`treejax.sampling.token_stats`; ``probe``: the
     quality probe they may read). Returns ``(token, policy_logprob, sampling_logprob, entropy, topk_RxK, extra_RxC,
     cache)``."""
-    L = jax.tree.leaves(cache)[0].shape[2]
-    pos = jnp.where(live_R, position_R, L)
+    pos = jnp.where(live_R, position_R, cache_lib.dead_position(cache))
     hidden = None
     if "probe" in token_stats:
         if model.step_hidden is None:

@@ -156,8 +156,12 @@ def make_partial_rollout(model: ModelConfig | decode.ModelFns, tree_config: Tree
     (``R // W``: run every row to its end). Cached per ``(model, tree_config)``: a source built again (a resumed
     run, a test) reuses the compiled program."""
     check_chains(tree_config)
+    if tree_config.prefix_cache == "shared":
+        raise ValueError("partial rollouts prefill a different prompt + response prefix into every row, so there "
+                         "is no prompt prefix to share: TreeConfig.prefix_cache='shared' is not supported here "
+                         "(use 'per_row' or 'auto', which is per-row for partial rollouts)")
     fns = decode.as_model_fns(model)
-    tc = dataclasses.replace(tree_config, row_buckets=1)  # rows stay in place: a resumed row keeps its index
+    tc = dataclasses.replace(tree_config, row_buckets=1, prefix_cache="per_row")  # rows stay in place: a resumed row keeps its index
     stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
     core = jax.jit(functools.partial(_partial_core, model=fns, tc=tc, stop_ids=stop_ids),
                    compiler_options=decode.SAMPLER_COMPILER_OPTIONS)

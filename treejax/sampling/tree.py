@@ -4,6 +4,10 @@ Layout. ``P`` prompts x ``W`` leaves live in ``R = P * W`` cache rows; prompt ``
 The cache has ``L = bucket(Lp) + D * S`` slots (rounded to the attention block). Each prompt is prefilled ONCE
 (into its first row) and its KV copied into all its rows; every later branch is a cache-row copy (never a
 re-prefill). At most ``W`` paths of a prompt are ever live, because live paths + leaves <= W (see budget).
+With ``TreeConfig.prefix_cache = "shared"`` the prompt's KV is instead kept once per prompt (``[P, K,
+round(bucket(Lp)), H]`` per layer) and the rows hold only their suffix (``round(D * S + 1)`` slots): no copy, and
+a decode step reads each prompt's KV once for all its rows (:mod:`treejax.sampling.cache`,
+:func:`treejax.sampling.attention.cascade_decode_attention`); forks copy suffix rows only.
 
 Loop (``lax.while_loop`` over segments, ``lax.while_loop`` over the <= S tokens of a segment):
 
@@ -166,20 +170,29 @@ def forest_and_info(s: TreeState, lengths: jax.Array, n_init_P: jax.Array, *, tc
 
 def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns, tc: TreeConfig,
                   stop_ids: tuple[int, ...], cc: ContinuationConfig | None = None):
-    """Prefill once per prompt, copy each prompt's KV into its rows, then ``segment_step`` until every prompt has
-    W leaves (or ``max_segments``); with ``cc``, then the leaves' continuations from the final cache."""
+    """Prefill once per prompt, copy each prompt's KV into its rows (``prefix_cache`` per-row; shared: the prompt
+    KV stays in the per-prompt prefix and rows start with an empty suffix), then ``segment_step`` until every
+    prompt has W leaves (or ``max_segments``); with ``cc``, then the leaves' continuations from the final cache."""
     decode._count_trace("tree_rollout")
     P, Lb = prompts.shape
     W = tc.num_leaves
-    L = attention_lib.round_cache_length(Lb + tc.response_capacity, model.cache_multiple)
-    row_prompt = jnp.arange(P * W, dtype=jnp.int32) // W
-    cache = model.shard_cache(model.init_cache(P * W, L))
+    shared = tc.resolved_prefix_cache(Lb, model.init_shared_cache is not None) == "shared"
     params, probes = probe_lib.detach(params)  # a stateful shaper's probe travels with the weights
     probe = _rule_probe(tc, probes)
     params = model.prepare(params)  # e.g. unstack the layers once, outside the decode loops
-    cache, last_tok_P, last_pos_P = decode.prefill_prompts(model, params, cache, prompts, lengths,
-                                                           jnp.arange(P, dtype=jnp.int32) * W)
-    cache = model.shard_cache(cache_lib.broadcast_prompt_rows(cache, row_prompt * W))
+    if shared:  # prompt KV once per prompt, rows hold their suffix (pending prompt token + response) only
+        Lpre = attention_lib.round_cache_length(Lb, model.cache_multiple)
+        Ls = attention_lib.round_cache_length(tc.response_capacity + 1, model.cache_multiple)
+        cache = model.shard_cache(model.init_shared_cache(P, W, Lpre, Ls))
+        cache, last_tok_P, last_pos_P = decode.prefill_prompts(model, params, cache, prompts, lengths,
+                                                               jnp.arange(P, dtype=jnp.int32))
+    else:
+        L = attention_lib.round_cache_length(Lb + tc.response_capacity, model.cache_multiple)
+        row_prompt = jnp.arange(P * W, dtype=jnp.int32) // W
+        cache = model.shard_cache(model.init_cache(P * W, L))
+        cache, last_tok_P, last_pos_P = decode.prefill_prompts(model, params, cache, prompts, lengths,
+                                                               jnp.arange(P, dtype=jnp.int32) * W)
+        cache = model.shard_cache(cache_lib.broadcast_prompt_rows(cache, row_prompt * W))
     n_init = initial_divergence(key, P, tc)
     state = shard_state(model, initial_state(cache, last_tok_P, last_pos_P, n_init, tc=tc))
     inputs = RolloutInputs(params=params, key=key, step=step, prompt_token_P=last_tok_P, prompt_position_P=last_pos_P,
@@ -228,6 +241,7 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     """
     fns = decode.as_model_fns(model, mesh, rules)
     tc = tree_config
+    tc.resolved_prefix_cache(0, fns.init_shared_cache is not None)  # "shared" on fns without it: raise now
     stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
     core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids, cc=continuations),
                    compiler_options=decode.SAMPLER_COMPILER_OPTIONS)

@@ -12,6 +12,11 @@ from treejax.sampling.strategies import Strategy, Temperature
 
 #: ``TreeConfig.allocation`` values (see :class:`TreeConfig`).
 ALLOCATIONS = ("transfer", "slots")
+#: ``TreeConfig.prefix_cache`` values (see :class:`TreeConfig`).
+PREFIX_CACHES = ("per_row", "shared", "auto")
+#: ``prefix_cache="auto"`` takes the shared layout from this bucketed prompt length on (with ``W >= 2``).
+#: Provisional: the crossover is to be measured on the GPU (experiments/bench_shared_prefix.py) and this set from it.
+SHARED_PREFIX_MIN_PROMPT = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,22 @@ class TreeConfig:
     ``row_buckets``: the decode step runs on the smallest of ``R, R/2, ..., R/2^(row_buckets-1)`` rows that
     holds every live path (live rows are packed first at each segment start; 1 = always all ``R`` rows). A tree
     has few live paths near the root, so this is where its saving in decode cost comes from.
+
+    ``prefix_cache``: the KV-cache layout of the prompts (:mod:`treejax.sampling.cache`).
+
+    * ``"per_row"`` (default): every row holds the whole sequence; each prompt's KV is prefilled into its first
+      row and copied into its ``W`` rows, so a decode step reads the prompt's KV ``W`` times.
+    * ``"shared"``: the prompt's KV is stored once per prompt and every row holds only its own suffix (the
+      pending prompt token and the response); decode attention is the exact cascade of a prefix pass per prompt
+      and a suffix pass per row merged by log-sum-exp (:func:`treejax.sampling.attention.
+      cascade_decode_attention`, XLA on every backend: the Pallas kernel is not used for it). Works with both
+      allocations, ``row_buckets``, fallbacks, root restarts and continuations (their work cache is expanded to
+      per-row rows, :func:`treejax.sampling.cache.per_row_rows`). Needs model fns with ``init_shared_cache`` (the
+      treejax transformer's; a scripted :class:`~treejax.sampling.decode.ModelFns` without it raises). Not for
+      partial rollouts (:mod:`treejax.sampling.partial` prefills a different prefix per row: ``"shared"``
+      raises there, ``"auto"`` is per-row), the multi-turn sampler or ``decode.generate`` (per-row only).
+    * ``"auto"``: ``"shared"`` when the bucketed prompt length is ``>= SHARED_PREFIX_MIN_PROMPT`` and ``W >= 2``
+      and the model fns support it, else ``"per_row"`` (:meth:`resolved_prefix_cache`).
     """
 
     num_leaves: int = 16
@@ -73,6 +94,7 @@ class TreeConfig:
     max_prompt_length: int | None = None
     with_entropy: bool = False
     row_buckets: int = 4
+    prefix_cache: str = "per_row"
 
     def __post_init__(self):
         W, b = self.num_leaves, self.branch_factor
@@ -110,12 +132,27 @@ class TreeConfig:
                                   f"(BranchingRule.splits_slots), {type(rule).__name__} moves budget between "
                                   "paths; use TreeConfig.branching=@FixedAverage() or allocation='transfer'")
         check_choice("TreeConfig.repetition_scope", self.repetition_scope, ("segment", "response"))
+        check_choice("TreeConfig.prefix_cache", self.prefix_cache, PREFIX_CACHES)
         if (self.repetition_ngram > 0) != (self.repetition_count > 0):
             raise ValueError("set both repetition_ngram and repetition_count (> 0) or neither")
         if self.row_buckets < 1:
             raise ValueError(f"row_buckets must be >= 1, got {self.row_buckets}")
         if self.max_prompt_length is not None and self.max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
+
+    def resolved_prefix_cache(self, prompt_bucket: int, supports_shared: bool = True) -> str:
+        """``"per_row"`` or ``"shared"`` for prompts padded to ``prompt_bucket`` (``prefix_cache`` docstring);
+        ``supports_shared``: whether the model fns can run the shared layout (``"shared"`` without it raises)."""
+        if self.prefix_cache == "shared":
+            if not supports_shared:
+                raise ValueError("TreeConfig.prefix_cache='shared' needs model fns with a shared-prefix cache "
+                                 "(ModelFns.init_shared_cache, e.g. decode.make_model_fns(config)); these have "
+                                 "none: use prefix_cache='per_row' or 'auto'")
+            return "shared"
+        if self.prefix_cache == "auto":
+            shared = supports_shared and prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and self.num_leaves >= 2
+            return "shared" if shared else "per_row"
+        return "per_row"
 
     @property
     def rule(self) -> BranchingRule:

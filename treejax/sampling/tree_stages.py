@@ -176,12 +176,12 @@ def decode_segment(cache, rows: Rows, decoded, inputs: RolloutInputs, *, model: 
         def branch(cache_p, c0):
             sel = perm[:nb]
             sub = c0.replace(rows=c0.rows.take(sel), eos_R=c0.eos_R[sel], active_R=c0.active_R[sel],
-                             cache=model.shard_cache(jax.tree.map(lambda x: lax.slice_in_dim(x, 0, nb, axis=0),
-                                                                  cache_p)))
+                             cache=model.shard_cache(cache_lib.map_rows(lambda x: lax.slice_in_dim(x, 0, nb, axis=0),
+                                                                        cache_p)))
             out = _decode_loop(_shard_carry(model, sub), sel, inputs, **kw)
             merged = out.replace(rows=c0.rows.put(sel, out.rows), eos_R=c0.eos_R.at[sel].set(out.eos_R),
                                  active_R=c0.active_R.at[sel].set(out.active_R),
-                                 cache=model.shard_cache(jax.tree.map(
+                                 cache=model.shard_cache(cache_lib.map_rows(
                                      lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, 0),
                                      cache_p, out.cache)))
             return _shard_carry(model, merged)
@@ -419,6 +419,8 @@ def fork(cache, cache_order_R: jax.Array, rows: Rows, leaves: Leaves, src_R: jax
     else:  # back to logical order, composed with the forks: one gather
         inverse = jnp.zeros((R,), jnp.int32).at[cache_order_R].set(identity)
         cache = model.shard_cache(cache_lib.fork_rows(cache, inverse[src]))
+    # a shared-prefix cache: forks copied their parent's rank; in logical order row r is rank r mod W
+    cache = cache_lib.renumber_rows(cache, identity % tc.num_leaves)
     return cache, moved
 
 

@@ -18,6 +18,13 @@ step. Three implementations share the ``attention_fn`` hook of :func:`treejax.mo
   per-row length ``pos_b + 1``: blocks past a row's length are skipped, so cost follows each row's own length.
 * ``"dense"``: masked attention over the whole cache (the reference).
 
+Shared-prefix caches (``TreeConfig.prefix_cache = "shared"``, :class:`treejax.sampling.cache.SharedPrefixCache`)
+take :func:`cascade_decode_attention` instead, whatever the implementation chosen here: a prefix pass per prompt
+(queries grouped by prompt, so each prompt's KV is read once per step) and a suffix pass per row, both the
+ragged online-softmax loop with its log-sum-exp (:func:`_ragged_attention_lse`), merged exactly
+(:func:`merge_attention`). It is XLA on every backend; the Pallas kernel is not used for it (its split-K kernel
+returns no log-sum-exp to merge with).
+
 Rows with ``pos_b >= L`` are *dead* (their key/value write is dropped by the caller); they are excluded from the
 ragged bound. Scores and the softmax statistics are fp32; ``L`` must be a multiple of the block size (the sampler
 allocates caches that way, :func:`round_cache_length`). Every implementation casts ``q`` to the cache dtype

@@ -11,7 +11,8 @@ row ``r`` at position ``prompt_len - 1 + i`` at step ``i`` (the tree sampler's f
   suffix rows of ``round(steps + 1)`` slots; cascade attention (XLA on every backend).
 
 The caches are filled with random keys/values instead of a prefill (decode cost does not depend on the values;
-the prefill, identical work in both layouts except for the per-row broadcast copy, is not timed). Each variant
+the prefill, identical work in both layouts except for the per-row broadcast copy, is not timed); the cache is
+donated to the timed program, as the sampler's loop updates it in place, so a variant holds one cache. Each variant
 runs in a fresh subprocess so its peak device memory (``memory_stats()["peak_bytes_in_use"]``, GPU only) is its
 own; an out-of-memory failure is reported as ``OOM``. tokens/s = ``R * steps / t`` with ``t`` the median of
 ``--repeats`` timed runs after one warm-up (compile) run, each ended by ``block_until_ready``.
@@ -25,6 +26,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -91,8 +93,8 @@ def run_variant(args, variant: str, prompt_len: int) -> dict:
     def make_params(key):
         return T.init_params(cfg, key)
 
-    @jax.jit
-    def run(params, cache, key):
+    @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
+    def run(params, cache, key):  # the cache is donated (updated in place, as in the sampler's loop)
         rows_r = jnp.arange(R, dtype=jnp.int32)
         params = fns.prepare(params)  # as the sampler does, once outside the loop
 
@@ -109,11 +111,11 @@ def run_variant(args, variant: str, prompt_len: int) -> dict:
     try:
         params = make_params(jax.random.key(0))
         cache = make_cache(jax.random.key(1))
-        jax.block_until_ready(run(params, cache, jax.random.key(2)))  # compile + warm-up
+        cache, *_ = jax.block_until_ready(run(params, cache, jax.random.key(2)))  # compile + warm-up
         times = []
         for r in range(args.repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(run(params, cache, jax.random.key(3 + r)))
+            cache, *_ = jax.block_until_ready(run(params, cache, jax.random.key(3 + r)))
             times.append(time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  an allocation failure is a result (reported as OOM), anything else not
         text = f"{type(e).__name__}: {e}"
@@ -151,7 +153,9 @@ def measure(args, variant: str, prompt_len: int) -> dict:
 
 
 def fmt_bytes(b) -> str:
-    return "n/a" if b is None else f"{b / 2**30:.2f} GiB"
+    if b is None:
+        return "n/a"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
 
 def table(results: list[dict]) -> str:

@@ -115,6 +115,37 @@ LENGTHS = np.array([6, 1, 19], np.int32)  # different lengths, one prompt with a
 STOP = tuple(range(3, 40))
 
 
+def test_shared_decode_steps_equal_per_row():
+    """The model fns on the two layouts after the same prefill: rows permuted and sliced to a sub-batch (as the
+    tree's row buckets do), one dead row, greedy steps: the same logits to fp32 rounding."""
+    P, W, T_ = 3, 4, 8
+    R = P * W
+    Lb = PROMPTS.shape[1]
+    step = jax.jit(FNS.step)
+    per_row = FNS.init_cache(R, A.round_cache_length(Lb + T_, FNS.cache_multiple))
+    per_row, tok_P, pos_P = decode.prefill_prompts(FNS, PARAMS, per_row, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS),
+                                                   jnp.arange(P, dtype=jnp.int32) * W)
+    per_row = cache_lib.broadcast_prompt_rows(per_row, (jnp.arange(R) // W) * W)
+    shared = FNS.init_shared_cache(P, W, A.round_cache_length(Lb, FNS.cache_multiple),
+                                   A.round_cache_length(T_ + 1, FNS.cache_multiple))
+    shared, tok2, pos2 = decode.prefill_prompts(FNS, PARAMS, shared, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS),
+                                                jnp.arange(P, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(shared.prefix_length), LENGTHS - 1)
+    perm = jnp.asarray(np.random.default_rng(3).permutation(R)[:9], jnp.int32)  # physical i = logical perm[i]
+    caches = [cache_lib.map_rows(lambda x: x[perm], cache_lib.fork_rows(c, jnp.arange(R))) for c in (per_row, shared)]
+    tok = tok_P[perm // W]
+    pos = pos_P[perm // W]
+    live = jnp.arange(9) != 4
+    for _ in range(T_):
+        outs = []
+        for i, c in enumerate(caches):
+            logits, caches[i] = step(PARAMS, tok, jnp.where(live, pos, cache_lib.dead_position(c)), c)
+            outs.append(np.asarray(logits))
+        np.testing.assert_allclose(outs[1][np.asarray(live)], outs[0][np.asarray(live)], atol=1e-5)
+        tok, pos = jnp.argmax(outs[0], axis=-1).astype(jnp.int32), pos + 1
+    assert caches[1].rows["k"][0].shape[2] == 16 and caches[1].rows["row_prompt"].shape == (9,)
+
+
 def _both(tc, cc=None, seeds=(0,)):
     """(per_row, shared) outputs of the same rollout for each seed."""
     out = []
@@ -135,6 +166,7 @@ def _assert_same(a, b):
     assert int(ia.decoded_tokens) == int(ib.decoded_tokens)
 
 
+@pytest.mark.slow
 def test_shared_tree_rollout_equals_per_row_transfer():
     """TreePO allocation with row buckets (rows permuted and sliced), forks and fallbacks (rows duplicated)."""
     tc = tree.TreeConfig(num_leaves=4, max_depth=3, segment_length=4, branch_factor=2, stop_ids=STOP,

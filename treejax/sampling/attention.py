@@ -143,7 +143,7 @@ def _ragged_attention_lse(qg_BxKxGxH: jax.Array, k_BxKxLxH: jax.Array, v_BxKxLxH
     L = k_BxKxLxH.shape[2]
     live = last_B < L
     max_pos = jnp.max(jnp.where(live, last_B, 0))
-    num_blocks = jnp.maximum(max_pos, 0) // C + 1
+    num_blocks = max_pos // C + 1  # 0 when every row's last slot is -1 (floor division)
 
     def body(i, carry):
         m, l, acc = carry

@@ -4,8 +4,9 @@ A sticky packed run (:mod:`treejax.rl.packing`) fixes the row length ``L`` and t
 mini-batch; only the row count can grow, along a ladder known from the config (``R = row_multiple * 2^k``, up to
 one tree per row: :meth:`treejax.rl.layouts.Packed.ladder`). Each rung is a new shape for the jitted update and
 the old / reference log-prob pass, i.e. a compile (~7 s for SmolLM2 on an H200, more for larger models) in the
-middle of the step that first needs it. :func:`precompile_ladder` compiles every other rung once, right after the
-first step's plan, on a background thread: ``jit(...).lower(abstract args).compile()`` of the same functions with
+middle of the step that first needs it. :func:`precompile_ladder` compiles every other rung once, on a background
+thread started when the first step has dispatched its update (so its compiles do not compete with the first
+layout's own): ``jit(...).lower(abstract args).compile()`` of the same functions with
 the same shardings, the rung's batch shapes obtained from the first batch by changing its leading (row) axis
 (:func:`abstract_rows`). The executables are kept by argument signature (:class:`AheadOfTime`,
 ``treejax.parallel.mesh.sharded_update``) and called when a batch of that shape arrives; until then (or if a

@@ -302,8 +302,6 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
         mismatch = {**mismatch, **shaping_metrics}
     logp_pool = pool
     pool = dataclasses.replace(pool, batch=b)
-    if _ladder_wanted(learner):  # once per run: the packed layout's other row counts, compiled in the background
-        start_ladder(learner, state, logp_pool, pool, first[0], logp_used=old is not None or ref is not None)
     t_logp = _wait(b.old_logp) if timed else None
     all_metrics = []
     for e, perm in enumerate(perms):
@@ -311,6 +309,9 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
             plan = first[m] if e == 0 else layout.plan(pool, units)
             state, metrics = learner.update(state, layout.assemble(pool, plan))
             all_metrics.append(metrics)
+    if _ladder_wanted(learner):  # once per run, after this step's programs are compiled (no CPU contention with
+        # them): the packed layout's other row counts, compiled on a background thread
+        start_ladder(learner, state, logp_pool, pool, first[0], logp_used=old is not None or ref is not None)
     device_metrics = {f"update/{k}": v for k, v in mean_metrics(all_metrics).items()}
     device_metrics["update/first_ratio_min"] = all_metrics[0]["ratio_min"]
     device_metrics["update/first_ratio_max"] = all_metrics[0]["ratio_max"]

@@ -207,6 +207,8 @@ def test_auto_selection_and_bad_input():
     assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT) == "shared"
     assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT // 2) == "per_row"
     assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT, supports_shared=False) == "per_row"
+    # the per-row Pallas kernel beat the XLA cascade at every length measured on the GPU: auto keeps it
+    assert tc.resolved_prefix_cache(4 * SHARED_PREFIX_MIN_PROMPT, per_row_attention="pallas") == "per_row"
     one = tree.TreeConfig(num_leaves=1, branch_factor=1, prefix_cache="auto")
     assert one.resolved_prefix_cache(4 * SHARED_PREFIX_MIN_PROMPT) == "per_row"  # W = 1: nothing to share
     assert tree.TreeConfig().prefix_cache == "per_row"

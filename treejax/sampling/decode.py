@@ -98,6 +98,7 @@ class ModelFns:
     step_hidden: Callable | None = None
     extend: Callable | None = None
     init_shared_cache: Callable | None = None
+    attention: str = "custom"  # the per-row decode attention make_model_fns resolved ("pallas", "ragged", "dense")
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -177,7 +178,7 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
                     name=f"transformer[{attention}]",
                     prepare=transformer.fuse_projections if fuse else transformer.unstack_layers,
                     mesh=mesh, rules=rules, step_hidden=step_hidden, extend=extend,
-                    init_shared_cache=init_shared_cache)
+                    init_shared_cache=init_shared_cache, attention=attention)
 
 
 def as_model_fns(model: ModelConfig | ModelFns, mesh=None, rules: Rules = DEFAULT_RULES) -> ModelFns:

@@ -14,9 +14,13 @@ from treejax.sampling.strategies import Strategy, Temperature
 ALLOCATIONS = ("transfer", "slots")
 #: ``TreeConfig.prefix_cache`` values (see :class:`TreeConfig`).
 PREFIX_CACHES = ("per_row", "shared", "auto")
-#: ``prefix_cache="auto"`` takes the shared layout from this bucketed prompt length on (with ``W >= 2``).
-#: Provisional: the crossover is to be measured on the GPU (experiments/bench_shared_prefix.py) and this set from it.
-SHARED_PREFIX_MIN_PROMPT = 512
+#: ``prefix_cache="auto"`` takes the shared layout from this bucketed prompt length on (with ``W >= 2``) when the
+#: per-row attention is the XLA ragged loop. Measured on an H200 (experiments/bench_shared_prefix.py, qwen2.5-0.5b,
+#: 64 prompts x W = 16, bf16): cascade 84,401 vs ragged per-row 41,018 tokens/s at 1024-token prompts (2.06x),
+#: 37,431 vs 13,269 at 4096 (2.82x); 256 was not measured against ragged. Against the per-row Pallas kernel the
+#: XLA cascade is slower at every length measured (0.52x / 0.55x / 0.57x at 256 / 1024 / 4096), so "auto" keeps
+#: per-row rows there; "shared" still saves memory (peak 8.4 vs 53.4 GiB at 4096).
+SHARED_PREFIX_MIN_PROMPT = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +73,10 @@ class TreeConfig:
       treejax transformer's; a scripted :class:`~treejax.sampling.decode.ModelFns` without it raises). Not for
       partial rollouts (:mod:`treejax.sampling.partial` prefills a different prefix per row: ``"shared"``
       raises there, ``"auto"`` is per-row), the multi-turn sampler or ``decode.generate`` (per-row only).
-    * ``"auto"``: ``"shared"`` when the bucketed prompt length is ``>= SHARED_PREFIX_MIN_PROMPT`` and ``W >= 2``
-      and the model fns support it, else ``"per_row"`` (:meth:`resolved_prefix_cache`).
+    * ``"auto"``: ``"shared"`` when the bucketed prompt length is ``>= SHARED_PREFIX_MIN_PROMPT``, ``W >= 2``, the
+      model fns support it and their per-row decode attention is not the Pallas kernel (which beats the XLA cascade
+      at every measured length; :data:`SHARED_PREFIX_MIN_PROMPT` has the numbers), else ``"per_row"``
+      (:meth:`resolved_prefix_cache`).
     """
 
     num_leaves: int = 16
@@ -140,9 +146,11 @@ class TreeConfig:
         if self.max_prompt_length is not None and self.max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
 
-    def resolved_prefix_cache(self, prompt_bucket: int, supports_shared: bool = True) -> str:
+    def resolved_prefix_cache(self, prompt_bucket: int, supports_shared: bool = True,
+                              per_row_attention: str = "ragged") -> str:
         """``"per_row"`` or ``"shared"`` for prompts padded to ``prompt_bucket`` (``prefix_cache`` docstring);
-        ``supports_shared``: whether the model fns can run the shared layout (``"shared"`` without it raises)."""
+        ``supports_shared``: whether the model fns can run the shared layout (``"shared"`` without it raises);
+        ``per_row_attention``: the model fns' per-row decode attention (``ModelFns.attention``)."""
         if self.prefix_cache == "shared":
             if not supports_shared:
                 raise ValueError("TreeConfig.prefix_cache='shared' needs model fns with a shared-prefix cache "
@@ -150,7 +158,8 @@ class TreeConfig:
                                  "none: use prefix_cache='per_row' or 'auto'")
             return "shared"
         if self.prefix_cache == "auto":
-            shared = supports_shared and prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and self.num_leaves >= 2
+            shared = (supports_shared and prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and self.num_leaves >= 2
+                      and per_row_attention != "pallas")
             return "shared" if shared else "per_row"
         return "per_row"
 

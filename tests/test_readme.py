@@ -29,7 +29,8 @@ def test_readme_sample_summary_has_the_printed_lines():
                "total_s": 231.0, "eval_before": ev, "eval_after": ev, "history": [last], "decoded_tokens": 834,
                "precision": {"param_dtype": "float32", "compute_dtype": "float32"}, "log_dir": "/r/q",
                "checkpoint_dir": "/r/q/checkpoints", "hf_export": "/r/q/hf_export",
-               "tree_picture": "/r/q/tree_step3.png", "divergence": []}
+               "tree_picture": "/r/q/tree_step3.png", "divergence": [], "compile_s": 100.8, "compile_programs": 56,
+               "compile_after_first_step_s": 0.3}
     printed = format_summary(summary).strip("\n").splitlines()
     assert [_shape(line) for line in _readme_summary()] == [_shape(line) for line in printed]
 

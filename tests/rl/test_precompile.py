@@ -64,10 +64,7 @@ def test_ladder_compiled_ahead_runs_without_compiling_and_equals_jit():
     floor = layout.floor
     R, L, Wr = floor.shape
     assert (R, floor.ladder()) == (1, [2, 4])
-    import threading
-    for t in threading.enumerate():
-        if t.name == "treejax-precompile":
-            t.join()
+    floor.thread.join()
     assert floor.precompiled == 4  # (update, log-prob pass) x rungs 2 and 4
     assert len(learner.logprobs.compiled) == 2
 
@@ -87,3 +84,23 @@ def test_ladder_compiled_ahead_runs_without_compiling_and_equals_jit():
     jax.block_until_ready((logp, new_state.params))
     assert clock.programs == before and np.isfinite(float(m["loss"]))  # both ran the executables made ahead
     np.testing.assert_array_equal(np.asarray(logp), np.asarray(learner.logprobs.jitted(state.params, batch)))
+
+
+def test_stop_ladder_ends_the_compiles():
+    """``stop_ladder`` (the loop's end): no compile starts after it, and it returns once the running one is done."""
+    import threading
+    import time
+
+    from treejax.rl.precompile import precompile_ladder
+
+    calls, stop = [], threading.Event()
+
+    def slow(x):
+        calls.append(x.shape[0])
+        time.sleep(0.2)
+
+    t = precompile_ladder([2, 4, 8, 16], [(slow, (jnp.zeros((1, 3)),), 0)], stop=stop)
+    time.sleep(0.05)
+    stop.set()
+    t.join(timeout=5)
+    assert not t.is_alive() and calls == [2]

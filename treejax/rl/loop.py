@@ -61,7 +61,7 @@ from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.health import divergence, nonfinite_update_error
 from treejax.rl.report import step_line, write_tree_picture
 from treejax.rl.setup import Run, build_run, make_collector
-from treejax.rl.step import learn
+from treejax.rl.step import learn, stop_ladder
 from treejax.run_dir import claim_log_dir
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ def train(r: Run) -> int | None:
         raise diverged_error from e
     finally:
         collector.close()
+        stop_ladder(r.learner)  # the packed layout's ahead-of-time compiles, if any are still running
         preemption.uninstall()
     return None
 

@@ -359,6 +359,8 @@ class LayoutFloor:
         self.layouts: set[tuple[int, int, int]] = set()
         self.max_rows: int | None = None  # one tree per row (set by start): the ladder's top
         self.precompiled: int | None = None  # ahead-of-time compiles done (None: not started)
+        self.thread = None  # the ahead-of-time compile thread and its stop event (treejax.rl.step.start_ladder)
+        self.stop = None
 
     def start(self, shape: tuple[int, int, int], max_rows: int | None = None) -> None:
         if self.shape is None:

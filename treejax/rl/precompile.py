@@ -88,15 +88,19 @@ def abstract_rows(batch: Any, rows: int) -> Any:
 
 
 def precompile_ladder(rungs: list[int], jobs: list[tuple[Callable, tuple, int]], *,
-                      on_done: Callable[[int, float], None] | None = None) -> threading.Thread:
+                      on_done: Callable[[int, float], None] | None = None,
+                      stop: threading.Event | None = None) -> threading.Thread:
     """Starts a daemon thread that, for every row count in ``rungs``, calls ``precompile(*args)`` of each job
     ``(precompile, args, batch_position)`` with the argument at ``batch_position`` re-shaped to that row count
-    (:func:`abstract_rows`). ``on_done(count, seconds)`` is called at the end. Failures are logged and skipped."""
+    (:func:`abstract_rows`). ``on_done(count, seconds)`` is called at the end. Failures are logged and skipped.
+    ``stop`` (set by the run's end): no further compile starts; join the thread to wait for the one running."""
 
     def work():
         t0, done = time.perf_counter(), 0
         for rows in rungs:
             for precompile, args, at in jobs:
+                if stop is not None and stop.is_set():
+                    break
                 args = list(args)
                 args[at] = abstract_rows(args[at], rows)
                 try:

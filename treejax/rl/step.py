@@ -40,6 +40,7 @@ With trainer-side ``old_logp`` truncated importance sampling (``LossConfig.tis_c
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Callable
 
@@ -345,7 +346,19 @@ def start_ladder(learner: Learner, state, logp_pool, pool, plan, *, logp_used: b
     def done(count, seconds):
         floor.precompiled = count
 
-    return precompile_ladder(rungs, jobs, on_done=done)
+    floor.stop = threading.Event()
+    floor.thread = precompile_ladder(rungs, jobs, on_done=done, stop=floor.stop)
+    return floor.thread
+
+
+def stop_ladder(learner: Learner) -> None:
+    """Ends a run's ahead-of-time compiles (:func:`start_ladder`): none starts any more, and the one running is
+    waited for, so the process never exits in the middle of an XLA compile."""
+    floor = getattr(learner.layout, "floor", None)
+    thread = getattr(floor, "thread", None)
+    if thread is not None:
+        floor.stop.set()
+        thread.join()
 
 
 def with_fixed_advantages(adv: Advantages, forest: Forest, fixed_PxW) -> Advantages:

@@ -17,7 +17,8 @@ that took at least :data:`MIN_COMPILE_SECONDS` to compile; the folder can be del
 
 :func:`compile_clock` counts the seconds the process spends making programs (JAX's own monitoring events: tracing
 to a jaxpr, lowering to StableHLO, and the XLA compile or the persistent-cache load), which the training loop logs
-as ``time/compile_s`` and ``compile/programs`` (running totals) so a run shows what its recompiles cost.
+as ``time/compile_s`` and ``time/compile_programs`` (running totals, under ``time/`` with the other
+machine-dependent numbers that a resumed run need not repeat) so a run shows what its recompiles cost.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class CompileClock:
                 self.programs += event == COMPILE_EVENTS[-1]
 
     def totals(self) -> dict[str, float]:
-        """``{"time/compile_s": seconds, "compile/programs": count}`` so far."""
-        return {"time/compile_s": self.seconds, "compile/programs": self.programs}
+        """``{"time/compile_s": seconds, "time/compile_programs": count}`` so far."""
+        return {"time/compile_s": self.seconds, "time/compile_programs": self.programs}
 
 
 _CLOCK: CompileClock | None = None

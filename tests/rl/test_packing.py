@@ -369,7 +369,7 @@ def test_sticky_layout_only_grows_and_keeps_the_loss(sampled, policy_params):
 
 
 # ----------------------------------------------------------------------------------------------- slot trees
-@pytest.mark.parametrize("align", [1, 3])
+@pytest.mark.parametrize("align", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_startup_layout_holds_every_tree_and_never_changes(sampled, align):
     """A sticky ``Packed`` layout is fixed at the first mini-batch from the config's bounds: the bound holds every
     sampled tree (alone, aligned or not), every later mini-batch of the run gets the same layout (one compile),

@@ -272,7 +272,7 @@ def compile_summary(history: list[dict]) -> dict:
     programs: recompiles of new shapes, e.g. a packed layout that grows) and ``packing_layouts`` (the packed
     update's distinct layouts)."""
     out = compile_clock().totals()
-    out = {"compile_s": out["time/compile_s"], "compile_programs": out["compile/programs"]}
+    out = {"compile_s": out["time/compile_s"], "compile_programs": out["time/compile_programs"]}
     timed = [h for h in history if "time/compile_s" in h]
     if timed:
         out["compile_after_first_step_s"] = timed[-1]["time/compile_s"] - timed[0]["time/compile_s"]

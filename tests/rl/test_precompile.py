@@ -43,11 +43,11 @@ def test_ladder_of_row_counts():
 
 def test_ladder_compiled_ahead_runs_without_compiling_and_equals_jit():
     params = T.init_params(CFG, jax.random.key(0))
-    prompts = np.random.RandomState(1).randint(60, 250, (4, 6)).astype(np.int32)
-    lens = np.array([6, 3, 5, 4], np.int32)
+    prompts = np.random.RandomState(1).randint(60, 250, (2, 6)).astype(np.int32)
+    lens = np.array([6, 3], np.int32)
     forest, _ = tree.make_tree_rollout(CFG, TC)(jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, params),
                                                prompts, lens, jax.random.key(8))
-    rewards = jnp.asarray(np.random.RandomState(2).choice([-1.0, 1.0], (4, TC.num_leaves)), jnp.float32)
+    rewards = jnp.asarray(np.random.RandomState(2).choice([-1.0, 1.0], (2, TC.num_leaves)), jnp.float32)
     ro = Rollouts(forest=forest, rewards_PxW=rewards, scores_PxW=None, prompts_PxLp=prompts, lengths_P=lens)
     loss = losses.LossConfig()
     opt = make_optimizer(OptimizerConfig(learning_rate=1e-3, warmup_steps=0))
@@ -60,18 +60,18 @@ def test_ladder_compiled_ahead_runs_without_compiling_and_equals_jit():
     update = sharded_update(make_update_fn(layout, loss, opt), state_sh, mesh)
     learner = make_learner(CFG, cfg, Precision().resolve("cpu"), update, layout)
 
-    state, _, info = learn(learner, state, ro, jax.random.key(3))  # 4 trees, 1 mini-batch: rows 1 -> [2, 4]
+    state, _, info = learn(learner, state, ro, jax.random.key(3))  # 2 trees, 1 mini-batch: rows 1 -> [2]
     floor = layout.floor
     R, L, Wr = floor.shape
-    assert (R, floor.ladder()) == (1, [2, 4])
+    assert (R, floor.ladder()) == (1, [2])
     floor.thread.join()
-    assert floor.precompiled == 4  # (update, log-prob pass) x rungs 2 and 4
-    assert len(learner.logprobs.compiled) == 2
+    assert floor.precompiled == 2  # (update, log-prob pass) x rung 2
+    assert len(learner.logprobs.compiled) == 1
 
     # a mini-batch packed into the 2-row rung: no compile, and the same numbers as the jitted functions
     floor.shape = (2, L, Wr)
-    pool = layout.pool(ro, jnp.ones(forest.tokens.shape), forest.loss_mask, jnp.ones((4, TC.num_leaves)))
-    plan = layout.plan(pool, np.arange(4))
+    pool = layout.pool(ro, jnp.ones(forest.tokens.shape), forest.loss_mask, jnp.ones((2, TC.num_leaves)))
+    plan = layout.plan(pool, np.arange(2))
     assert plan.shape == (2, L, Wr)
     batch = learner.place(layout.assemble(pool, plan))
     b = learner.layout.assemble(dataclasses.replace(pool, batch=pool.batch.replace(

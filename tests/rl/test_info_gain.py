@@ -23,25 +23,13 @@ from treejax.rl import info_gain as ig
 from treejax.rl import losses
 from treejax.rl.advantages.info_gain import A2TGPOOptions, IGPOOptions, a2tgpo_clip_scale
 from treejax.rl.layouts import sequence_logprobs
-from treejax.testing.forests import lay_out_nodes, random_tree_paths
+from treejax.testing.forests import hand_turn_forest, lay_out_nodes, random_tree_paths
 
 CFG = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- turn forests
-def hand_forest():
-    """One prompt, 4 slots: root -> n1 -> {n3 (w0), n4 (w1)}; root -> n2 -> n5 -> n6 (w2, w3: duplicate slots).
-    Node lengths n1..n6 = 3, 2, 2, 1, 2, 2; observation tokens (policy_mask 0) inside n1, n2 and n5."""
-    paths = np.array([[[0, 1, 3, -1], [0, 1, 4, -1], [0, 2, 5, 6], [0, 2, 5, 6]]])
-    node_length = np.array([[0, 3, 2, 2, 1, 2, 2]])
-    tok = np.zeros((1, 4, 8), np.int32)
-    pm = np.zeros((1, 4, 8), np.float32)
-    tok[0, 0, :5], pm[0, 0, :5] = [70, 71, 72, 73, 74], [1, 1, 0, 1, 1]
-    tok[0, 1, :4], pm[0, 1, :4] = [70, 71, 72, 75], [1, 1, 0, 1]
-    tok[0, 2, :6], pm[0, 2, :6] = [80, 81, 82, 83, 84, 85], [1, 0, 1, 0, 1, 1]
-    tok[0, 3], pm[0, 3] = tok[0, 2], pm[0, 2]
-    return paths, node_length, tok, pm, forest_from_spans(paths, node_length, tok, policy_mask=pm)
 
 
 def random_turn_forest(rng, P, W, D, max_len=3, T_len=None):
@@ -74,7 +62,7 @@ def _logprob_fn(params, tokens, positions, segment_ids):
 def scoring_case(params):
     """Two prompts (the hand tree and a random one padded to the same N), prompts and answers of different lengths,
     a prefix token that is not scored, and the reference values (one direct forward per used node)."""
-    paths0, nl0, tok0, pm0, _ = hand_forest()
+    paths0, nl0, tok0, pm0, _ = hand_turn_forest()
     paths1, nl1, tok1, pm1, _ = random_turn_forest(np.random.default_rng(5), 1, 4, 3, T_len=8)
     N = max(nl0.shape[1], nl1.shape[1])
     pad = lambda x: np.pad(x, ((0, 0), (0, N - x.shape[1])))  # noqa: E731
@@ -104,7 +92,7 @@ def test_truth_logprobs_match_direct_forwards(params, scoring_case, how):
 
 def test_truth_sequences_rows():
     """Rows hold prompt ++ path through the node ++ answer, right-padded to Lp + T + La; only answer tokens scored."""
-    paths, nl, tok, pm, forest = hand_forest()
+    paths, nl, tok, pm, forest = hand_turn_forest()
     prompts, plen = np.array([[5, 6, 7]], np.int32), np.array([3], np.int32)
     answers, alen = np.array([[40, 41]], np.int32), np.array([2], np.int32)
     b = ig.truth_sequences(prompts, plen, forest, answers, alen)
@@ -128,7 +116,7 @@ def test_igpo_hand_computed():
     10 entries: mean 0.38, var 0.1836, std + eps = sqrt(0.1836 + 1e-8) + 1e-6 = 0.4284867; r_hat(0.3) = -0.1867036,
     r_hat(1) = 1.4469527, r_hat(0) = -0.8868420, r_hat(-0.1) = -1.1202214, r_hat(0.2) = -0.4200830; gamma = 1 sums
     to go."""
-    paths, nl, tok, pm, forest = hand_forest()
+    paths, nl, tok, pm, forest = hand_turn_forest()
     out = adv.get_estimator("igpo")(forest, jnp.asarray(HAND_R, jnp.float32), IGPOOptions(),
                                     truth_logp_PxN=jnp.log(jnp.asarray(HAND_V, jnp.float32)))
     a, one, zero, neg, b = -0.1867036, 1.4469527, -0.8868420, -1.1202214, -0.4200830
@@ -145,7 +133,7 @@ def test_a2tgpo_hand_computed():
     """Outcome: R = [1, 0, 1, 1], mean 0.75, std 0.433013 -> O = [0.5773489, -1.7320468, 0.5773489, 0.5773489]. Turn
     0 group IG = [0.3, 0.3, -0.1, -0.1] -> z = +-0.999995 (std 0.2 + eps); turn 1 group IG(n5) twice -> z = 0
     exactly. A(w0, 0) = O + 0.3 z; A(w2, 0) = O + 0.3 (z0 + z1) / sqrt(2); clip = 1 + 0.3 (2 sigmoid(z) - 1)."""
-    paths, nl, tok, pm, forest = hand_forest()
+    paths, nl, tok, pm, forest = hand_turn_forest()
     R, truth = jnp.asarray(HAND_R, jnp.float32), jnp.log(jnp.asarray(HAND_V, jnp.float32))
     out = adv.get_estimator("a2tgpo")(forest, R, A2TGPOOptions(), truth_logp_PxN=truth)
     O, z = np.array([0.5773489, -1.7320468, 0.5773489, 0.5773489]), 0.2 / (0.2 + 1e-6)
@@ -211,7 +199,7 @@ def test_registry_and_option_validation():
     for bad in (dict(alpha=-0.1), dict(clip_beta=1.0), dict(gamma=-0.1), dict(info_gain="x")):
         with pytest.raises(ValueError):
             A2TGPOOptions(**bad)
-    *_, forest = hand_forest()
+    *_, forest = hand_turn_forest()
     with pytest.raises(ValueError, match="truth_logp_PxN"):
         adv.get_estimator("igpo")(forest, jnp.zeros((1, 4)), IGPOOptions(), truth_logp_PxN=jnp.zeros((1, 5)))
     with pytest.raises(ValueError, match="no tokens"):

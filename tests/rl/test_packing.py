@@ -399,7 +399,7 @@ def test_startup_layout_holds_every_tree_and_never_changes(sampled, align):
                                              row_multiple=row_multiple)
         assert L0 == packing.bucket_row_length(bound, cfg.granule) and Wr0 == 2 * W and R0 == row_multiple
         assert {pl.shape for pl in plans} == {(R0, L0, Wr0)} and len(layout.floor.layouts) == 1
-        if row_multiple == 2:  # two trained trees (prompt 3 is the untrained filler) in different rows, not both in row 0
+        if row_multiple == 2:  # two trained trees (prompt 3 is the untrained filler) in different rows, not in row 0
             assert all(((pl.leaf_id >= 0).any(axis=1)).all() for pl in (plans[0], plans[2], plans[4]))
 
 

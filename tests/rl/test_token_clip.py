@@ -32,7 +32,7 @@ from treejax.rl.advantages.info_gain import A2TGPOOptions
 from treejax.rl.batch import TreeInputs, expanded_batch, forest_to_batch, response_to_sequence
 from treejax.rl.layouts import Expanded, Packed
 from treejax.rl.update import make_grad_fn
-from treejax.testing.forests import lay_out_nodes, random_tree_paths
+from treejax.testing.forests import hand_turn_forest, lay_out_nodes, random_tree_paths
 
 CFG = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250, num_layers=1)  # one layer: compile time
 P, W, D, MAXLEN = 2, 6, 3, 4
@@ -221,10 +221,8 @@ def test_pool_without_estimator_scale_has_no_extra_array(case):
 
 # ------------------------------------------------------------------------------------------------ (d)
 # one prompt, 4 slots: root -> n1 -> {n3 (w0), n4 (w1)}; root -> n2 -> n5 -> n6 (w2, w3: copies); observation
-# tokens inside n1, n2 and n5 (tests/rl/test_info_gain.py's hand forest). Turn 0's IGs are [.3, .3, -.1, -.1]:
+# tokens inside n1, n2 and n5 (treejax.testing.forests.hand_turn_forest). Turn 0's IGs are [.3, .3, -.1, -.1]:
 # z = +1 on n1 (w0, w1), -1 on n2 (w2, w3), so c = 1 +- 0.3 (2 sigmoid(1) - 1) = 1.1386 / 0.8614 there.
-D_PATHS = np.array([[[0, 1, 3, -1], [0, 1, 4, -1], [0, 2, 5, 6], [0, 2, 5, 6]]])
-D_NODES = np.array([[0, 3, 2, 2, 1, 2, 2]])
 D_V = np.array([[0.2, 0.5, 0.1, 0.6, 0.4, 0.3, 0.7]])  # pi(a | ...) of root, n1 .. n6
 D_R = np.array([[1.0, 0.0, 1.0, 1.0]], np.float32)
 D_PROMPT, D_LEN = np.array([[5, 6, 7, 8]], np.int32), np.array([4], np.int32)
@@ -235,13 +233,7 @@ def _d_forest(params):
     """The hand forest with sampler log-probs = the trainer's own minus log(ratio): with ``old_logp="sampler"`` the
     first update's ratios are ``D_RATIO`` on turn 0 (n1: 0.79, between the adaptive lower bound 1 - 0.2 c = 0.772
     and the plain 0.8; n2: 1.185, between 1 + 0.2 c = 1.172 and the plain 1.2), 1 elsewhere."""
-    tok = np.zeros((1, 4, 8), np.int32)
-    pm = np.zeros((1, 4, 8), np.float32)
-    tok[0, 0, :5], pm[0, 0, :5] = [70, 71, 72, 73, 74], [1, 1, 0, 1, 1]
-    tok[0, 1, :4], pm[0, 1, :4] = [70, 71, 72, 75], [1, 1, 0, 1]
-    tok[0, 2, :6], pm[0, 2, :6] = [80, 81, 82, 83, 84, 85], [1, 0, 1, 0, 1, 1]
-    tok[0, 3], pm[0, 3] = tok[0, 2], pm[0, 2]
-    f = forest_from_spans(D_PATHS, D_NODES, tok, policy_mask=pm)
+    *_, f = hand_turn_forest()
     d = expanded_batch(forest_to_batch(jnp.asarray(D_PROMPT), jnp.asarray(D_LEN), f, jnp.zeros(f.tokens.shape)))
     logp = jax.jit(lambda prm, x: EXPANDED.pair_logprobs(prm, x))(params, d.inputs)
     logp = np.asarray(EXPANDED.to_response(logp, D_LEN, f.tokens.shape[-1])).reshape(f.tokens.shape)

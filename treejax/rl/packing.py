@@ -507,5 +507,5 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
 
 
 __all__ = ["PackingConfig", "PackingPlan", "LayoutFloor", "plan_packing", "startup_layout", "tree_token_bound",
-           "pack_pairs", "unpack_pairs", "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest", "forest_to_packed",
-           "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]
+           "pack_pairs", "unpack_pairs", "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest",
+           "forest_to_packed", "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]

@@ -161,7 +161,8 @@ def make_partial_rollout(model: ModelConfig | decode.ModelFns, tree_config: Tree
                          "is no prompt prefix to share: TreeConfig.prefix_cache='shared' is not supported here "
                          "(use 'per_row' or 'auto', which is per-row for partial rollouts)")
     fns = decode.as_model_fns(model)
-    tc = dataclasses.replace(tree_config, row_buckets=1, prefix_cache="per_row")  # rows stay in place: a resumed row keeps its index
+    # rows stay in place (a resumed row keeps its index) and hold their own prefix
+    tc = dataclasses.replace(tree_config, row_buckets=1, prefix_cache="per_row")
     stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
     core = jax.jit(functools.partial(_partial_core, model=fns, tc=tc, stop_ids=stop_ids),
                    compiler_options=decode.SAMPLER_COMPILER_OPTIONS)

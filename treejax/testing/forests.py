@@ -99,6 +99,24 @@ def lay_out_nodes(paths, node_length, *node_arrays, width: int):
     return outs
 
 
+def hand_turn_forest():
+    """A small hand-built turn forest: one prompt, 4 slots: root -> n1 -> {n3 (w0), n4 (w1)}; root -> n2 -> n5 ->
+    n6 (w2, w3: duplicate slots). Node lengths n1..n6 = 3, 2, 2, 1, 2, 2; observation tokens (policy_mask 0)
+    inside n1, n2 and n5. Returns ``(paths [1, 4, 4], node_length [1, 7], tokens [1, 4, 8], policy_mask [1, 4, 8],
+    forest)`` (:func:`treejax.forest.forest_from_spans`)."""
+    from treejax.forest import forest_from_spans
+
+    paths = np.array([[[0, 1, 3, -1], [0, 1, 4, -1], [0, 2, 5, 6], [0, 2, 5, 6]]])
+    node_length = np.array([[0, 3, 2, 2, 1, 2, 2]])
+    tok = np.zeros((1, 4, 8), np.int32)
+    pm = np.zeros((1, 4, 8), np.float32)
+    tok[0, 0, :5], pm[0, 0, :5] = [70, 71, 72, 73, 74], [1, 1, 0, 1, 1]
+    tok[0, 1, :4], pm[0, 1, :4] = [70, 71, 72, 75], [1, 1, 0, 1]
+    tok[0, 2, :6], pm[0, 2, :6] = [80, 81, 82, 83, 84, 85], [1, 0, 1, 0, 1, 1]
+    tok[0, 3], pm[0, 3] = tok[0, 2], pm[0, 2]
+    return paths, node_length, tok, pm, forest_from_spans(paths, node_length, tok, policy_mask=pm)
+
+
 def random_rewards(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
     """Rewards of a given ``kind``: "pm1" (+-1), "01", "grid" (multiples of 0.25 in [-1, 1], e.g. with an
     overlong penalty), "equal" (one value per prompt), "mixed" (a random choice of these per prompt),

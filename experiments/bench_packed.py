@@ -34,7 +34,6 @@ CPU smoke (tiny model, tiny shapes, about a minute):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 import traceback
@@ -161,7 +160,7 @@ def bench_setting(preset, Lp, args):
     del pairs["sampler_logp"]
     packed = packing.packed_batch(plan, pairs)
     info = packing.describe(plan)
-    pk_pos = plan.positions[plan.node_lo != packing.PAD_NODE]
+    pk_pos = plan.positions[plan.node_lo < packing.PAD_NODE]
     flops = {"expanded": useful_flops(cfg, exp_pos), "packed": useful_flops(cfg, pk_pos)}
     print(f"\n{preset}: P={P} W={W} b=2 D={D} S={S} Lp={Lp}: expanded {P * W} rows x {expanded.sequence_length}, "
           f"packed {info['rows']} rows x {info['row_length']} ({info['unique_tokens']} unique of "

@@ -78,7 +78,7 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, S,
                                 packing.PackingConfig(granule=args.granule), trained_PxW=np.ones((P, W), bool))
     R, L, _ = plan.shape
-    real = plan.node_lo != packing.PAD_NODE
+    real = plan.node_lo < packing.PAD_NODE
     work = 4.0 * Q * H * float(np.sum(plan.positions[real].astype(np.float64) + 1))
     peak = peak_flops()[1]
     print(f"\n{preset} (Q={Q}, K={K}, H={H}): P={P} W={W} D={D} S={S} Lp={Lp}; packed {R} rows x {L} "

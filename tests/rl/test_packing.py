@@ -142,7 +142,10 @@ def test_layout_on_a_hand_built_forest():
     np.testing.assert_array_equal(plan.prev[0, :n], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 6, 11, 12, 2, 14, 15])
     np.testing.assert_array_equal(plan.node_lo[0, :n], [0] * 3 + [1] * 4 + [2] * 4 + [3] * 3 + [4] * 3)
     np.testing.assert_array_equal(plan.node_hi[0, :n], [4] * 3 + [3] * 4 + [2] * 4 + [3] * 3 + [4] * 3)
-    assert np.all(plan.node_lo[0, n:] == packing.PAD_NODE) and np.all(plan.tokens[0, n:] == 0)
+    L = plan.shape[1]
+    np.testing.assert_array_equal(plan.node_lo[0, n:], packing.PAD_NODE + np.arange(n, L))  # each pad its own node
+    np.testing.assert_array_equal(plan.node_hi[0, n:], plan.node_lo[0, n:])
+    assert np.all(plan.tokens[0, n:] == 0)
     np.testing.assert_array_equal(plan.pair_index[0, :3], [[3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 11, 12, 13, 0],
                                                            [14, 15, 16, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(plan.leaf_id[0], [0, 1, 2])
@@ -401,6 +404,20 @@ def test_startup_layout_holds_every_tree_and_never_changes(sampled, align):
         assert {pl.shape for pl in plans} == {(R0, L0, Wr0)} and len(layout.floor.layouts) == 1
         if row_multiple == 2:  # two trained trees (prompt 3 is the untrained filler) in different rows, not in row 0
             assert all(((pl.leaf_id >= 0).any(axis=1)).all() for pl in (plans[0], plans[2], plans[4]))
+    # startup_rows="max": the ladder's top from the start (one tree per row), nothing left to grow or precompile
+    top = dataclasses.replace(cfg, startup_rows="max")
+    for row_multiple in (1, 4):
+        layout = Packed(CFG, top, row_multiple=row_multiple)
+        pool = layout.pool(ro, adv.tokens, adv.loss_mask, jnp.ones((P, W)))
+        plans = [layout.plan(pool, np.asarray(u)) for u in ([0, 1, 2], [2, 3, 1], [3, 0, 1])]
+        shape = (row_multiple * -(-3 // row_multiple), packing.bucket_row_length(bound, cfg.granule), W)
+        assert {pl.shape for pl in plans} == {shape} and layout.floor.layouts == {shape}
+        assert layout.floor.ladder() == []
+        for pl in plans:  # at most one tree a row; a row without one is all padding
+            trees_per_row = (pl.leaf_id >= 0).sum(axis=1) // W
+            assert trees_per_row.max() == 1 and (pl.node_lo[trees_per_row == 0] >= packing.PAD_NODE).all()
+    with pytest.raises(ValueError, match="startup_rows"):
+        packing.PackingConfig(startup_rows="all")
 
 
 def test_packed_equals_expanded_with_duplicate_leaves(policy_params):

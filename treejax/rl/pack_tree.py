@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-PAD_NODE = 1 << 30  # node_lo / node_hi of padding tokens (above every real preorder number)
+PAD_NODE = 1 << 30  # node_lo / node_hi of padding tokens: PAD_NODE + column in a packed row (above every real number)
 
 
 @dataclasses.dataclass

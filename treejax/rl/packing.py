@@ -24,8 +24,10 @@ Layout of one packed row (``R`` rows of ``L`` tokens; one or more trees per row)
       mask[i, j] = (j <= i) & (node_lo[j] <= node_lo[i] <= node_hi[j])
 
   (``a`` is an ancestor-or-self of ``b`` iff ``lo_a <= lo_b <= hi_a``). Preorder numbers are unique within a
-  row, so trees sharing a row never see each other; padding has ``lo = hi = PAD_NODE`` above every real number,
-  so real tokens never see padding (and padding sees only padding: no row of the mask is empty);
+  row, so trees sharing a row never see each other. Padding token ``c`` (the row's column ``c``, between nodes
+  with ``align`` or after the last tree) has ``lo = hi = PAD_NODE + c``, above every real number: real tokens
+  never see padding, and a pad token sees only itself (no row of the mask is empty, and the block-sparse kernel
+  visits only the diagonal tiles of a row's padding instead of a causal triangle over it);
 * ``prev[i]``: the row index of the token whose hidden state predicts token ``i``: ``i - 1`` inside a node or the
   prompt, the parent's last token for a node's first token (the prompt's last token at depth 1); ``-1`` for the
   first prompt token. ``log pi(tokens[i] | prefix) = log_softmax(h[prev[i]] W)[tokens[i]]``;
@@ -57,11 +59,12 @@ once per run:
 * ``Wr = W * 2^k`` for the trees of a whole mini-batch (``max_trees_per_row`` caps it), so trees share rows as
   densely as they fit (first-fit decreasing), then spread over the layout's rows largest-first into the emptiest
   row (``balance``: equal work per micro-batch and device);
-* ``R`` starts at ``row_multiple`` and is the only size that can grow: a mini-batch whose trees do not fit in
+* ``R`` starts at ``row_multiple`` (``startup_rows="min"``) and is the only size that can grow: a mini-batch whose trees do not fit in
   ``R`` rows of ``L`` takes the next ``row_multiple * 2^k`` and keeps it (:class:`LayoutFloor`; one compile per
   growth, counted in ``packing/layouts``). The rungs ``R = row_multiple * 2^k`` up to one tree per row are known
   from the start, and ``precompile`` compiles them on a background thread after the first step
-  (:mod:`treejax.rl.precompile`), so a growth costs no stall.
+  (:mod:`treejax.rl.precompile`), so a growth costs no stall. ``startup_rows="max"`` starts at the top rung
+  instead (one tree per row): nothing can grow, one compile per run.
 
 The price is padding (a mini-batch of small trees still runs ``R x L`` token slots); the bound is on one tree, so
 a row is about as long as the largest tree the config allows and a mini-batch of typical trees fits one row.
@@ -94,6 +97,9 @@ from treejax.rl.batch import PAIR_FILL, PAIR_KEYS, Batch, TreeInputs
 from treejax.rl.pack_tree import PAD_NODE, PackedTree, build_tree
 
 
+STARTUP_ROWS = ("min", "max")
+
+
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
     """Static settings of the packed batch (see the module docstring's bucketing rules).
@@ -113,6 +119,12 @@ class PackingConfig:
       precompile: with ``sticky``, compile the update and the log-prob pass for every other row count the layout
         can grow to (:meth:`LayoutFloor.ladder`) on a background thread after the first step's plan
         (:mod:`treejax.rl.precompile`), so a growth later in the run does not stop a step to compile.
+      startup_rows: with ``sticky``, where the row count starts: ``"min"`` (``row_multiple`` rows, trees share
+        rows; the count grows along the ladder when a mini-batch needs more) or ``"max"`` (the ladder's top: one
+        tree per row, ``R`` = the mini-batch's trees rounded up to ``row_multiple``, ``W`` leaf slots a row): the
+        layout can never grow, so the update compiles exactly once and there is nothing to precompile, at the
+        price of padding every tree to the bound (still never more token slots than the expanded layout:
+        ``tree_token_bound <= Lp + W T <= W (Lp + T)``).
     """
 
     row_length: int | None = None
@@ -123,6 +135,7 @@ class PackingConfig:
     attention_impl: str = "auto"
     sticky: bool = True
     precompile: bool = True
+    startup_rows: str = "min"
 
     def __post_init__(self):
         if self.row_length is not None and self.row_length < 1:
@@ -132,6 +145,7 @@ class PackingConfig:
         if self.max_trees_per_row is not None and self.max_trees_per_row < 1:
             raise ValueError(f"PackingConfig.max_trees_per_row must be >= 1 or None, got {self.max_trees_per_row}")
         check_choice("PackingConfig.attention_impl", self.attention_impl, TREE_ATTENTION_IMPLS)
+        check_choice("PackingConfig.startup_rows", self.startup_rows, STARTUP_ROWS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +310,10 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
             offset += n
             node_base += tr.num_nodes
             unique += int(tr.real.sum())
+    # Padding: each pad token its own node number above every real one, so it sees only itself (module docstring).
+    pad_RxL = out_lo >= PAD_NODE
+    out_lo = np.where(pad_RxL, PAD_NODE + np.arange(L, dtype=np.int32)[None, :], out_lo)
+    out_hi = np.where(pad_RxL, out_lo, out_hi)
     Lp = prompt_tokens.shape[1]
     expanded = int(np.sum(lens[prompts]) * W + np.sum(leaf_length[prompts]))
     return PackingPlan(out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf,
@@ -335,14 +353,17 @@ def tree_token_bound(prompt_width: int, num_leaves: int, response_length: int, n
 
 def startup_layout(config: PackingConfig, *, prompt_width: int, num_leaves: int, response_length: int,
                    num_nodes: int, node_length: int, trees: int, row_multiple: int = 1) -> tuple[int, int, int]:
-    """The layout ``(R, L, Wr)`` a sticky run starts from (module docstring): ``R = row_multiple``; ``L`` =
-    ``config.row_length`` or the bucketed :func:`tree_token_bound`; ``Wr = W * 2^k >= W * min(trees,
-    max_trees_per_row)`` (``trees``: the trees of one mini-batch)."""
+    """The layout ``(R, L, Wr)`` a sticky run starts from (module docstring): ``L`` = ``config.row_length`` or the
+    bucketed :func:`tree_token_bound`; with ``config.startup_rows == "min"``, ``R = row_multiple`` and ``Wr = W *
+    2^k >= W * min(trees, max_trees_per_row)`` (``trees``: the trees of one mini-batch); with ``"max"``, one tree
+    per row: ``R = trees`` rounded up to ``row_multiple`` and ``Wr = W``."""
     if config.row_length is not None:
         L = config.row_length
     else:
         L = bucket_row_length(tree_token_bound(prompt_width, num_leaves, response_length, num_nodes, node_length,
                                                config.align), config.granule)
+    if config.startup_rows == "max":
+        return _round_up(max(int(trees), 1), int(row_multiple)), int(L), int(num_leaves)
     per_row = max(min(int(trees), config.max_trees_per_row or int(trees)), 1)
     return int(row_multiple), int(L), int(num_leaves) * (1 << (per_row - 1).bit_length())
 
@@ -508,4 +529,4 @@ def describe(plan: PackingPlan) -> dict[str, Any]:
 
 __all__ = ["PackingConfig", "PackingPlan", "LayoutFloor", "plan_packing", "startup_layout", "tree_token_bound",
            "pack_pairs", "unpack_pairs", "packed_batch", "assemble", "plan_arrays", "forest_pairs", "host_forest",
-           "forest_to_packed", "bucket_row_length", "bucket_units", "describe", "PAD_NODE"]
+           "forest_to_packed", "bucket_row_length", "STARTUP_ROWS", "bucket_units", "describe", "PAD_NODE"]

@@ -104,7 +104,7 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
             cache, tok, acc = carry
             pos = jnp.full((rows,), context - steps, jnp.int32) + i
             keys = decode.token_keys(key, rows_r, jnp.zeros_like(rows_r), pos)
-            tok, lp, _, ent, topk, cache = decode.decode_token_stats(
+            tok, lp, _, ent, topk, _, cache = decode.decode_token_stats(
                 fns, strategy, params, cache, tok, pos, jnp.ones((rows,), bool), keys, with_entropy, top_k)
             return cache, tok, acc + jnp.sum(lp) + jnp.sum(ent) + jnp.sum(jnp.maximum(topk, -1e4))
 

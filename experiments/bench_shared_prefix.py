@@ -8,7 +8,12 @@ row ``r`` at position ``prompt_len - 1 + i`` at step ``i`` (the tree sampler's f
 * ``per_row`` (``TreeConfig.prefix_cache = "per_row"``): ``R`` rows of ``round(bucket(prompt_len) + steps)`` slots,
   the prompt's KV in every row; attention ``--attention`` (default ``auto``: Pallas on a GPU for 16-bit caches);
 * ``shared`` (``"shared"``): the prompt's KV once per prompt (``[P, K, round(bucket(prompt_len)), H]``) plus ``R``
-  suffix rows of ``round(steps + 1)`` slots; cascade attention (XLA on every backend).
+  suffix rows of ``round(steps + 1)`` slots; cascade attention with the passes ``make_model_fns`` picks
+  (``cascade="auto"``: both through the Pallas kernel where the per-row attention is Pallas, i.e. on a GPU with a
+  16-bit cache, XLA otherwise). ``--prefix-block-h`` / ``--prefix-num-warps`` (several values: one ``shared``
+  variant per combination) set the Pallas prefix pass's queries per program and warps (default: the smallest
+  power of two >= W G up to 128, and the kernel's 4 warps);
+* ``shared_xla``: the same layout with the XLA cascade forced (``cascade="xla"``), for comparison.
 
 The caches are filled with random keys/values instead of a prefill (decode cost does not depend on the values;
 the prefill, identical work in both layouts except for the per-row broadcast copy, is not timed); the cache is
@@ -21,6 +26,8 @@ Examples:
   python experiments/bench_shared_prefix.py --tiny --out /tmp/shared_tiny.json                  # CPU smoke run
   python experiments/bench_shared_prefix.py --out results/shared_prefix_h200.json               # GPU (defaults:
       qwen2.5-0.5b, bf16, 64 prompts x 16 rows, prompt lengths 256 1024 4096, 128 steps)
+  python experiments/bench_shared_prefix.py --variants per_row shared shared_xla \
+      --prefix-block-h 16 32 64 128 --out results/shared_prefix_pallas_h200.json                # GPU block_h sweep
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-VARIANTS = ("per_row", "shared")
+VARIANTS = ("per_row", "shared", "shared_xla")
 
 
 def model_config(name: str, tiny: bool, dtype: str):
@@ -50,8 +57,10 @@ def model_config(name: str, tiny: bool, dtype: str):
     return cfg.replace(param_dtype=dtype, compute_dtype=dtype)
 
 
-def run_variant(args, variant: str, prompt_len: int) -> dict:
-    """One measurement in this process (the child side): returns a JSON-able dict."""
+def run_variant(args, variant: str, prompt_len: int, block_h: int | None = None,
+                num_warps: int | None = None) -> dict:
+    """One measurement in this process (the child side): returns a JSON-able dict. ``block_h`` / ``num_warps``:
+    the Pallas prefix pass of a ``shared`` variant (``None``: the defaults)."""
     import jax
     import jax.numpy as jnp
 
@@ -63,9 +72,14 @@ def run_variant(args, variant: str, prompt_len: int) -> dict:
     cfg = model_config(args.model, args.tiny, args.dtype)
     P, W, steps = args.prompts, args.rows_per_prompt, args.steps
     R = P * W
-    fns = decode.make_model_fns(cfg, attention=args.attention, block_size=args.block, cache_dtype=args.cache_dtype)
-    impl = attention_lib.resolve_impl(args.attention, head_dim=cfg.head_dim, cache_dtype=jnp.dtype(args.cache_dtype),
-                                      block_size=args.block) if variant == "per_row" else "cascade (xla)"
+    cascade = dict(cascade="xla" if variant == "shared_xla" else "auto", cascade_block_h=block_h,
+                   cascade_num_warps=num_warps) if variant != "per_row" else {}
+    fns = decode.make_model_fns(cfg, attention=args.attention, block_size=args.block, cache_dtype=args.cache_dtype,
+                                **cascade)
+    impl = fns.attention if variant == "per_row" else f"cascade ({fns.cascade_attention})"
+    if variant != "per_row" and fns.cascade_attention == "pallas":
+        used_h = block_h or attention_lib.default_prefix_block_h(W * (cfg.num_heads // cfg.num_kv_heads))
+        impl = f"cascade (pallas, block_h {used_h}, {num_warps or 4} warps)"
     bucket = decode.bucket_length(prompt_len)
     n = prompt_len - 1  # prefix tokens per prompt (the last prompt token is fed by the first decode step)
     if variant == "per_row":
@@ -76,6 +90,8 @@ def run_variant(args, variant: str, prompt_len: int) -> dict:
         Ls = attention_lib.round_cache_length(steps + 1, fns.cache_multiple)
         shape = dict(prompts=P, prefix_slots=Lpre, rows=R, suffix_slots=Ls)
     out = dict(variant=variant, prompt_len=prompt_len, attention=impl, cache_shape=shape,
+               cascade=fns.cascade_attention if variant != "per_row" else None, prefix_block_h=block_h,
+               prefix_num_warps=num_warps,
                device=jax.devices()[0].device_kind, model=args.model + (" (tiny)" if args.tiny else ""))
     strategy = Temperature(1.0)
 
@@ -85,7 +101,7 @@ def run_variant(args, variant: str, prompt_len: int) -> dict:
              else fns.init_shared_cache(P, W, shape["prefix_slots"], shape["suffix_slots"]))
         noise = jax.tree.map(lambda x: 0.5 * jax.random.normal(key, x.shape, x.dtype)
                              if jnp.issubdtype(x.dtype, jnp.floating) else x, c)
-        if variant == "shared":
+        if variant != "per_row":
             noise = noise.replace(prefix=dict(noise.prefix, length=jnp.full((P,), n, jnp.int32)))
         return noise
 
@@ -131,17 +147,20 @@ def run_variant(args, variant: str, prompt_len: int) -> dict:
     return out
 
 
-def child_command(args, variant: str, prompt_len: int) -> list[str]:
+def child_command(args, variant: str, prompt_len: int, block_h: int | None, num_warps: int | None) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--prompt-len", str(prompt_len),
            "--model", args.model, "--prompts", str(args.prompts), "--rows-per-prompt", str(args.rows_per_prompt),
            "--steps", str(args.steps), "--repeats", str(args.repeats), "--block", str(args.block),
            "--attention", args.attention, "--dtype", args.dtype, "--cache-dtype", args.cache_dtype]
+    cmd += ["--prefix-block-h", str(block_h)] if block_h else []
+    cmd += ["--prefix-num-warps", str(num_warps)] if num_warps else []
     return cmd + (["--tiny"] if args.tiny else [])
 
 
-def measure(args, variant: str, prompt_len: int) -> dict:
+def measure(args, variant: str, prompt_len: int, block_h: int | None = None, num_warps: int | None = None) -> dict:
     """Runs one variant in a fresh subprocess (separate peak memory); its last stdout line is the JSON result."""
-    proc = subprocess.run(child_command(args, variant, prompt_len), capture_output=True, text=True)
+    proc = subprocess.run(child_command(args, variant, prompt_len, block_h, num_warps), capture_output=True,
+                          text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
@@ -149,7 +168,19 @@ def measure(args, variant: str, prompt_len: int) -> dict:
     tail = " | ".join(err[-3:])[:500]
     oom = "RESOURCE_EXHAUSTED" in proc.stderr or "out of memory" in proc.stderr.lower()
     return dict(variant=variant, prompt_len=prompt_len, status="OOM" if oom else f"failed (rc {proc.returncode})",
-                error=tail)
+                error=tail, prefix_block_h=block_h, prefix_num_warps=num_warps)
+
+
+def jobs(args) -> list[tuple[str, int | None, int | None]]:
+    """``(variant, block_h, num_warps)`` per measurement at one prompt length: one ``shared`` per combination of
+    ``--prefix-block-h`` x ``--prefix-num-warps`` (``None``: the default), every other variant once."""
+    out = []
+    for v in args.variants:
+        if v == "shared":
+            out += [(v, h, w) for h in args.prefix_block_h or [None] for w in args.prefix_num_warps or [None]]
+        else:
+            out.append((v, None, None))
+    return out
 
 
 def fmt_bytes(b) -> str:
@@ -163,6 +194,8 @@ def table(results: list[dict]) -> str:
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     base = {r["prompt_len"]: r.get("tokens_per_s") for r in results if r["variant"] == "per_row"}
     for r in results:
+        r = dict(r, variant=r["variant"] + "".join(f" {k}={r[k]}" for k in ("prefix_block_h", "prefix_num_warps")
+                                                    if r.get(k)))
         if r.get("status") != "ok":
             lines.append(f"| {r['prompt_len']} | {r['variant']} | {r.get('attention', '')} | {r['status']} | | | | |")
             continue
@@ -187,7 +220,12 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto", help="per_row attention impl: auto | ragged | pallas | dense")
     ap.add_argument("--dtype", default="bfloat16", help="params / compute dtype")
     ap.add_argument("--cache-dtype", default="bfloat16")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=["per_row", "shared"], choices=VARIANTS,
+                    help="per_row | shared (cascade as make_model_fns picks it) | shared_xla (XLA cascade forced)")
+    ap.add_argument("--prefix-block-h", type=int, nargs="+", default=None,
+                    help="Pallas prefix pass: queries per program (powers of two >= 16), one shared variant each")
+    ap.add_argument("--prefix-num-warps", type=int, nargs="+", default=None,
+                    help="Pallas prefix pass: warps per program (default the kernel's 4), one shared variant each")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=None, help=argparse.SUPPRESS)
@@ -199,20 +237,23 @@ def main(argv=None):
     if args.tiny and args.block == 256:
         args.block = 16
     if args.child:
-        result = run_variant(args, args.child, args.prompt_len)
+        result = run_variant(args, args.child, args.prompt_len, (args.prefix_block_h or [None])[0],
+                             (args.prefix_num_warps or [None])[0])
         result["steps"] = args.steps
         print(json.dumps(result), flush=True)
         return
     lens = args.prompt_lens or ([32, 64] if args.tiny else [256, 1024, 4096])
     results = []
     for L in lens:
-        for v in args.variants:
-            r = measure(args, v, L)
+        for v, h, w in jobs(args):
+            r = measure(args, v, L, h, w)
             r.setdefault("steps", args.steps)
             results.append(r)
-            print(f"# {v} @ {L}: {r.get('status')} {r.get('tokens_per_s', '')}", file=sys.stderr, flush=True)
+            print(f"# {v} (block_h {h}, warps {w}) @ {L}: {r.get('status')} {r.get('tokens_per_s', '')}",
+                  file=sys.stderr, flush=True)
     config = dict(model=args.model, tiny=args.tiny, prompts=args.prompts, rows_per_prompt=args.rows_per_prompt,
                   steps=args.steps, repeats=args.repeats, block=args.block, attention=args.attention,
+                  prefix_block_h=args.prefix_block_h, prefix_num_warps=args.prefix_num_warps,
                   dtype=args.dtype, cache_dtype=args.cache_dtype,
                   device=next((r["device"] for r in results if "device" in r), None))
     print(f"device: {config['device']}; model {args.model}{' (tiny)' if args.tiny else ''}; P={args.prompts}, "

@@ -19,11 +19,14 @@ step. Three implementations share the ``attention_fn`` hook of :func:`treejax.mo
 * ``"dense"``: masked attention over the whole cache (the reference).
 
 Shared-prefix caches (``TreeConfig.prefix_cache = "shared"``, :class:`treejax.sampling.cache.SharedPrefixCache`)
-take :func:`cascade_decode_attention` instead, whatever the implementation chosen here: a prefix pass per prompt
-(queries grouped by prompt, so each prompt's KV is read once per step) and a suffix pass per row, both the
-ragged online-softmax loop with its log-sum-exp (:func:`_ragged_attention_lse`), merged exactly
-(:func:`merge_attention`). It is XLA on every backend; the Pallas kernel is not used for it (its split-K kernel
-returns no log-sum-exp to merge with).
+take :func:`cascade_decode_attention` instead: a prefix pass per prompt (queries grouped by prompt, so each
+prompt's KV is read once per step) and a suffix pass per row, each returning its log-sum-exp, merged exactly
+(:func:`merge_attention`). The two passes run as the per-row implementation does (:func:`resolve_cascade_impl`):
+the Pallas kernel where the per-row attention resolved to ``"pallas"`` (``gqa(..., return_residuals=True)``
+returns the softmax statistics ``(l, m)``, so ``lse = m + log l``: :func:`_pallas_attention_lse`), the ragged
+online-softmax loop otherwise (:func:`_ragged_attention_lse`). The prefix pass puts all ``W G`` queries of a
+prompt's KV head into one program where it can (``block_h``, :func:`default_prefix_block_h`): the kernel pads
+the heads of a (row, KV head) to ``block_h`` and reads the row's KV once per ``block_h`` heads.
 
 Rows with ``pos_b >= L`` are *dead* (their key/value write is dropped by the caller); they are excluded from the
 ragged bound. Scores and the softmax statistics are fp32; ``L`` must be a multiple of the block size (the sampler
@@ -76,6 +79,8 @@ KV, so more GPUs decode no faster. The sampler therefore wraps the kernel in ``j
 own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query heads with their KV heads): each
 device runs the kernel on its rows and heads, and the attention is per row and per KV-head group, so the result
 is exactly the unsharded one. The XLA paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
+The cascade has no such wrapper (a row's prompt prefix need not sit on the row's shard: rows are permuted and
+sliced), so on a mesh of more than one device it takes the XLA passes (:func:`resolve_cascade_impl`).
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ from treejax.parallel.axis_rules import DEFAULT_RULES
 from treejax.parallel.mesh import rows_and_heads
 
 ATTENTION_IMPLS = ("ragged", "pallas", "dense", "auto")
+#: ``cascade`` choices (:func:`resolve_cascade_impl`; "auto": the Pallas passes where the per-row attention is Pallas).
+CASCADE_IMPLS = ("auto", "xla")
 #: Head sizes and cache dtypes the Pallas kernel takes, and its K/V tile cap in bytes (module docstring).
 PALLAS_HEAD_DIMS = (16, 32, 64, 128, 256)
 PALLAS_CACHE_DTYPES = ("bfloat16", "float16", "float32")
@@ -195,8 +202,10 @@ def _attention_block(L: int, block_size: int) -> int:
 def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_suf_RxKxLsxH: jax.Array,
                              suffix_pos_R: jax.Array, k_pre_PxKxLpxH: jax.Array, v_pre_PxKxLpxH: jax.Array, *,
                              prefix_len_P: jax.Array, row_prompt_R: jax.Array, row_rank_R: jax.Array,
-                             rows_per_prompt: int, block_size: int = 256) -> jax.Array:
-    """Decode attention over a shared-prefix ("cascade", Hydragen-style) cache; exact, XLA, every backend.
+                             rows_per_prompt: int, impl: str = "xla", block_size: int = 256,
+                             prefix_block_h: int | None = None, prefix_num_warps: int | None = None,
+                             interpret: bool = False, target_programs: int = 512) -> jax.Array:
+    """Decode attention over a shared-prefix ("cascade", Hydragen-style) cache; exact.
 
     Row ``r`` belongs to prompt ``p = row_prompt_R[r]``, whose first ``n_p = prefix_len_P[p]`` tokens' keys/values
     are stored once, in ``k_pre[p, :, 0:n_p]``; the row's own tokens (from the prompt's last token on) are in its
@@ -205,44 +214,140 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
     log-sum-exp (fp32 statistics, :func:`merge_attention`)::
 
         (o1, lse1) = attn(q_r, k_pre[p, :, :n_p])                 prefix, read once per prompt
-        (o2, lse2) = attn(q_r, k_suf[r, :, :suffix_pos_r + 1])      suffix, per row (ragged loop)
+        (o2, lse2) = attn(q_r, k_suf[r, :, :suffix_pos_r + 1])      suffix, per row
         o_r = (e^{lse1 - m} o1 + e^{lse2 - m} o2) / (e^{lse1 - m} + e^{lse2 - m}),   m = max(lse1, lse2)
 
     Prefix part without a per-row gather of the prefix: row ``r`` has a rank ``row_rank_R[r] < W`` unique among
-    the rows of its prompt (``W = rows_per_prompt``), so its query is scattered to ``q_PxWxKxGxH[p, rank]``
-    (entries of absent rows are zero and their outputs unused) and regrouped as ``[P, K, W*G, H]``: each prompt
-    is then one "row" with ``W*G`` queries per KV head, i.e. the same online-softmax loop over
-    ``k_pre_PxKxLpxH`` (bounded by the longest prefix), which reads every prompt's prefix once per step however
-    many rows decode from it; the outputs are gathered back by ``p * W + rank``. Rows may be in any physical
-    order (the tree sampler permutes and slices them). Dead rows (``suffix_pos_R >= Ls``) get an unused output
-    and are excluded from the suffix loop's bound. ``q`` is scaled by ``1/sqrt(H)`` and cast to the cache dtype
-    like :func:`ragged_decode_attention`; returns ``[R, 1, Q, H]`` in ``q``'s dtype.
+    the rows of its prompt (``W = rows_per_prompt``), so its query is scattered to prompt ``p``'s query block
+    (:func:`_group_queries_by_prompt`: ``[P, K, W*G, H]``, query ``w G + g`` of KV head ``k``; entries of absent
+    rows are zero and their outputs unused): each prompt is then one "row" with ``W*G`` queries per KV head,
+    which reads every prompt's prefix once per step however many rows decode from it; the outputs are gathered
+    back by ``p * W + rank``. Rows may be in any physical order (the tree sampler permutes and slices them). Dead
+    rows (``suffix_pos_R >= Ls``) get an unused, finite output and do not lengthen the suffix pass. Returns
+    ``[R, 1, Q, H]`` in ``q``'s dtype; ``q`` is cast to the cache dtype before the score matmul.
 
-    Blocks: ``block_size`` for both loops (a cache length it does not divide is read in one block).
+    ``impl`` (:func:`resolve_cascade_impl`) runs both passes as
+
+    * ``"xla"``: the ragged online-softmax loop (:func:`_ragged_attention_lse`; ``q`` scaled by ``1/sqrt(H)``
+      in fp32 before the cast, as :func:`ragged_decode_attention`), blocks of ``block_size`` slots (a cache
+      length it does not divide is read in one block); every backend.
+    * ``"pallas"``: JAX's Pallas/Triton split-K kernel with its residuals (:func:`_pallas_attention_lse`; GPU,
+      or Pallas' interpreter with ``interpret``): K/V blocks of at most ``block_size`` slots capped to
+      :data:`PALLAS_TILE_BYTES` (:func:`pallas_block`), splits by ``target_programs`` (as
+      :func:`pallas_decode_attention`); the prefix pass covers ``prefix_block_h`` queries per program (default
+      :func:`default_prefix_block_h` of ``W G``) with ``prefix_num_warps`` warps (``None``: the kernel's 4), the
+      suffix pass the kernel's 16. Both cache lengths must be multiples of 16 (:func:`_pallas_tiling`); traced
+      under ``default_matmul_precision("highest")`` (module docstring: fp32 caches get IEEE fp32 dots, not TF32).
     """
     R, _, Q, H = q_Rx1xQxH.shape
-    P, K, Lp = k_pre_PxKxLpxH.shape[:3]
-    Ls = k_suf_RxKxLsxH.shape[2]
+    P, K = k_pre_PxKxLpxH.shape[:2]
     G, W = Q // K, rows_per_prompt
     if k_suf_RxKxLsxH.shape[0] != R or k_suf_RxKxLsxH.shape[1] != K:
         raise ValueError(f"suffix cache must be [R={R}, K={K}, Ls, H], got {k_suf_RxKxLsxH.shape}")
-    qg_RxKxGxH = (q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(jnp.float32) / math.sqrt(H)).astype(
-        k_suf_RxKxLsxH.dtype)
-    # suffix: per row, slots 0..suffix_pos
-    o2_RxKxGxH, lse2_RxKxG = _ragged_attention_lse(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R,
-                                                   _attention_block(Ls, block_size))
-    # prefix: queries grouped by prompt, one pass over each prompt's prefix
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"cascade impl must be 'xla' or 'pallas', got {impl!r}")
     flat_R = row_prompt_R * W + row_rank_R
-    q_PWxKxGxH = jnp.zeros((P * W, K, G, H), qg_RxKxGxH.dtype).at[flat_R].set(
-        qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), mode="drop")
-    q_PxKxWGxH = q_PWxKxGxH.reshape(P, W, K, G, H).transpose(0, 2, 1, 3, 4).reshape(P, K, W * G, H)
-    o1_PxKxWGxH, lse1_PxKxWG = _ragged_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
-                                                     prefix_len_P - 1, _attention_block(Lp, block_size))
-    o1_PWxKxGxH = o1_PxKxWGxH.reshape(P, K, W, G, H).transpose(0, 2, 1, 3, 4).reshape(P * W, K, G, H)
-    lse1_PWxKxG = lse1_PxKxWG.reshape(P, K, W, G).transpose(0, 2, 1, 3).reshape(P * W, K, G)
+    if impl == "xla":
+        Lp, Ls = k_pre_PxKxLpxH.shape[2], k_suf_RxKxLsxH.shape[2]
+        qg_RxKxGxH = (q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(jnp.float32) / math.sqrt(H)).astype(
+            k_suf_RxKxLsxH.dtype)
+        # suffix: per row, slots 0..suffix_pos
+        o2_RxKxGxH, lse2_RxKxG = _ragged_attention_lse(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R,
+                                                       _attention_block(Ls, block_size))
+        # prefix: queries grouped by prompt, one pass over each prompt's prefix
+        q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
+        o1_PxKxWGxH, lse1_PxKxWG = _ragged_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
+                                                         prefix_len_P - 1, _attention_block(Lp, block_size))
+    else:
+        qg_RxKxGxH = q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(k_suf_RxKxLsxH.dtype)  # the kernel scales
+        pallas = functools.partial(_pallas_attention_lse, block_size=block_size, target_programs=target_programs,
+                                   interpret=interpret)
+        Ls = k_suf_RxKxLsxH.shape[2]
+        suffix_len_R = jnp.where(suffix_pos_R < Ls, suffix_pos_R + 1, 1)  # dead rows: one slot (output unused)
+        o2_RxKxGxH, lse2_RxKxG = pallas(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_len_R)
+        q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
+        block_h = default_prefix_block_h(W * G) if prefix_block_h is None else prefix_block_h
+        o1_PxKxWGxH, lse1_PxKxWG = pallas(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P,
+                                          block_h=block_h, num_warps=prefix_num_warps)
+    o1_PWxKxGxH, lse1_PWxKxG = _ungroup_prompt_outputs(o1_PxKxWGxH, lse1_PxKxWG, W)
     idx_R = jnp.clip(flat_R, 0, P * W - 1)
     out = merge_attention(o1_PWxKxGxH[idx_R], lse1_PWxKxG[idx_R], o2_RxKxGxH, lse2_RxKxG)
     return out.reshape(R, 1, Q, H).astype(q_Rx1xQxH.dtype)
+
+
+def _group_queries_by_prompt(qg_RxKxGxH: jax.Array, flat_R: jax.Array, P: int, W: int) -> jax.Array:
+    """Row ``r``'s queries scattered to slot ``flat_R[r] = p W + w`` and regrouped per prompt and KV head:
+    ``q_PxKxWGxH[p, k, w G + g] = qg_RxKxGxH[r, k, g]`` (zero where no row has that slot; out-of-range slots are
+    dropped). KV-head-major, so the ``W G`` queries of KV head ``k`` are one contiguous group (the kernel's GQA
+    grouping of ``[P, K W G, H]``)."""
+    R, K, G, H = qg_RxKxGxH.shape
+    q_PWxKxGxH = jnp.zeros((P * W, K, G, H), qg_RxKxGxH.dtype).at[flat_R].set(qg_RxKxGxH, mode="drop")
+    return q_PWxKxGxH.reshape(P, W, K, G, H).transpose(0, 2, 1, 3, 4).reshape(P, K, W * G, H)
+
+
+def _ungroup_prompt_outputs(o_PxKxWGxH: jax.Array, lse_PxKxWG: jax.Array, W: int) -> tuple[jax.Array, jax.Array]:
+    """The inverse regrouping of :func:`_group_queries_by_prompt`: ``(o_PWxKxGxH, lse_PWxKxG)`` indexed by
+    ``p W + w``."""
+    P, K, WG, H = o_PxKxWGxH.shape
+    G = WG // W
+    o_PWxKxGxH = o_PxKxWGxH.reshape(P, K, W, G, H).transpose(0, 2, 1, 3, 4).reshape(P * W, K, G, H)
+    lse_PWxKxG = lse_PxKxWG.reshape(P, K, W, G).transpose(0, 2, 1, 3).reshape(P * W, K, G)
+    return o_PWxKxGxH, lse_PWxKxG
+
+
+def default_prefix_block_h(queries_per_kv_head: int) -> int:
+    """The prefix pass's queries per program: ``min(128, next power of two >= W G)``, at least 16 (the kernel's
+    query tile is ``[block_h, H]``, a power of two >= 16 for Triton's dot). The kernel reads a prompt's prefix
+    once per ``block_h`` queries of a KV head, i.e. ``ceil(W G / block_h)`` times per step (e.g. ``W G`` = 112:
+    once with 128, 7 times with the per-row pass's 16)."""
+    return min(128, max(16, 1 << (queries_per_kv_head - 1).bit_length()))
+
+
+def _pallas_attention_lse(q_BxKxGxH: jax.Array, k_BxKxLxH: jax.Array, v_BxKxLxH: jax.Array, length_B: jax.Array, *,
+                          block_size: int, block_h: int = 16, num_warps: int | None = None,
+                          target_programs: int = 512, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Attention of row ``b``'s queries over slots ``0..length_B[b] - 1`` with its log-sum-exp, through the Pallas
+    split-K kernel (``gqa(..., return_residuals=True)``); the counterpart of :func:`_ragged_attention_lse`.
+
+    ``q_BxKxGxH``: unscaled queries in the cache dtype (the kernel multiplies the fp32 scores by
+    ``1/sqrt(H)``); ``G`` queries per KV head, ``block_h`` (a power of two >= 16) of them per program, padded.
+    The kernel returns the normalized output and, per query, ``m = max_j s_j`` and ``l = sum_j e^{s_j - m}``
+    (natural base, over its splits), so::
+
+        s_j = q . k_j / sqrt(H),   lse = m + log l,   o = sum_{j < length} e^{s_j - lse} v_j
+
+    and a row with ``length = 0`` (every split skipped: ``l = 0``, ``m = finfo.min``, ``o = 0``) gets
+    ``lse = -inf`` (weight 0 in :func:`merge_attention`). Grid: ``B x K x ceil(G / block_h) x splits``, splits
+    ``ceil(target_programs / (B K ceil(G / block_h)))`` at most 16 (:func:`pallas_decode_attention`'s rule),
+    blocks of at most :func:`pallas_block` slots (:func:`_pallas_tiling`: ``L`` a multiple of 16). Traced under
+    ``default_matmul_precision("highest")``. Returns fp32 ``(o_BxKxGxH, lse_BxKxG)`` (``o`` was rounded to the
+    cache dtype inside the kernel, as in :func:`pallas_decode_attention`).
+    """
+    from jax.experimental.pallas.ops.gpu import decode_attention as pallas_ops
+
+    B, K, G, H = q_BxKxGxH.shape
+    L = k_BxKxLxH.shape[2]
+    if v_BxKxLxH.dtype != k_BxKxLxH.dtype or q_BxKxGxH.dtype != k_BxKxLxH.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q_BxKxGxH.dtype}, {k_BxKxLxH.dtype}, "
+                         f"{v_BxKxLxH.dtype}")
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+    head_splits = -(-G // block_h)
+    k_splits = min(16, max(1, -(-target_programs // (B * K * head_splits))))
+    splits, block = _pallas_tiling(L, pallas_block(block_size, H, k_BxKxLxH.dtype), k_splits)
+    with jax.default_matmul_precision("highest"):
+        o, (l, m) = pallas_ops.gqa(q_BxKxGxH.reshape(B, K * G, H), jnp.swapaxes(k_BxKxLxH, 1, 2),
+                                   jnp.swapaxes(v_BxKxLxH, 1, 2), kv_seq_len=length_B, block_h=block_h,
+                                   block_k=block, k_splits=splits, num_warps=num_warps, return_residuals=True,
+                                   interpret=interpret)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o.reshape(B, K, G, H).astype(jnp.float32), lse.reshape(B, K, G)
+
+
+def pallas_block(block_size: int, head_dim: int, cache_dtype) -> int:
+    """The Pallas kernel's largest K/V block: ``min(block_size, 128)`` slots, fewer where a ``[block, H]`` tile
+    would exceed :data:`PALLAS_TILE_BYTES` (module docstring)."""
+    return min(block_size, 128, PALLAS_TILE_BYTES // (head_dim * jnp.dtype(cache_dtype).itemsize))
 
 
 def pallas_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
@@ -371,7 +476,30 @@ def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim
     if impl == "ragged":
         return functools.partial(ragged_decode_attention, block_size=block_size)
     if impl == "pallas":
-        block = min(block_size, 128, PALLAS_TILE_BYTES // (head_dim * jnp.dtype(cache_dtype).itemsize))
-        fn = functools.partial(pallas_decode_attention, block_size=block, interpret=interpret)
+        fn = functools.partial(pallas_decode_attention, block_size=pallas_block(block_size, head_dim, cache_dtype),
+                               interpret=interpret)
         return fn if mesh is None or mesh.size == 1 else shard_decode_attention(fn, mesh, rules)
     return dense_decode_attention
+
+
+def resolve_cascade_impl(name: str, per_row_impl: str, mesh=None) -> str:
+    """The passes of :func:`cascade_decode_attention`: ``"pallas"`` where ``name`` is ``"auto"``, the per-row
+    attention resolved to ``"pallas"`` (:func:`resolve_impl`: GPU, head size, dtype, block size all fit the kernel)
+    and no mesh of more than one device is given (module docstring: no per-shard wrapper), else ``"xla"``;
+    ``name = "xla"`` forces the XLA passes (e.g. to compare them)."""
+    if name not in CASCADE_IMPLS:
+        raise ValueError(f"cascade must be one of {CASCADE_IMPLS}, got {name!r}")
+    single = mesh is None or mesh.size == 1
+    return "pallas" if name == "auto" and per_row_impl == "pallas" and single else "xla"
+
+
+def make_cascade_attention(impl: str, block_size: int = 256, *, interpret: bool = False,
+                           prefix_block_h: int | None = None, prefix_num_warps: int | None = None):
+    """:func:`cascade_decode_attention` with its static settings bound: ``impl`` ``"xla"`` | ``"pallas"``
+    (:func:`resolve_cascade_impl`), ``block_size`` (the cache multiple; the Pallas passes cap their K/V block,
+    :func:`pallas_block`), ``interpret`` (Pallas' interpreter, tests off the GPU), the prefix pass's
+    ``prefix_block_h`` / ``prefix_num_warps`` (Pallas only). The caller binds the cache's row/prompt fields."""
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"cascade impl must be 'xla' or 'pallas', got {impl!r}")
+    return functools.partial(cascade_decode_attention, impl=impl, block_size=block_size, interpret=interpret,
+                             prefix_block_h=prefix_block_h, prefix_num_warps=prefix_num_warps)

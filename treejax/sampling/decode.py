@@ -99,6 +99,7 @@ class ModelFns:
     extend: Callable | None = None
     init_shared_cache: Callable | None = None
     attention: str = "custom"  # the per-row decode attention make_model_fns resolved ("pallas", "ragged", "dense")
+    cascade_attention: str | None = None  # the shared-prefix cascade's passes ("pallas" | "xla"; None: no cascade)
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -112,7 +113,8 @@ class ModelFns:
 @functools.lru_cache(maxsize=64)
 def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int = 256,
                    cache_dtype: str = "bfloat16", fuse: bool | None = None, mesh=None,
-                   rules: Rules = DEFAULT_RULES) -> ModelFns:
+                   rules: Rules = DEFAULT_RULES, cascade: str = "auto", cascade_block_h: int | None = None,
+                   cascade_num_warps: int | None = None) -> ModelFns:
     """:class:`ModelFns` of the treejax transformer.
 
     ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
@@ -125,6 +127,11 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     axis) nor for unsharded fns on a multi-device host (their programs stay as they were). ``mesh`` (a
     ``jax.sharding.Mesh``) / ``rules``: run sharded (see
     :class:`ModelFns`; :mod:`treejax.sampling.cache` says how the cache is laid out).
+    ``cascade``: the passes of the shared-prefix cache's cascade attention
+    (:func:`treejax.sampling.attention.resolve_cascade_impl`): ``"auto"`` = the Pallas kernel where ``attention``
+    resolved to ``"pallas"`` (and no multi-device mesh), XLA otherwise; ``"xla"`` forces XLA.
+    ``cascade_block_h`` / ``cascade_num_warps``: the Pallas prefix pass's queries per program and warps
+    (``None``: :func:`treejax.sampling.attention.default_prefix_block_h`, the kernel's 4 warps).
     """
     if fuse is None:
         fuse = jax.device_count() == 1 if mesh is None else mesh.shape.get("tensor", 1) == 1
@@ -133,6 +140,9 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
                                            block_size=block_size)
     attn_fn = attention_lib.make_decode_attention(attention, block_size, head_dim=config.head_dim, cache_dtype=dtype,
                                                   mesh=mesh, rules=rules)
+    cascade_impl = attention_lib.resolve_cascade_impl(cascade, attention, mesh)
+    cascade_fn = attention_lib.make_cascade_attention(cascade_impl, block_size, prefix_block_h=cascade_block_h,
+                                                      prefix_num_warps=cascade_num_warps)
 
     def init_cache(rows, length):
         return cache_lib.init_kv_cache(config, rows, length, dtype)
@@ -148,11 +158,9 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
         return transformer.prefill(params, config, tokens, positions, segment_ids, cache, rows)[1]
 
     def decode_hidden(params, tokens, positions, cache):
-        if cache_lib.is_shared(cache):  # cascade attention (XLA on every backend, also where attn_fn is Pallas)
-            cascade = functools.partial(
-                attention_lib.cascade_decode_attention, prefix_len_P=cache.prefix_length,
-                row_prompt_R=cache.row_prompt, row_rank_R=cache.row_rank, rows_per_prompt=cache.rows_per_prompt,
-                block_size=block_size)
+        if cache_lib.is_shared(cache):  # cascade attention (Pallas passes where attn_fn is Pallas, else XLA)
+            cascade = functools.partial(cascade_fn, prefix_len_P=cache.prefix_length, row_prompt_R=cache.row_prompt,
+                                        row_rank_R=cache.row_rank, rows_per_prompt=cache.rows_per_prompt)
             hidden, kv = transformer.decode_step_shared(params, config, tokens, positions, cache.suffix_kv(),
                                                         cache.prefix_kv(), cache.prefix_length[cache.row_prompt],
                                                         cascade)
@@ -178,7 +186,7 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
                     name=f"transformer[{attention}]",
                     prepare=transformer.fuse_projections if fuse else transformer.unstack_layers,
                     mesh=mesh, rules=rules, step_hidden=step_hidden, extend=extend,
-                    init_shared_cache=init_shared_cache, attention=attention)
+                    init_shared_cache=init_shared_cache, attention=attention, cascade_attention=cascade_impl)
 
 
 def as_model_fns(model: ModelConfig | ModelFns, mesh=None, rules: Rules = DEFAULT_RULES) -> ModelFns:

@@ -176,7 +176,8 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     decode._count_trace("tree_rollout")
     P, Lb = prompts.shape
     W = tc.num_leaves
-    shared = tc.resolved_prefix_cache(Lb, model.init_shared_cache is not None, model.attention) == "shared"
+    shared = tc.resolved_prefix_cache(Lb, model.init_shared_cache is not None, model.attention,
+                                      model.cascade_attention) == "shared"
     params, probes = probe_lib.detach(params)  # a stateful shaper's probe travels with the weights
     probe = _rule_probe(tc, probes)
     params = model.prepare(params)  # e.g. unstack the layers once, outside the decode loops

@@ -23,6 +23,17 @@ PREFIX_CACHES = ("per_row", "shared", "auto")
 SHARED_PREFIX_MIN_PROMPT = 1024
 
 
+def auto_shared_prefix(prompt_bucket: int, rows_per_prompt: int, per_row_attention: str,
+                       cascade_attention: str | None) -> bool:
+    """``prefix_cache="auto"``'s rule (every input it may use; the measurements are at
+    :data:`SHARED_PREFIX_MIN_PROMPT`): shared from that bucketed prompt length on, with ``W >= 2``, where the
+    per-row attention is not the Pallas kernel. ``cascade_attention`` (``"pallas"`` | ``"xla"``, the model fns'
+    ``ModelFns.cascade_attention``) is not used yet: the Pallas cascade has not been timed against the per-row
+    kernel."""
+    del cascade_attention  # not measured yet (see the docstring)
+    return prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and rows_per_prompt >= 2 and per_row_attention != "pallas"
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
     """Static settings of a tree rollout (hashable; part of the jit signature).
@@ -67,7 +78,8 @@ class TreeConfig:
     * ``"shared"``: the prompt's KV is stored once per prompt and every row holds only its own suffix (the
       pending prompt token and the response); decode attention is the exact cascade of a prefix pass per prompt
       and a suffix pass per row merged by log-sum-exp (:func:`treejax.sampling.attention.
-      cascade_decode_attention`, XLA on every backend: the Pallas kernel is not used for it). Works with both
+      cascade_decode_attention`: both passes through the Pallas kernel where the per-row attention is Pallas,
+      the XLA ragged loop otherwise; ``make_model_fns(cascade=...)``). Works with both
       allocations, ``row_buckets``, fallbacks, root restarts and continuations (their work cache is expanded to
       per-row rows, :func:`treejax.sampling.cache.per_row_rows`). Needs model fns with ``init_shared_cache`` (the
       treejax transformer's; a scripted :class:`~treejax.sampling.decode.ModelFns` without it raises). Not for
@@ -76,7 +88,7 @@ class TreeConfig:
     * ``"auto"``: ``"shared"`` when the bucketed prompt length is ``>= SHARED_PREFIX_MIN_PROMPT``, ``W >= 2``, the
       model fns support it and their per-row decode attention is not the Pallas kernel (which beats the XLA cascade
       at every measured length; :data:`SHARED_PREFIX_MIN_PROMPT` has the numbers), else ``"per_row"``
-      (:meth:`resolved_prefix_cache`).
+      (:meth:`resolved_prefix_cache`, the rule in :func:`auto_shared_prefix`).
     """
 
     num_leaves: int = 16
@@ -147,10 +159,11 @@ class TreeConfig:
             raise ValueError(f"max_prompt_length must be positive, got {self.max_prompt_length}")
 
     def resolved_prefix_cache(self, prompt_bucket: int, supports_shared: bool = True,
-                              per_row_attention: str = "ragged") -> str:
+                              per_row_attention: str = "ragged", cascade_attention: str | None = "xla") -> str:
         """``"per_row"`` or ``"shared"`` for prompts padded to ``prompt_bucket`` (``prefix_cache`` docstring);
         ``supports_shared``: whether the model fns can run the shared layout (``"shared"`` without it raises);
-        ``per_row_attention``: the model fns' per-row decode attention (``ModelFns.attention``)."""
+        ``per_row_attention`` / ``cascade_attention``: the model fns' per-row decode attention and cascade passes
+        (``ModelFns.attention``, ``ModelFns.cascade_attention``)."""
         if self.prefix_cache == "shared":
             if not supports_shared:
                 raise ValueError("TreeConfig.prefix_cache='shared' needs model fns with a shared-prefix cache "
@@ -158,8 +171,8 @@ class TreeConfig:
                                  "none: use prefix_cache='per_row' or 'auto'")
             return "shared"
         if self.prefix_cache == "auto":
-            shared = (supports_shared and prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and self.num_leaves >= 2
-                      and per_row_attention != "pallas")
+            shared = supports_shared and auto_shared_prefix(prompt_bucket, self.num_leaves, per_row_attention,
+                                                            cascade_attention)
             return "shared" if shared else "per_row"
         return "per_row"
 

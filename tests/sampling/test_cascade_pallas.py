@@ -25,7 +25,8 @@ from treejax.models import transformer as T
 from treejax.sampling import attention as A
 from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode
-from treejax.sampling.tree_config import SHARED_PREFIX_MIN_PROMPT, auto_shared_prefix
+from treejax.sampling.tree_config import (SHARED_PREFIX_MIN_PROMPT, SHARED_PREFIX_MIN_PROMPT_PALLAS,
+                                          auto_shared_prefix)
 
 INTERPRET = jax.default_backend() != "gpu"  # the compiled Triton kernel where there is one
 
@@ -144,8 +145,10 @@ def test_cascade_choice():
     if jax.default_backend() != "gpu":
         assert decode.make_model_fns(cfg, block_size=16).cascade_attention == "xla"
     assert decode.make_model_fns(cfg, block_size=16, cascade="xla").cascade_attention == "xla"
-    for attention in ("pallas", "ragged"):
-        assert auto_shared_prefix(SHARED_PREFIX_MIN_PROMPT, 4, attention, "pallas") == (attention != "pallas")
+    for attention in ("pallas", "ragged"):  # a Pallas cascade is taken from 256-token prompts whatever the per-row
+        assert auto_shared_prefix(SHARED_PREFIX_MIN_PROMPT_PALLAS, 4, attention, "pallas")
+        assert not auto_shared_prefix(SHARED_PREFIX_MIN_PROMPT_PALLAS // 2, 4, attention, "pallas")
+        assert auto_shared_prefix(SHARED_PREFIX_MIN_PROMPT, 4, attention, "xla") == (attention != "pallas")
     with pytest.raises(ValueError, match="block_h must be a power of two"):
         A._pallas_attention_lse(jnp.zeros((1, 1, 2, 16)), jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)),
                                 jnp.ones((1,), jnp.int32), block_size=16, block_h=24, interpret=True)

@@ -19,7 +19,7 @@ from treejax.sampling import cache as cache_lib
 from treejax.sampling import decode, tree
 from treejax.sampling.continuation import ContinuationConfig
 from treejax.sampling.partial import make_partial_rollout
-from treejax.sampling.tree_config import SHARED_PREFIX_MIN_PROMPT
+from treejax.sampling.tree_config import SHARED_PREFIX_MIN_PROMPT, SHARED_PREFIX_MIN_PROMPT_PALLAS
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -207,12 +207,18 @@ def test_auto_selection_and_bad_input():
     assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT) == "shared"
     assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT // 2) == "per_row"
     assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT, supports_shared=False) == "per_row"
-    # the per-row Pallas kernel beat the XLA cascade at every length measured on the GPU: auto keeps it
+    # the per-row Pallas kernel beat the XLA cascade at every length measured on the GPU: auto keeps it ...
     assert tc.resolved_prefix_cache(4 * SHARED_PREFIX_MIN_PROMPT, per_row_attention="pallas") == "per_row"
+    # ... and the Pallas cascade beat the per-row kernel from 256-token prompts on
+    pallas = dict(per_row_attention="pallas", cascade_attention="pallas")
+    assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT_PALLAS, **pallas) == "shared"
+    assert tc.resolved_prefix_cache(SHARED_PREFIX_MIN_PROMPT_PALLAS // 2, **pallas) == "per_row"
     one = tree.TreeConfig(num_leaves=1, branch_factor=1, prefix_cache="auto")
     assert one.resolved_prefix_cache(4 * SHARED_PREFIX_MIN_PROMPT) == "per_row"  # W = 1: nothing to share
-    assert tree.TreeConfig().prefix_cache == "per_row"
-    assert tree.TreeConfig().resolved_prefix_cache(1 << 16) == "per_row"
+    assert one.resolved_prefix_cache(1 << 16, **pallas) == "per_row"
+    assert tree.TreeConfig().prefix_cache == "auto"
+    assert tree.TreeConfig().resolved_prefix_cache(1 << 16) == "shared"
+    assert tree.TreeConfig(prefix_cache="per_row").resolved_prefix_cache(1 << 16) == "per_row"
     assert tree.TreeConfig(prefix_cache="shared").resolved_prefix_cache(16) == "shared"
     with pytest.raises(ConfigError, match="TreeConfig.prefix_cache='sharde' is not one of 'shared'"):
         tree.TreeConfig(prefix_cache="sharde")

@@ -14,24 +14,37 @@ from treejax.sampling.strategies import Strategy, Temperature
 ALLOCATIONS = ("transfer", "slots")
 #: ``TreeConfig.prefix_cache`` values (see :class:`TreeConfig`).
 PREFIX_CACHES = ("per_row", "shared", "auto")
-#: ``prefix_cache="auto"`` takes the shared layout from this bucketed prompt length on (with ``W >= 2``) when the
-#: per-row attention is the XLA ragged loop. Measured on an H200 (experiments/bench_shared_prefix.py, qwen2.5-0.5b,
-#: 64 prompts x W = 16, bf16): cascade 84,401 vs ragged per-row 41,018 tokens/s at 1024-token prompts (2.06x),
-#: 37,431 vs 13,269 at 4096 (2.82x); 256 was not measured against ragged. Against the per-row Pallas kernel the
-#: XLA cascade is slower at every length measured (0.52x / 0.55x / 0.57x at 256 / 1024 / 4096), so "auto" keeps
-#: per-row rows there; "shared" still saves memory (peak 8.4 vs 53.4 GiB at 4096).
+#: ``prefix_cache="auto"`` with the XLA cascade (:func:`treejax.sampling.attention.cascade_decode_attention`,
+#: ``impl="xla"``) takes the shared layout from this bucketed prompt length on (with ``W >= 2``), where the per-row
+#: attention is the XLA ragged loop too. Measured on an H200 (experiments/bench_shared_prefix.py, qwen2.5-0.5b,
+#: 64 prompts x W = 16, bf16): XLA cascade 84,401 vs ragged per-row 41,018 tokens/s at 1024-token prompts (2.06x),
+#: 37,431 vs 13,269 at 4096 (2.82x); 256 was not measured against ragged. The XLA cascade loses to the per-row
+#: Pallas kernel at every length (0.52x / 0.55x / 0.57x at 256 / 1024 / 4096), so it is never chosen over it.
 SHARED_PREFIX_MIN_PROMPT = 1024
+#: The same threshold where both cascade passes are the Pallas kernel (a GPU with 16-bit caches, one device:
+#: ``ModelFns.cascade_attention == "pallas"``). Measured on an H200 (same benchmark and sizes, prefix pass
+#: ``block_h`` 128 / 32) against the per-row Pallas kernel: 249,114 / 252,536 vs 236,732 tokens/s at 256-token
+#: prompts (1.05x / 1.07x), 223,328 / 227,194 vs 154,301 at 1024 (1.45x / 1.47x), 173,090 / 158,477 vs 65,917 at
+#: 4096 (2.63x / 2.40x); peak memory 5.6 vs 8.4, 6.2 vs 17.4 and 8.4 vs 53.4 GiB (``experiments/results/
+#: perf_round/shared_prefix_pallas_h200.json``).
+SHARED_PREFIX_MIN_PROMPT_PALLAS = 256
 
 
 def auto_shared_prefix(prompt_bucket: int, rows_per_prompt: int, per_row_attention: str,
                        cascade_attention: str | None) -> bool:
-    """``prefix_cache="auto"``'s rule (every input it may use; the measurements are at
-    :data:`SHARED_PREFIX_MIN_PROMPT`): shared from that bucketed prompt length on, with ``W >= 2``, where the
-    per-row attention is not the Pallas kernel. ``cascade_attention`` (``"pallas"`` | ``"xla"``, the model fns'
-    ``ModelFns.cascade_attention``) is not used yet: the Pallas cascade has not been timed against the per-row
-    kernel."""
-    del cascade_attention  # not measured yet (see the docstring)
-    return prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and rows_per_prompt >= 2 and per_row_attention != "pallas"
+    """``prefix_cache="auto"``'s rule (the measurements are at :data:`SHARED_PREFIX_MIN_PROMPT` and
+    :data:`SHARED_PREFIX_MIN_PROMPT_PALLAS`), with ``W >= 2``:
+
+    * both cascade passes Pallas (``cascade_attention == "pallas"``): shared from a bucketed prompt of
+      ``SHARED_PREFIX_MIN_PROMPT_PALLAS`` tokens;
+    * XLA cascade, per-row attention not the Pallas kernel: shared from ``SHARED_PREFIX_MIN_PROMPT`` tokens;
+    * XLA cascade against the per-row Pallas kernel (e.g. a multi-device mesh, where the cascade has no
+      ``shard_map`` wrapper): per-row rows."""
+    if rows_per_prompt < 2:
+        return False
+    if cascade_attention == "pallas":
+        return prompt_bucket >= SHARED_PREFIX_MIN_PROMPT_PALLAS
+    return prompt_bucket >= SHARED_PREFIX_MIN_PROMPT and per_row_attention != "pallas"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +86,7 @@ class TreeConfig:
 
     ``prefix_cache``: the KV-cache layout of the prompts (:mod:`treejax.sampling.cache`).
 
-    * ``"per_row"`` (default): every row holds the whole sequence; each prompt's KV is prefilled into its first
+    * ``"per_row"``: every row holds the whole sequence; each prompt's KV is prefilled into its first
       row and copied into its ``W`` rows, so a decode step reads the prompt's KV ``W`` times.
     * ``"shared"``: the prompt's KV is stored once per prompt and every row holds only its own suffix (the
       pending prompt token and the response); decode attention is the exact cascade of a prefix pass per prompt
@@ -85,10 +98,12 @@ class TreeConfig:
       treejax transformer's; a scripted :class:`~treejax.sampling.decode.ModelFns` without it raises). Not for
       partial rollouts (:mod:`treejax.sampling.partial` prefills a different prefix per row: ``"shared"``
       raises there, ``"auto"`` is per-row), the multi-turn sampler or ``decode.generate`` (per-row only).
-    * ``"auto"``: ``"shared"`` when the bucketed prompt length is ``>= SHARED_PREFIX_MIN_PROMPT``, ``W >= 2``, the
-      model fns support it and their per-row decode attention is not the Pallas kernel (which beats the XLA cascade
-      at every measured length; :data:`SHARED_PREFIX_MIN_PROMPT` has the numbers), else ``"per_row"``
-      (:meth:`resolved_prefix_cache`, the rule in :func:`auto_shared_prefix`).
+    * ``"auto"`` (default): ``"shared"`` where it measured faster, else ``"per_row"`` (:meth:`resolved_prefix_cache`,
+      the rule in :func:`auto_shared_prefix`): ``W >= 2``, model fns that support it, and a bucketed prompt of at
+      least :data:`SHARED_PREFIX_MIN_PROMPT_PALLAS` (256) tokens when both cascade passes are the Pallas kernel
+      (a GPU with 16-bit caches), :data:`SHARED_PREFIX_MIN_PROMPT` (1024) when both the cascade and the per-row
+      attention are XLA (CPU, fp32 caches, head sizes the kernel cannot take); never the XLA cascade against the
+      per-row Pallas kernel.
     """
 
     num_leaves: int = 16
@@ -112,7 +127,7 @@ class TreeConfig:
     max_prompt_length: int | None = None
     with_entropy: bool = False
     row_buckets: int = 4
-    prefix_cache: str = "per_row"
+    prefix_cache: str = "auto"
 
     def __post_init__(self):
         W, b = self.num_leaves, self.branch_factor

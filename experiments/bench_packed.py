@@ -208,8 +208,9 @@ def main(argv=None):
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="expanded attention")
     ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas"], help="packed attention")
     ap.add_argument("--tree-blocks", default=None,
-                    help="Pallas tree kernel tiles block_q,block_k,block_bwd[,num_warps[,num_stages]] "
-                         "(default: tree_flash.DEFAULT_BLOCKS)")
+                    help="Pallas tree kernel tiles block_q,block_k,block_bwd[,num_warps[,num_stages]], then "
+                         "key=value variants full=1, split=1, dq=QxK, dkv=KxQ, bwd_warps=N (TreeFlashBlocks.parse; "
+                         "default: tree_flash.DEFAULT_BLOCKS)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
     args = ap.parse_args(argv)

@@ -3,7 +3,9 @@
 The attention of one packed micro-batch (one synthetic TreePO tree per prompt, as in ``bench_packed.py``: ``W``
 leaves, ``b = 2``, depth ``D``, ``S``-token segments, ``Lp``-token prompts) is timed in isolation, forward and
 forward + backward, for each tile setting of :mod:`treejax.models.tree_flash` given in ``--tiles``
-(``block_q,block_k,block_bwd[,num_warps[,num_stages]]``), next to the same leaves' attention in the expanded
+(``block_q,block_k,block_bwd[,num_warps[,num_stages]][,key=value...]``: ``full=1`` mask-free full tiles,
+``split=1`` the backward as separate ``dq`` and ``dk, dv`` kernels with ``dq=QxK`` / ``dkv=KxQ`` tiles, grid
+block first, ``bwd_warps=N``; see ``TreeFlashBlocks.parse``), next to the same leaves' attention in the expanded
 layout (``P * W`` right-padded rows, ``jax.nn.dot_product_attention(implementation='cudnn')``, causal with key
 lengths), which is what the expanded update runs. Inputs are random ``bf16`` ``q [R, L, Q, H]``, ``k, v [R, L,
 K, H]`` with the preset's head counts.
@@ -11,23 +13,33 @@ K, H]`` with the preset's head counts.
 Useful FLOPs (the same in both layouts: a token at position ``t`` attends to ``t + 1`` keys in either): forward
 ``4 Q H sum_tokens(t + 1)``, backward 2.5x that (five matmuls against two), so ``fwd+bwd = 3.5x``; ``TFLOP/s``
 divides them by the median time (after compile and one warm-up call) and ``MFU`` by the card's dense bf16 peak.
-Every tile setting's forward output is checked against the first setting's (max abs diff printed): tiles change
-the summation order only.
+Every tile setting's forward output is checked against the first setting's (max abs diff printed): tiles and
+variants change the summation order only (``full=1`` visits the full tiles first). Each row is labelled with its
+setting, options included, and the table is preceded by what each setting resolves to at this head size.
 
 GPU (the tile sweep behind ``tree_flash.DEFAULT_BLOCKS``)::
 
     python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024 \\
         --tiles 64,64,32 128,64,32 64,64,64 128,128,64 128,64,64 64,32,32 128,64,32,8 64,64,32,0,3
 
+GPU (the kernel variants against the default, ``--tiles`` 128,64,64)::
+
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024 \\
+        --tiles 128,64,64 128,64,64,full=1 128,64,64,0,3,full=1 128,64,64,split=1 128,64,64,full=1,split=1 \\
+        128,64,64,full=1,split=1,dq=128x32,dkv=128x32 128,64,64,full=1,split=1,dq=64x64,dkv=128x64 \\
+        128,64,64,full=1,split=1,dq=128x64,dkv=128x32,bwd_warps=8 64,64,64,full=1 128,128,64,full=1
+
 CPU smoke (Pallas interpreter, tiny shapes)::
 
     python experiments/bench_tree_attention.py --preset tiny --prompts 1 --leaves 4 --depth 2 --segment 16 \\
-        --prompt-len 8 --granule 16 --tiles 16,16,16 --repeats 1
+        --prompt-len 8 --granule 16 --tiles 16,16,16 16,16,16,full=1 16,16,16,full=1,split=1,dq=32x16,dkv=32x16 \\
+        --repeats 1
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -87,14 +99,22 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
     key = jax.random.split(jax.random.key(0), 8)
     dt = jnp.bfloat16
     rows = []
-    tiles_of = {f"packed {b}": str(b) for b in tiles}
+    tiles_of = {f"packed {b}": b for b in tiles}
+    width = max(22, *(len(name) for name in tiles_of))
+    for name, blocks in tiles_of.items():
+        try:
+            print(f"  {name:<{width}} = {blocks.describe(L, H)}")
+        except ValueError as e:
+            print(f"  {name:<{width}} = {e}")
 
     def report(name, t_f, t_fb, extra=""):
         mfu = lambda f, t: f"{f / t / peak:6.1%}" if peak else "   n/a"  # noqa: E731
-        print(f"  {name:<22} fwd {t_f * 1e3:8.2f} ms ({work / t_f / 1e12:6.1f} TFLOP/s, MFU {mfu(work, t_f)})  "
+        print(f"  {name:<{width}} fwd {t_f * 1e3:8.2f} ms ({work / t_f / 1e12:6.1f} TFLOP/s, MFU {mfu(work, t_f)})  "
               f"fwd+bwd {t_fb * 1e3:8.2f} ms ({3.5 * work / t_fb / 1e12:6.1f} TFLOP/s, MFU {mfu(3.5 * work, t_fb)})"
               f"{extra}", flush=True)
-        rows.append(dict(preset=preset, prompt_len=Lp, layout=name, tiles=tiles_of.get(name), fwd_ms=t_f * 1e3,
+        blocks = tiles_of.get(name)
+        rows.append(dict(preset=preset, prompt_len=Lp, layout=name, tiles=str(blocks) if blocks else None,
+                         options=dataclasses.asdict(blocks) if blocks else None, fwd_ms=t_f * 1e3,
                          fwd_bwd_ms=t_fb * 1e3, fwd_tflops=work / t_f / 1e12, fwd_bwd_tflops=3.5 * work / t_fb / 1e12))
 
     if jax.default_backend() == "gpu" and not args.no_cudnn:
@@ -124,7 +144,7 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
             t_f, out = timed(jax.jit(attend), (q, k, v), args.repeats)
             t_fb, _ = timed(fwd_bwd(attend), (q, k, v, g), args.repeats)
         except Exception as e:  # noqa: BLE001  (a tile setting the compiler refuses is a row, not the end)
-            print(f"  {name:<22} FAILED: {str(e).splitlines()[0][:200]}", flush=True)
+            print(f"  {name:<{width}} FAILED: {str(e).splitlines()[0][:200]}", flush=True)
             continue
         out = np.asarray(out.astype(jnp.float32))[real]
         if ref is None:

@@ -6,6 +6,8 @@ Tolerance: fp32 (``highest`` matmul precision on a GPU, tests/conftest.py), ``at
 tiles with an online max (base-2 exponentials), the dense path in one pass.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,13 +97,14 @@ def test_block_tables_cover_every_visible_tile_and_skip_the_rest():
                                 forest.tokens, S, packing.PackingConfig(granule=8))
     lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
     blk = 8
-    kv_list, q_end = (np.asarray(x) for x in tree_flash.block_tables(lo, hi, blk, blk))
+    kv_list, _, q_end = (np.asarray(x) for x in tree_flash.block_tables(lo, hi, blk, blk))
     mask = np.asarray(tree_attention.tree_mask(lo, hi))[0]
     n = mask.shape[0] // blk
     exact = mask.reshape(n, blk, n, blk).any(axis=(1, 3))  # [q block, k block]
     listed = np.zeros_like(exact)
     for i in range(n):
-        listed[i, kv_list[0, i, 1: 1 + kv_list[0, i, 0]]] = True
+        assert kv_list[0, i, 1] == 0  # no full tiles unless asked
+        listed[i, kv_list[0, i, 2: 2 + kv_list[0, i, 0]]] = True
     np.testing.assert_array_equal(listed, exact)  # node-aligned blocks: the table is exact
     for j in range(n):
         viewers = np.nonzero(exact[:, j])[0]
@@ -133,10 +136,12 @@ def test_packed_gradients_through_the_pallas_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["default", "128,64,64,full=1", "128,64,64,full=1,split=1,dq=128x32,dkv=64x32"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_pallas_kernel_on_gpu_matches_dense(head_dim):
-    """The compiled Triton kernel (bf16 inputs, the update's tiles) against the dense path in fp32 on the same
-    bf16 inputs: bf16 tolerance (probabilities are cast to bf16 before the PV product, as in any flash kernel)."""
+def test_pallas_kernel_on_gpu_matches_dense(head_dim, tiles):
+    """The compiled Triton kernel (bf16 inputs, the update's tiles, and the kernel variants: mask-free full tiles,
+    the split backward with rectangular tiles) against the dense path in fp32 on the same bf16 inputs: bf16
+    tolerance (probabilities are cast to bf16 before the PV product, as in any flash kernel)."""
     import sys
 
     sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
@@ -153,7 +158,8 @@ def test_pallas_kernel_on_gpu_matches_dense(head_dim):
     cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
     dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
-    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi)  # noqa: E731
+    blocks = tree_flash.DEFAULT_BLOCKS if tiles == "default" else tree_flash.TreeFlashBlocks.parse(tiles)
+    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks)  # noqa: E731
     out_d, vjp_d = jax.vjp(dense, q, k, v)
     out_f, vjp_f = jax.vjp(flash, q, k, v)
     np.testing.assert_allclose(np.asarray(out_f, np.float32), np.asarray(out_d), atol=3e-2)
@@ -223,6 +229,118 @@ def test_tile_settings_parse():
     assert str(tree_flash.TreeFlashBlocks.parse("128,64,64")) == "128,64,64"
     assert tree_flash.TreeFlashBlocks.parse("64,64,32,0,3") == tree_flash.TreeFlashBlocks(64, 64, 32, None, 3)
     assert str(tree_flash.TreeFlashBlocks(64, 64, 32, None, 3)) == "64,64,32,0,3"
-    for bad, msg in (("48,64,64", "powers of two"), ("64,64", "expected block_q"), ("a,b,c", "expected block_q")):
+    for bad, msg in (("48,64,64", "powers of two"), ("64,64", "expected block_q"), ("a,b,c", "expected block_q"),
+                     ("128,64,64,full=2", "bad option"), ("128,64,64,dq=64", "bad option"),
+                     ("128,64,64,split=1,dkv=64x24", "powers of two"), ("128,64,64,full=1,4", "expected block_q"),
+                     ("128,64,64,dq=64x64", "split_bwd"), ("128,64,64,warps=4", "bad option")):
         with pytest.raises(ValueError, match=msg):
             tree_flash.TreeFlashBlocks.parse(bad)
+
+
+def test_kernel_variant_options_parse_and_print():
+    """The ``key=value`` options after the tiles (``full``, ``split``, ``dq``, ``dkv``, ``bwd_warps``) parse to the
+    variant's fields and print back to the same string (the benchmarks' row labels)."""
+    text = "128,64,64,0,3,full=1,split=1,dq=128x32,dkv=64x32,bwd_warps=8"
+    blocks = tree_flash.TreeFlashBlocks.parse(text)
+    assert blocks == tree_flash.TreeFlashBlocks(128, 64, 64, None, 3, full_tiles=True, split_bwd=True,
+                                                dq_blocks=(128, 32), dkv_blocks=(64, 32), bwd_warps=8)
+    assert str(blocks) == text
+    assert tree_flash.TreeFlashBlocks.parse("128,64,64,full=1") == tree_flash.TreeFlashBlocks(full_tiles=True)
+    assert str(tree_flash.TreeFlashBlocks.parse("64,64,32,split=1")) == "64,64,32,split=1"
+    assert tree_flash.TreeFlashBlocks.parse("128,64,64,full=0,split=0,bwd_warps=0") == tree_flash.DEFAULT_BLOCKS
+
+
+@functools.cache
+def _synthetic_rows(P, W, D, S, Lp, config):
+    """``(lo, hi)`` of ``P`` synthetic trees (``experiments/bench_packed.py``'s, half the leaves stopping inside
+    their last segment: odd node lengths) packed by ``config`` (cached: the table and kernel tests share them)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
+    from bench_packed import synthetic_tree
+
+    prompts, lens, forest = synthetic_tree(P, W, D, S, Lp, 200, 0.5, seed=1)
+    plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, S, config)
+    return jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+
+
+#: Layouts of the kernel-variant tests: six 3-token-prompt trees of 7-token segments, four to a row, unaligned;
+#: two trees of 16-token segments, one to a row, nodes aligned to 8 tokens (the tests' tile).
+_ROWS = {"small_trees": (6, 2, 2, 7, 3, packing.PackingConfig(row_length=128)),
+         "aligned": (2, 4, 3, 16, 5, packing.PackingConfig(granule=16, align=8, max_trees_per_row=1))}
+
+
+@pytest.mark.parametrize("rows", sorted(_ROWS) + ["two_trees"])
+def test_block_tables_mark_only_all_visible_tiles_full(rows):
+    """With ``full_tiles`` the tables mark a tile full only if every pair in it is visible (exact or conservative:
+    the mask-free path must never see an invisible pair), still list every tile with a visible pair, list full
+    tiles first and each group ascending, and ``q_list`` is ``kv_list`` transposed. Without it, nothing is full
+    and the lists are the same sets, ascending."""
+    if rows == "two_trees":
+        plan, *_ = _two_trees(packing.PackingConfig(row_length=32, max_trees_per_row=2))
+        lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+    else:
+        lo, hi = _synthetic_rows(*_ROWS[rows])
+    mask = np.asarray(tree_attention.tree_mask(lo, hi))
+    B, L = lo.shape
+    tables = jax.jit(tree_flash.block_tables, static_argnums=(2, 3, 4))  # one compile, not one per op
+    n_full = 0
+    for bq, bk in ((8, 8), (16, 8), (8, 16)):
+        nq, nk = L // bq, L // bk
+        tiles = mask.reshape(B, nq, bq, nk, bk)
+        some, every = tiles.any(axis=(2, 4)), tiles.all(axis=(2, 4))  # [B, nq, nk]
+        plain = tables(lo, hi, bq, bk, False)
+        plain_kv = np.asarray(plain.kv_list)
+        kv_list, q_list, q_end = (np.asarray(x) for x in tables(lo, hi, bq, bk, True))
+        np.testing.assert_array_equal(q_end, np.asarray(plain.q_end))
+        for b in range(B):
+            listed, full = np.zeros((nq, nk), bool), np.zeros((nq, nk), bool)
+            for i in range(nq):
+                count, nf, blocks = kv_list[b, i, 0], kv_list[b, i, 1], kv_list[b, i, 2:]
+                assert all(np.diff(blocks[:nf]) > 0) and all(np.diff(blocks[nf:count]) > 0)
+                listed[i, blocks[:count]], full[i, blocks[:nf]] = True, True
+                p_count, p_nf, p_blocks = plain_kv[b, i, 0], plain_kv[b, i, 1], plain_kv[b, i, 2:]
+                assert p_count == count and p_nf == 0 and all(np.diff(p_blocks[:count]) > 0)
+                assert sorted(p_blocks[:count]) == sorted(blocks[:count])
+            assert not (full & ~every[b]).any(), f"{bq}x{bk}: a tile marked full has an invisible pair"
+            assert not (some[b] & ~listed).any(), f"{bq}x{bk}: a tile with a visible pair is not listed"
+            for j in range(nk):
+                count, nf, blocks = q_list[b, j, 0], q_list[b, j, 1], q_list[b, j, 2:]
+                assert sorted(blocks[:count]) == list(np.nonzero(listed[:, j])[0])
+                assert sorted(blocks[:nf]) == list(np.nonzero(full[:, j])[0])
+                assert all(np.diff(blocks[:nf]) > 0) and all(np.diff(blocks[nf:count]) > 0)
+                assert count == 0 or blocks[:count].max() < q_end[b, j]
+            n_full += full.sum()
+    assert n_full > 0
+
+
+_VARIANTS = {
+    "full": tree_flash.TreeFlashBlocks(8, 8, 8, full_tiles=True),
+    "split": tree_flash.TreeFlashBlocks(16, 8, 8, split_bwd=True, dq_blocks=(16, 8), dkv_blocks=(16, 8)),
+    "full_split": tree_flash.TreeFlashBlocks(8, 16, 8, full_tiles=True, split_bwd=True, dq_blocks=(8, 16),
+                                             dkv_blocks=(8, 16)),
+}
+
+
+@pytest.mark.parametrize("rows,variant", [
+    ("small_trees", "full"), ("small_trees", "split"), ("small_trees", "full_split"), ("aligned", "full"),
+    pytest.param("aligned", "split", marks=pytest.mark.slow),
+    pytest.param("aligned", "full_split", marks=pytest.mark.slow)])
+def test_kernel_variants_match_dense_tree_attention(rows, variant):
+    """Every kernel variant (mask-free full tiles; the split backward with rectangular tiles; both) equals the dense
+    path in fp32, values and gradients, at the kernel's tolerance: grouped-query heads (4 query heads over 2 KV
+    heads), odd node lengths, several trees per row unaligned, and node-aligned rows."""
+    lo, hi = _synthetic_rows(*_ROWS[rows])
+    blocks = _VARIANTS[variant]
+    B, L = lo.shape
+    ks = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(ks[0], (B, L, 4, 16))
+    k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
+    cot = jax.random.normal(ks[3], q.shape)
+    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
+    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    out_f, vjp_f = jax.vjp(flash, q, k, v)
+    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)
+    for name, a, b in zip("qkv", vjp_f(cot), vjp_d(cot)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")

@@ -17,7 +17,7 @@ Every tile setting's forward output is checked against the first setting's (max 
 variants change the summation order only (``full=1`` visits the full tiles first). Each row is labelled with its
 setting, options included, and the table is preceded by what each setting resolves to at this head size.
 
-GPU (the tile sweep behind ``tree_flash.DEFAULT_BLOCKS``)::
+GPU (the tile sweep behind ``tree_flash.default_blocks``)::
 
     python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024 \\
         --tiles 64,64,32 128,64,32 64,64,64 128,128,64 128,64,64 64,32,32 128,64,32,8 64,64,32,0,3
@@ -165,17 +165,18 @@ def main(argv=None):
     ap.add_argument("--segment", type=int, default=512)
     ap.add_argument("--eos-frac", type=float, default=0.0)
     ap.add_argument("--granule", type=int, default=128)
-    ap.add_argument("--tiles", nargs="+", default=None, help="tile settings (default: tree_flash.DEFAULT_BLOCKS)")
+    ap.add_argument("--tiles", nargs="+", default=None,
+                    help="tile settings (default: tree_flash.default_blocks of each preset's head size)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-cudnn", action="store_true", help="skip the expanded cuDNN baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [tree_flash.DEFAULT_BLOCKS]
+    tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else None
     print(f"device: {peak_flops()[0]}; jax {jax.__version__}", flush=True)
     rows = []
     for preset in args.preset:
         for Lp in args.prompt_len:
-            rows += bench_setting(preset, Lp, args, tiles)
+            rows += bench_setting(preset, Lp, args, tiles or [tree_flash.default_blocks(get_config(preset).head_dim)])
             if args.json:  # after every setting: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(dict(device=peak_flops()[0], args=vars(args), rows=rows), f, indent=1)

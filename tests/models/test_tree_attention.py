@@ -158,7 +158,7 @@ def test_pallas_kernel_on_gpu_matches_dense(head_dim, tiles):
     cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
     dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
-    blocks = tree_flash.DEFAULT_BLOCKS if tiles == "default" else tree_flash.TreeFlashBlocks.parse(tiles)
+    blocks = tree_flash.default_blocks(head_dim) if tiles == "default" else tree_flash.TreeFlashBlocks.parse(tiles)
     flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks)  # noqa: E731
     out_d, vjp_d = jax.vjp(dense, q, k, v)
     out_f, vjp_f = jax.vjp(flash, q, k, v)
@@ -247,7 +247,7 @@ def test_kernel_variant_options_parse_and_print():
     assert str(blocks) == text
     assert tree_flash.TreeFlashBlocks.parse("128,64,64,full=1") == tree_flash.TreeFlashBlocks(full_tiles=True)
     assert str(tree_flash.TreeFlashBlocks.parse("64,64,32,split=1")) == "64,64,32,split=1"
-    assert tree_flash.TreeFlashBlocks.parse("128,64,64,full=0,split=0,bwd_warps=0") == tree_flash.DEFAULT_BLOCKS
+    assert tree_flash.TreeFlashBlocks.parse("128,64,64,full=0,split=0,bwd_warps=0") == tree_flash.TreeFlashBlocks()
 
 
 @functools.cache

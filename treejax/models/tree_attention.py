@@ -59,7 +59,8 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     """``attend(q [B, L, Q, H], k [B, L, K, H], v [B, L, K, H]) -> [B, L, Q, H]`` for rows with these intervals.
 
     Whatever depends only on the intervals (the dense mask) is built once here, outside the layer loop.
-    ``blocks``: the Pallas kernel's tiles (default :data:`treejax.models.tree_flash.DEFAULT_BLOCKS`)."""
+    ``blocks``: the Pallas kernel's tiles (default:
+    :func:`treejax.models.tree_flash.default_blocks` of the head size)."""
     impl = resolve_impl(attention_impl)
     if impl == "xla":
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
@@ -68,7 +69,7 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
-    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret, blocks or tree_flash.DEFAULT_BLOCKS)
+    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret, blocks)
 
 
 def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool, blocks):
@@ -79,8 +80,9 @@ def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool, blocks):
     def attend(q, k, v):
         rows, heads = rows_and_heads(mesh, lo.shape[0], q.shape[2], k.shape[2])
         qkv, pos = P(rows, None, heads, None), P(rows, None)
+        tiles = blocks or tree_flash.default_blocks(q.shape[-1])
         fn = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
-            q, k, v, lo, hi, blocks, interpret)
+            q, k, v, lo, hi, tiles, interpret)
         return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, pos, pos), out_specs=qkv, check_vma=False)(q, k, v, lo, hi)
 
     return attend

@@ -67,10 +67,11 @@ class TreeFlashBlocks:
     """Tile sizes and kernel variants. ``block_q``/``block_k``: the forward's query and key blocks; ``block_bwd``:
     the fused backward's query and key blocks (powers of two; halved where they do not divide the row length);
     ``num_warps`` (``None``: 4 for head_dim <= 64, else 8) and ``num_stages``: Triton's. Variants (module
-    docstring; off by default): ``full_tiles``: tiles proven all-visible run without a mask; ``split_bwd``: the
-    backward as a ``dq`` and a ``dk, dv`` kernel, with ``dq_blocks = (query block, key block)`` and ``dkv_blocks =
-    (key block, query block)`` (the grid's block first; ``None``: ``block_bwd`` for both); ``bwd_warps``: the
-    backward kernels' warps (``None``: ``num_warps``, else 4). Defaults: see :data:`DEFAULT_BLOCKS`."""
+    docstring; off in the dataclass, on in :func:`default_blocks`): ``full_tiles``: tiles proven all-visible run
+    without a mask; ``split_bwd``: the backward as a ``dq`` and a ``dk, dv`` kernel, with ``dq_blocks = (query
+    block, key block)`` and ``dkv_blocks = (key block, query block)`` (the grid's block first; ``None``:
+    ``block_bwd`` for both); ``bwd_warps``: the backward kernels' warps (``None``: ``num_warps``, else 4). Used
+    when none are given: :func:`default_blocks`."""
 
     block_q: int = 128
     block_k: int = 64
@@ -146,12 +147,20 @@ class TreeFlashBlocks:
                 + ("full tiles unmasked" if self.full_tiles else "every tile masked"))
 
 
-#: Tile sizes used when none are given (benchmarks may set this before tracing to try others). Chosen by
-#: ``experiments/bench_tree_attention.py`` on an H200 (16,384-token rows of a W=16, depth-4, 512-token-segment
-#: tree, fwd+bwd; results in experiments/results/packed/): 128,64,64 took 5.26 / 5.72 ms for head_dim 64 / 128
-#: (qwen2.5-0.5b / 1.5b heads) against 6.33 / 9.85 ms for the former 64,64,32; the best for head_dim 64,
-#: 64,64,64, was 1.5% faster (5.18 ms).
-DEFAULT_BLOCKS = TreeFlashBlocks()
+def default_blocks(head_dim: int) -> TreeFlashBlocks:
+    """The kernel settings used when none are given, by head size. Chosen by ``experiments/bench_tree_attention.py``
+    on an H200 (one 16,384-token row of a W=16, depth-4, 512-token-segment tree, 64-token prompt; fwd+bwd, bf16;
+    ``experiments/results/perf_round/tree_attention_sweep_h200_*.json``), against cuDNN on the same leaves'
+    expanded rows in the same call (2.07 / 2.59 ms):
+
+    * ``head_dim <= 64`` (qwen2.5-0.5b heads): ``64,64,64,full=1``, 1.77 ms (161 TFLOP/s, 1.17x cuDNN's), against
+      3.48 ms for the former default ``128,64,64`` (every tile masked) and 2.00 ms for ``128,64,64,full=1``;
+    * larger heads (qwen2.5-1.5b, 128): ``128,64,64,full=1,split=1``, 2.37 ms (206 TFLOP/s, 1.09x cuDNN's),
+      against 3.84 ms for ``128,64,64`` and 2.57 ms for ``128,64,64,full=1``.
+    """
+    if head_dim <= 64:
+        return TreeFlashBlocks(64, 64, 64, full_tiles=True)
+    return TreeFlashBlocks(128, 64, 64, full_tiles=True, split_bwd=True)
 
 
 def _visible(q_lo, span_q, k_lo, k_hi, span_k):
@@ -528,8 +537,7 @@ tree_flash_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeFlashBlocks | None = None, interpret: bool = False):
     """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention` (``blocks``
-    default: :data:`DEFAULT_BLOCKS`)."""
-    blocks = DEFAULT_BLOCKS if blocks is None else blocks
+    default: :func:`default_blocks` of the head size)."""
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
-    return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks, interpret)
+    return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks or default_blocks(q.shape[-1]), interpret)

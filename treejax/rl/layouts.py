@@ -255,7 +255,7 @@ class Packed:
     mini-batch from the config's bounds (host state, :class:`~treejax.rl.packing.LayoutFloor`,
     :func:`~treejax.rl.packing.startup_layout`) and later mini-batches are packed into it: the update compiles once
     (again only if a mini-batch needs more rows). ``blocks``: the Pallas tree kernel's tiles
-    (``tree_flash.TreeFlashBlocks``; ``None``: ``tree_flash.DEFAULT_BLOCKS``)."""
+    (``tree_flash.TreeFlashBlocks``; ``None``: ``tree_flash.default_blocks`` of the head size)."""
 
     model_config: ModelConfig
     packing: packing_lib.PackingConfig = packing_lib.PackingConfig()

@@ -35,24 +35,30 @@ def _two_trees(config=packing.PackingConfig(granule=8)):
     return plan, forest, prompts, lens
 
 
+def _assert_kernel_matches_dense(lo, hi, blocks, key):
+    """The Pallas kernel (interpreter, fp32) equals the dense tree mask's attention on rows ``lo, hi``, values and
+    gradients (1e-5): 4 query heads over 2 KV heads of 16."""
+    B, L = lo.shape
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (B, L, 4, 16))
+    k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
+    cot = jax.random.normal(ks[3], q.shape)
+    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
+    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    out_f, vjp_f = jax.vjp(flash, q, k, v)
+    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)
+    for name, a, b in zip("qkv", vjp_f(cot), vjp_d(cot)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize("trees_per_row", [1, 2])
 def test_pallas_kernel_matches_dense_tree_attention(trees_per_row):
     # row length 32 holds both trees (19 + 13 tokens) in one row when allowed
     plan, *_ = _two_trees(packing.PackingConfig(row_length=32, max_trees_per_row=trees_per_row))
     assert plan.shape[0] == 3 - trees_per_row
     lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
-    B, L = lo.shape
-    ks = jax.random.split(jax.random.key(trees_per_row), 4)
-    q = jax.random.normal(ks[0], (B, L, 4, 16))
-    k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
-    cot = jax.random.normal(ks[3], q.shape)
-    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
-    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, BLOCKS, True)  # noqa: E731
-    out_d, vjp_d = jax.vjp(dense, q, k, v)
-    out_f, vjp_f = jax.vjp(flash, q, k, v)
-    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)
-    for name, a, b in zip("qkv", vjp_f(cot), vjp_d(cot)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+    _assert_kernel_matches_dense(lo, hi, BLOCKS, jax.random.key(trees_per_row))
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -331,16 +337,4 @@ def test_kernel_variants_match_dense_tree_attention(rows, variant):
     path in fp32, values and gradients, at the kernel's tolerance: grouped-query heads (4 query heads over 2 KV
     heads), odd node lengths, several trees per row unaligned, and node-aligned rows."""
     lo, hi = _synthetic_rows(*_ROWS[rows])
-    blocks = _VARIANTS[variant]
-    B, L = lo.shape
-    ks = jax.random.split(jax.random.key(7), 4)
-    q = jax.random.normal(ks[0], (B, L, 4, 16))
-    k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
-    cot = jax.random.normal(ks[3], q.shape)
-    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
-    flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
-    out_d, vjp_d = jax.vjp(dense, q, k, v)
-    out_f, vjp_f = jax.vjp(flash, q, k, v)
-    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)
-    for name, a, b in zip("qkv", vjp_f(cot), vjp_d(cot)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+    _assert_kernel_matches_dense(lo, hi, _VARIANTS[variant], jax.random.key(7))

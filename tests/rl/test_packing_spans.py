@@ -404,5 +404,11 @@ def test_fixed_segments_pack_exactly_as_before(case):
                                   np.asarray(as_spans.tokens), as_spans.segment_length, cfg, **kw,
                                   node_span_PxNx2=np.asarray(as_spans.spans()))]
     for pl in plans:
-        assert _digest([getattr(pl, k) for k in packing.PLAN_ARRAYS]) == plan_digest
+        # padding has been its own node per column since (PAD_NODE + column); the recording had PAD_NODE for all
+        pad = pl.node_lo >= packing.PAD_NODE
+        np.testing.assert_array_equal(pl.node_lo[pad], (packing.PAD_NODE + np.nonzero(pad)[1]))
+        np.testing.assert_array_equal(pl.node_hi[pad], pl.node_lo[pad])
+        recorded = {k: np.where(pad, packing.PAD_NODE, getattr(pl, k)) if k in ("node_lo", "node_hi")
+                    else getattr(pl, k) for k in packing.PLAN_ARRAYS}
+        assert _digest([recorded[k] for k in packing.PLAN_ARRAYS]) == plan_digest
         assert [pl.num_sequences, pl.sequence_length, pl.unique_tokens, pl.expanded_tokens] == sizes

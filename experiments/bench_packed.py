@@ -25,6 +25,9 @@ after ``--budget-s`` seconds are skipped so the call ends in about 5 minutes on 
 
   python experiments/bench_packed.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024
 
+Where an update's time goes: ``--profile DIR`` traces one more step of each layout, and
+``python experiments/trace_summary.py DIR`` sums its device kernels by name.
+
 CPU smoke (tiny model, tiny shapes, about a minute):
 
   python experiments/bench_packed.py --preset tiny --prompts 2 --segment 16 --prompt-len 8 32 --granule 16 \
@@ -133,6 +136,11 @@ def run_layout(name, cfg, loss, batch, micro, args):
         state, m = compiled(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
+    if args.profile:  # one more step, traced (experiments/trace_summary.py sums its kernels)
+        with jax.profiler.trace(f"{args.profile}/{name}_{cfg.num_layers}L_{batch.num_rows}rows",
+                                create_perfetto_trace=True):
+            state, m = compiled(state, batch)
+            jax.block_until_ready(m)
     out = dict(layout=name, s=float(np.median(times)), compile_s=t_compile, loss=first_loss, grad_norm=first_gnorm,
                peak_gb=compiled_peak_gb(compiled), skipped=float(m["skipped"]))
     del state, compiled
@@ -213,6 +221,9 @@ def main(argv=None):
                          "default: tree_flash.default_blocks of the head size)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
+    ap.add_argument("--profile", default=None,
+                    help="folder for a perfetto trace of one more update step per layout "
+                         "(summed by experiments/trace_summary.py)")
     args = ap.parse_args(argv)
     if args.micro_packed is None:
         args.micro_packed = args.micro

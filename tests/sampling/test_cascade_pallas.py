@@ -126,7 +126,8 @@ def test_pallas_lse_empty_rows_merge_with_weight_zero():
 
 def test_cascade_choice():
     """The cascade takes the Pallas passes exactly where the per-row attention is Pallas and no multi-device mesh
-    is given; "xla" forces XLA; CPU model fns record "xla". The auto rule does not use the cascade yet."""
+    is given; "xla" forces XLA; CPU model fns record "xla". The auto rule shares from 256-token prompts with the
+    Pallas cascade, from 1,024 with the XLA one, and never the XLA cascade against the per-row kernel."""
     assert A.resolve_cascade_impl("auto", "pallas") == "pallas"
     assert A.resolve_cascade_impl("auto", "ragged") == "xla"
     assert A.resolve_cascade_impl("auto", "dense") == "xla"

@@ -129,6 +129,14 @@ class TreeFlashBlocks:
             [f",bwd_warps={self.bwd_warps}"] if self.bwd_warps else [])
         return f"{self.block_q},{self.block_k},{self.block_bwd}{extra}" + "".join(opts)
 
+    def split_tiles(self, L: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The split backward's tiles on rows of ``L`` tokens, after halving: ``((dq query block, dq key block),
+        (dk,dv key block, dk,dv query block))``; ``block_bwd`` where ``dq_blocks`` / ``dkv_blocks`` are unset."""
+        b = self.block_bwd
+        dq = tuple(_fit(x, L, f"dq_blocks[{n}]") for n, x in enumerate(self.dq_blocks or (b, b)))
+        dkv = tuple(_fit(x, L, f"dkv_blocks[{n}]") for n, x in enumerate(self.dkv_blocks or (b, b)))
+        return dq, dkv
+
     def describe(self, L: int, H: int) -> str:
         """What runs on rows of ``L`` tokens at head size ``H``: tiles after halving (``q``: query block, ``k``:
         key block), warps, stages, variants."""
@@ -136,9 +144,7 @@ class TreeFlashBlocks:
         warps = self.num_warps or (4 if H <= 64 else 8)
         bwd_warps = self.bwd_warps or self.num_warps or 4
         if self.split_bwd:
-            b = self.block_bwd
-            dq_q, dq_k = (_fit(x, L, "dq_blocks") for x in self.dq_blocks or (b, b))
-            dkv_k, dkv_q = (_fit(x, L, "dkv_blocks") for x in self.dkv_blocks or (b, b))
+            (dq_q, dq_k), (dkv_k, dkv_q) = self.split_tiles(L)
             bwd = f"split, dq q{dq_q}/k{dq_k} + dk,dv k{dkv_k}/q{dkv_q}"
         else:
             b = _fit(self.block_bwd, L, "block_bwd")
@@ -502,10 +508,10 @@ def _vjp_bwd(blocks, interpret, res, do):
             name="tree_flash_backward",
         )(q, k, v, lo, hi, tables.kv_list, q_table, do, lse, delta)
     else:
-        bwd = blocks.block_bwd
-        dq_q, dq_k = (_fit(b, L, f"dq_blocks[{n}]") for n, b in enumerate(blocks.dq_blocks or (bwd, bwd)))
-        dkv_k, dkv_q = (_fit(b, L, f"dkv_blocks[{n}]") for n, b in enumerate(blocks.dkv_blocks or (bwd, bwd)))
-        kv_list = block_tables(lo, hi, dq_q, dq_k, full_tiles).kv_list
+        (dq_q, dq_k), (dkv_k, dkv_q) = blocks.split_tiles(L)
+        dq_tables = block_tables(lo, hi, dq_q, dq_k, full_tiles)
+        dkv_tables = dq_tables if (dkv_q, dkv_k) == (dq_q, dq_k) else block_tables(lo, hi, dkv_q, dkv_k, full_tiles)
+        kv_list = dq_tables.kv_list
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, scale=scale, block_q=dq_q, block_k=dq_k, head_dim=H, full_tiles=full_tiles),
             grid=(B, Q, L // dq_q),
@@ -516,7 +522,7 @@ def _vjp_bwd(blocks, interpret, res, do):
             interpret=interpret,
             name="tree_flash_backward_dq",
         )(q, k, v, lo, hi, kv_list, do, lse, delta)
-        q_table, q_spec = _q_table(block_tables(lo, hi, dkv_q, dkv_k, full_tiles), full_tiles)
+        q_table, q_spec = _q_table(dkv_tables, full_tiles)
         dk, dv = pl.pallas_call(
             functools.partial(_dkdv_kernel, scale=scale, block_q=dkv_q, block_k=dkv_k, head_dim=H,
                               full_tiles=full_tiles),

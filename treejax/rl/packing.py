@@ -59,9 +59,9 @@ once per run:
 * ``Wr = W * 2^k`` for the trees of a whole mini-batch (``max_trees_per_row`` caps it), so trees share rows as
   densely as they fit (first-fit decreasing), then spread over the layout's rows largest-first into the emptiest
   row (``balance``: equal work per micro-batch and device);
-* ``R`` starts at ``row_multiple`` (``startup_rows="min"``) and is the only size that can grow: a mini-batch whose trees do not fit in
-  ``R`` rows of ``L`` takes the next ``row_multiple * 2^k`` and keeps it (:class:`LayoutFloor`; one compile per
-  growth, counted in ``packing/layouts``). The rungs ``R = row_multiple * 2^k`` up to one tree per row are known
+* ``R`` starts at ``row_multiple`` (``startup_rows="min"``) and is the only size that can grow: a mini-batch
+  whose trees do not fit in ``R`` rows of ``L`` takes the next ``row_multiple * 2^k`` and keeps it
+  (:class:`LayoutFloor`; one compile per growth, counted in ``packing/layouts``). The rungs ``R = row_multiple * 2^k`` up to one tree per row are known
   from the start, and ``precompile`` compiles them on a background thread after the first step
   (:mod:`treejax.rl.precompile`), so a growth costs no stall. ``startup_rows="max"`` starts at the top rung
   instead (one tree per row): nothing can grow, one compile per run.

@@ -218,7 +218,7 @@ def main(argv=None):
     ap.add_argument("--tree-blocks", default=None,
                     help="Pallas tree kernel tiles block_q,block_k,block_bwd[,num_warps[,num_stages]], then "
                          "key=value variants full=1, split=1, dq=QxK, dkv=KxQ, bwd_warps=N (TreeFlashBlocks.parse; "
-                         "default: tree_flash.default_blocks of the head size)")
+                         "default: tree_flash.default_blocks of the head size and row length)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
     ap.add_argument("--profile", default=None,
@@ -233,7 +233,7 @@ def main(argv=None):
         args.blocks = tree_flash.TreeFlashBlocks.parse(args.tree_blocks) if args.tree_blocks else None
     except ValueError as e:
         raise SystemExit(f"--tree-blocks: {e}") from None
-    args.tree_blocks = str(args.blocks) if args.blocks else "default_blocks(head_dim)"
+    args.tree_blocks = str(args.blocks) if args.blocks else "default_blocks(head_dim, row_length)"
     kind, peak = peak_flops()
     print(f"device: {kind}; peak dense bf16 {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; remat {args.remat}; "
           f"expanded attention {args.attention}; tree attention {args.tree_attention} (tiles {args.tree_blocks}); "

@@ -82,7 +82,8 @@ def fwd_bwd(attend):
     return jax.jit(run)
 
 
-def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBlocks]) -> dict:
+def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBlocks] | None) -> dict:
+    """One preset and prompt length; ``tiles`` ``None``: ``tree_flash.default_blocks`` of the head size and row."""
     cfg = get_config(preset)
     P, W, D, S = args.prompts, args.leaves, args.depth, args.segment
     Q, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -90,6 +91,7 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, S,
                                 packing.PackingConfig(granule=args.granule), trained_PxW=np.ones((P, W), bool))
     R, L, _ = plan.shape
+    tiles = tiles or [tree_flash.default_blocks(H, L)]
     real = plan.node_lo < packing.PAD_NODE
     work = 4.0 * Q * H * float(np.sum(plan.positions[real].astype(np.float64) + 1))
     peak = peak_flops()[1]
@@ -166,7 +168,7 @@ def main(argv=None):
     ap.add_argument("--eos-frac", type=float, default=0.0)
     ap.add_argument("--granule", type=int, default=128)
     ap.add_argument("--tiles", nargs="+", default=None,
-                    help="tile settings (default: tree_flash.default_blocks of each preset's head size)")
+                    help="tile settings (default: tree_flash.default_blocks of each preset's head size and row length)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-cudnn", action="store_true", help="skip the expanded cuDNN baseline")
     ap.add_argument("--json", default=None)
@@ -176,7 +178,7 @@ def main(argv=None):
     rows = []
     for preset in args.preset:
         for Lp in args.prompt_len:
-            rows += bench_setting(preset, Lp, args, tiles or [tree_flash.default_blocks(get_config(preset).head_dim)])
+            rows += bench_setting(preset, Lp, args, tiles)
             if args.json:  # after every setting: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(dict(device=peak_flops()[0], args=vars(args), rows=rows), f, indent=1)

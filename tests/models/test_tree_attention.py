@@ -35,13 +35,14 @@ def _two_trees(config=packing.PackingConfig(granule=8)):
     return plan, forest, prompts, lens
 
 
-def _assert_kernel_matches_dense(lo, hi, blocks, key):
+def _assert_kernel_matches_dense(lo, hi, blocks, key, head_dim=16):
     """The Pallas kernel (interpreter, fp32) equals the dense tree mask's attention on rows ``lo, hi``, values and
-    gradients (1e-5): 4 query heads over 2 KV heads of 16."""
+    gradients (1e-5): 4 query heads over 2 KV heads of ``head_dim`` (not a power of two: padded tiles, masked
+    loads and stores)."""
     B, L = lo.shape
     ks = jax.random.split(key, 4)
-    q = jax.random.normal(ks[0], (B, L, 4, 16))
-    k, v = (jax.random.normal(kk, (B, L, 2, 16)) for kk in ks[1:3])
+    q = jax.random.normal(ks[0], (B, L, 4, head_dim))
+    k, v = (jax.random.normal(kk, (B, L, 2, head_dim)) for kk in ks[1:3])
     cot = jax.random.normal(ks[3], q.shape)
     dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
     flash = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
@@ -142,7 +143,8 @@ def test_packed_gradients_through_the_pallas_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["default", "128,64,64,full=1", "128,64,64,full=1,split=1,dq=128x32,dkv=64x32"])
+@pytest.mark.parametrize("tiles", ["default", "128,64,64,full=1", "128,64,64,full=1,split=1,dq=128x32,dkv=64x32",
+                                   "128,64,64,4,3,full=1"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_pallas_kernel_on_gpu_matches_dense(head_dim, tiles):
     """The compiled Triton kernel (bf16 inputs, the update's tiles, and the kernel variants: mask-free full tiles,
@@ -229,6 +231,16 @@ def test_tiles_that_do_not_divide_the_row_are_halved():
     np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_d), atol=1e-5)
     for name, a, b in zip("qkv", vjp_f(q), vjp_d(q)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+
+
+def test_default_blocks_by_head_size_and_row_length():
+    """The measured defaults (``tree_flash.default_blocks``): 64-wide tiles for small heads, the split backward for
+    large ones, and 128-query, 3-stage forward tiles for small heads on rows of ``LONG_ROW`` tokens or more."""
+    assert str(tree_flash.default_blocks(64)) == "64,64,64,full=1"
+    assert tree_flash.default_blocks(64, tree_flash.LONG_ROW - 128) == tree_flash.default_blocks(64)
+    assert str(tree_flash.default_blocks(64, tree_flash.LONG_ROW)) == "128,64,64,0,3,full=1"
+    assert str(tree_flash.default_blocks(128)) == tree_flash.default_blocks(128, 98304).__str__() == (
+        "128,64,64,full=1,split=1")
 
 
 def test_tile_settings_parse():
@@ -338,3 +350,11 @@ def test_kernel_variants_match_dense_tree_attention(rows, variant):
     heads), odd node lengths, several trees per row unaligned, and node-aligned rows."""
     lo, hi = _synthetic_rows(*_ROWS[rows])
     _assert_kernel_matches_dense(lo, hi, _VARIANTS[variant], jax.random.key(7))
+
+
+@pytest.mark.parametrize("variant", ["full", "split"])
+def test_kernel_with_padded_head_size_matches_dense(variant):
+    """A head size that is not a power of two (12, padded to 16 columns): the masked loads and stores of the
+    forward and of both backward forms equal the dense path."""
+    lo, hi = _synthetic_rows(*_ROWS["small_trees"])
+    _assert_kernel_matches_dense(lo, hi, _VARIANTS[variant], jax.random.key(8), head_dim=12)

@@ -277,7 +277,7 @@ def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positio
     dense ``[L, L]`` mask and scores (exact on every backend; memory ``O(L^2)`` per row and head), ``"pallas"``
     runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"auto"`` picks pallas on
     a GPU and xla elsewhere; ``blocks`` the Pallas kernel's tiles (``tree_flash.TreeFlashBlocks``; default
-    ``tree_flash.default_blocks(head_dim)``). ``remat`` as in :func:`forward`.
+    ``tree_flash.default_blocks(head_dim, row_length)``). ``remat`` as in :func:`forward`.
     """
     _check_tokens(tokens, positions)
     if node_lo.shape != tokens.shape or node_hi.shape != tokens.shape:

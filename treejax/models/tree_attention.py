@@ -80,7 +80,7 @@ def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool, blocks):
     def attend(q, k, v):
         rows, heads = rows_and_heads(mesh, lo.shape[0], q.shape[2], k.shape[2])
         qkv, pos = P(rows, None, heads, None), P(rows, None)
-        tiles = blocks or tree_flash.default_blocks(q.shape[-1])
+        tiles = blocks or tree_flash.default_blocks(q.shape[-1], q.shape[1])
         fn = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
             q, k, v, lo, hi, tiles, interpret)
         return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, pos, pos), out_specs=qkv, check_vma=False)(q, k, v, lo, hi)

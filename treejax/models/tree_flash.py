@@ -153,18 +153,31 @@ class TreeFlashBlocks:
                 + ("full tiles unmasked" if self.full_tiles else "every tile masked"))
 
 
-def default_blocks(head_dim: int) -> TreeFlashBlocks:
-    """The kernel settings used when none are given, by head size. Chosen by ``experiments/bench_tree_attention.py``
-    on an H200 (one 16,384-token row of a W=16, depth-4, 512-token-segment tree, 64-token prompt; fwd+bwd, bf16;
-    ``experiments/results/perf_round/tree_attention_sweep_h200_*.json``), against cuDNN on the same leaves'
-    expanded rows in the same call (2.07 / 2.59 ms):
+LONG_ROW = 65536  #: rows at least this long take the long-row forward tiles (:func:`default_blocks`)
+
+
+def default_blocks(head_dim: int, row_length: int | None = None) -> TreeFlashBlocks:
+    """The kernel settings used when none are given, by head size and row length. Chosen by
+    ``experiments/bench_tree_attention.py`` on an H200 (fwd+bwd, bf16, against cuDNN on the same leaves' expanded
+    rows in the same call; ``experiments/results/perf_round/tree_attention_*_h200*.json``).
+
+    One 16,384-token row of a W=16, depth-4, 512-token-segment tree, 64-token prompt (cuDNN 2.07 / 2.59 ms):
 
     * ``head_dim <= 64`` (qwen2.5-0.5b heads): ``64,64,64,full=1``, 1.77 ms (161 TFLOP/s, 1.17x cuDNN's), against
       3.48 ms for the former default ``128,64,64`` (every tile masked) and 2.00 ms for ``128,64,64,full=1``;
     * larger heads (qwen2.5-1.5b, 128): ``128,64,64,full=1,split=1``, 2.37 ms (206 TFLOP/s, 1.09x cuDNN's),
       against 3.84 ms for ``128,64,64`` and 2.57 ms for ``128,64,64,full=1``.
+
+    Rows of at least :data:`LONG_ROW` tokens at ``head_dim <= 64`` (TreePO's 14 x 512 tree: one 98,304-token
+    row, 7,232-token paths): ``128,64,64,4,3,full=1`` (128-query forward tiles, 3 pipeline stages; the fused
+    backward's 64 x 64 tiles as before). Forward 5.97 ms against 6.75 ms, fwd+bwd 21.8 against 22.5 ms (cuDNN:
+    4.14 / 14.8 ms), and the whole 14 x 512 packed update 5,724 against 5,831 ms (``bench_packed.py --depth
+    14``, same call). On the depth-4 row above the same setting is slower (2.05 against 1.93 ms), hence the
+    threshold. Larger heads were not measured on long rows and keep their setting.
     """
     if head_dim <= 64:
+        if row_length is not None and row_length >= LONG_ROW:
+            return TreeFlashBlocks(128, 64, 64, None, 3, full_tiles=True)
         return TreeFlashBlocks(64, 64, 64, full_tiles=True)
     return TreeFlashBlocks(128, 64, 64, full_tiles=True, split_bwd=True)
 
@@ -543,7 +556,8 @@ tree_flash_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeFlashBlocks | None = None, interpret: bool = False):
     """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention` (``blocks``
-    default: :func:`default_blocks` of the head size)."""
+    default: :func:`default_blocks` of the head size and row length)."""
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
-    return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks or default_blocks(q.shape[-1]), interpret)
+    return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks or default_blocks(q.shape[-1], q.shape[1]),
+                                                interpret)

@@ -15,8 +15,8 @@ import os
 import time
 import traceback
 
-__all__ = ["ConfigError", "DataError", "DivergenceError", "ModelFileError", "UserError", "UserFileError",
-           "record_failure"]
+__all__ = ["ConfigError", "DataError", "DeviceMemoryError", "DivergenceError", "ModelFileError", "UserError",
+           "UserFileError", "record_failure"]
 
 
 class UserError(Exception):
@@ -35,6 +35,11 @@ class DataError(UserError, ValueError):
 class DivergenceError(UserError, FloatingPointError):
     """Training diverged (invalid sampled ids, non-finite log-probs, entropy at the uniform distribution, a
     parameter-norm jump): the run stops before anything is exported. Usually the learning rate is too high."""
+
+
+class DeviceMemoryError(UserError, MemoryError):
+    """A program of the run needs more accelerator memory than the device has; the message names the program,
+    the allocation and the settings that bound its memory."""
 
 
 class UserFileError(UserError, FileNotFoundError):

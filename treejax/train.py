@@ -95,6 +95,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.spear import SpearConfig
 
     classes.setdefault("SpearConfig", SpearConfig)
+    from treejax.rl.shape_search import ShapeSearchConfig
+
+    classes.setdefault("ShapeSearchConfig", ShapeSearchConfig)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

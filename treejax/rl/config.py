@@ -30,6 +30,7 @@ from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnConfig
 from treejax.rl.partial import PartialConfig
 from treejax.rl.prompt_gdro import PromptGDROConfig
 from treejax.rl.replay import ReplayConfig
+from treejax.rl.shape_search import ShapeSearchConfig
 from treejax.rl.spear import SpearConfig
 from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
@@ -247,6 +248,7 @@ class RunConfig:
     exemplars: ExemplarConfig | None = None  # XRPO: all-fail prompts re-rolled with solved exemplars (treejax.rl.exemplars)
     multiturn: MultiTurnConfig | None = None  # code-tool episodes: multi-turn rollouts (treejax.rl.multiturn)
     spear: SpearConfig | None = None  # SPEAR: tool-call bonus + self-imitation rows on multiturn (treejax.rl.spear)
+    shape_search: ShapeSearchConfig | None = None  # the slot tree's k chosen by calibration (treejax.rl.shape_search)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
@@ -290,6 +292,7 @@ class RunConfig:
         self._check_exemplars()
         self._check_multiturn()
         self._check_spear()
+        self._check_shape_search()
         self._check_proximal()
         self._check_async()
         self._check_schedule()
@@ -427,6 +430,26 @@ class RunConfig:
         if self.packed_update:
             raise ConfigError("RunConfig.spear with the packed update is not verified (its self-imitation rows are "
                               "W copies of one chain with one slot trained); fix: RunConfig.packed_update = False")
+
+    def _check_shape_search(self) -> None:
+        """The shape search swaps the slot tree of the plain task source and calibrates in its ``sample``; sources
+        that sample through other rollouts or the task source's internals (allocation's chunks, NudgeRL's hinted
+        rows, multi-turn episodes, APRIL's carry, DOTS / Prompt-GDRO, XRPO's exemplars) are not wired."""
+        if self.shape_search is None:
+            return
+        if not self.rollout.slots:
+            raise ConfigError("RunConfig.shape_search chooses a slot tree's root paths k; fix: "
+                              "TreeConfig.allocation = 'slots'")
+        self.shape_search.shapes(self.rollout.num_leaves)  # a candidate above W is an error now
+        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None"),
+                         (self.nudge is not None, "RunConfig.nudge = None"),
+                         (self.multiturn is not None, "RunConfig.multiturn = None"),
+                         (self.partial is not None, "RunConfig.partial = None"),
+                         (self.selection is not None, "RunConfig.selection = None"),
+                         (self.exemplars is not None, "RunConfig.exemplars = None")):
+            if bad:
+                raise ConfigError(f"RunConfig.shape_search: fix: {why} (the search swaps the task source's tree; "
+                                  "this source samples through it without the search's calibration)")
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""

@@ -43,6 +43,7 @@ from treejax.rl.partial import PartialRollouts
 from treejax.rl.replay import ReplayRollouts
 from treejax.rl.spear import SpearRollouts
 from treejax.rl.rollouts import TaskRollouts
+from treejax.rl.shape_search import ShapeSearchRollouts
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
@@ -183,6 +184,9 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
         source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
+    if cfg.shape_search is not None:  # the slot tree's k chosen by calibration (treejax.rl.shape_search)
+        source = ShapeSearchRollouts(source, cfg.shape_search, lambda tc: make_tree_rollout(
+            rollout_fns, tc, continuations=cfg.continuation_config()), cfg.seed)
     if cfg.selection is not None:  # DOTS (treejax.rl.selection) or Prompt-GDRO (treejax.rl.prompt_gdro)
         source = cfg.selection.make_source(source, cfg.prompts_per_step, cfg.seed)
     if cfg.exemplars is not None:  # XRPO: failed prompts re-rolled with solved exemplars (treejax.rl.exemplars)

@@ -317,3 +317,42 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
                 theirs.append(int(ids[0, 0]))
         assert ours[i] == theirs, (f"prompt {i}: treejax {smollm2['tok'].decode(ours[i])!r} vs transformers "
                                    f"{smollm2['tok'].decode(theirs)!r}")
+
+
+@pytest.mark.slow  # loads a 1.5B model twice in fp32 (~13 GB, ~2 min on 2 CPU cores)
+def test_qwen15_coder_logits_match_transformers_gguf():
+    """The offline 1.5B model (``qwen2.5-coder-1.5b-instruct``, assembled from its PyPI part packages): treejax's
+    GGUF reader (Q4_K / Q6_K dequantization, Qwen2 biases, untied head) against transformers' own GGUF loading,
+    logits on chat prompts in fp32."""
+    from treejax.models import parts
+
+    try:
+        parts.part_paths(parts.PARTED_MODELS["qwen2.5-coder-1.5b-instruct"])
+    except Exception as e:  # noqa: BLE001 -- the parts are an optional install
+        pytest.skip(f"the 1.5B part packages are not installed: {e}")
+    config, params, tok = registry.load_model("qwen2.5-coder-1.5b-instruct", param_dtype="float32")
+    assert (config.architecture, config.num_layers, config.hidden_size, config.num_kv_heads) == ("qwen2", 28, 1536, 2)
+    path = registry._resolve("qwen2.5-coder-1.5b-instruct")
+    folder, fname = os.path.dirname(path), os.path.basename(path)
+    hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=fname)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint as hf_load_gguf
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    tensors = hf_load_gguf(path, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    model.eval()
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in PROMPTS[:2]]
+    L = max(map(len, prompts))
+    toks, mask = _right_pad(prompts, L, config.pad_token_id)
+    pos = np.broadcast_to(np.arange(L), toks.shape)
+    ours = np.asarray(transformer.logits(params, config, transformer.forward(params, config, jnp.asarray(toks),
+                                                                             jnp.asarray(pos), jnp.asarray(mask))))
+    del params
+    with torch.no_grad():
+        ref = model(torch.tensor(toks, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+    for i, s in enumerate(prompts):
+        n = len(s)
+        err = np.abs(ours[i, :n] - ref[i, :n]).max() / np.abs(ref[i, :n]).max()
+        assert err <= 1e-4, f"prompt {i}: max relative logits error {err:.2e}"
+        assert (ours[i, :n].argmax(-1) == ref[i, :n].argmax(-1)).mean() > 0.99

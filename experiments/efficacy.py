@@ -56,10 +56,13 @@ def method_name(config_path: str) -> str:
 
 # --------------------------------------------------------------------------------------------------------- run
 def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], dry_run: bool = False,
-        parallel: int = 1) -> None:
+        parallel: int = 1, devices: list[str] | None = None, stop_after: float | None = None) -> None:
     """Every config x seed, seeds as the outer loop; ``parallel > 1`` keeps up to that many runs going at once
-    (each its own process on the same accelerator; its output goes to ``<log_dir>.log``). Concurrent runs share
-    the card, so their seconds compare only with runs that shared it in the same way."""
+    (each its own process; its output goes to ``<log_dir>.log``). ``devices`` (GPU ids): each new run goes to the
+    device with the fewest runs going (``CUDA_VISIBLE_DEVICES``), so ``--parallel 8 --devices 0 1 2 3`` keeps two
+    runs on each of 4 GPUs; without it every run sees every device. Concurrent runs share their card, so their
+    seconds compare only with runs that shared it in the same way. ``stop_after``: no run starts after that many
+    seconds (the runs going are waited for; a later call continues the sweep)."""
     names = [method_name(c) for c in configs]
     if len(set(names)) != len(names):
         raise SystemExit(f"two configs have the same method name: {names}")
@@ -82,10 +85,11 @@ def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], d
             if not dry_run:
                 jobs.append((f"{name} seed {seed}", log_dir, cmd))
     running, failed = [], []
+    t_sweep = time.perf_counter()
 
     def reap(block: bool):
         for item in list(running):
-            label, proc, t0, fh = item
+            label, proc, t0, fh, _ = item
             if proc.poll() is None and not block:
                 continue
             code = proc.wait()
@@ -103,12 +107,20 @@ def run(configs: list[str], seeds: list[int], out: str, gin_params: list[str], d
             reap(block=False)
             if len(running) >= max(parallel, 1):
                 time.sleep(1.0)
+        if stop_after is not None and time.perf_counter() - t_sweep > stop_after:
+            print(f"[efficacy] {label}: not started (stop_after={stop_after:.0f} s passed)", flush=True)
+            continue
         fh = None
         if parallel > 1:
             os.makedirs(os.path.dirname(log_dir), exist_ok=True)
             fh = open(log_dir + ".log", "w")
-        running.append((label, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT if fh else None),
-                        time.perf_counter(), fh))
+        env, device = None, None
+        if devices:
+            device = min(devices, key=lambda d: sum(1 for item in running if item[4] == d))
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+            print(f"[efficacy] {label}: on device {device}", flush=True)
+        running.append((label, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT if fh else None, env=env),
+                        time.perf_counter(), fh, device))
         if parallel <= 1:
             reap(block=True)
             if failed:
@@ -151,7 +163,7 @@ def curve_of(summary: dict) -> dict:
              if any(k in h for h in hist[1:])}
     leaf = [h["rollout/mean_leaf_length"] for h in hist if "rollout/mean_leaf_length" in h]
     return {"step": steps, "seconds": seconds, "tokens": tokens, "accuracy": acc, "median_step_times": split,
-            "compile_s": compile_s, "mean_leaf_length": float(np.mean(leaf)) if leaf else float("nan")}
+            "compile_s": compile_s, "model": os.path.basename(str(summary.get("model", "?"))), "mean_leaf_length": float(np.mean(leaf)) if leaf else float("nan")}
 
 
 def _first_reaching(mean_acc, target):
@@ -161,10 +173,11 @@ def _first_reaching(mean_acc, target):
     return None
 
 
-def summarize(runs: dict[str, dict[int, dict]]) -> dict:
-    """Per method: mean/min/max curves over seeds and the table's numbers (see the module docstring)."""
-    if BASELINE not in runs:
-        raise SystemExit(f"no {BASELINE!r} runs to compare with (methods found: {sorted(runs)})")
+def summarize(runs: dict[str, dict[int, dict]], baseline: str = BASELINE) -> dict:
+    """Per method: mean/min/max curves over seeds and the table's numbers (see the module docstring); the target
+    and the ratios are ``baseline``'s."""
+    if baseline not in runs:
+        raise SystemExit(f"no {baseline!r} runs to compare with (methods found: {sorted(runs)})")
     methods = {}
     for name, by_seed in runs.items():
         curves = [curve_of(s) for _, s in sorted(by_seed.items())]
@@ -188,19 +201,19 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
             "mean_leaf_length": float(np.mean([c["mean_leaf_length"] for c in curves])),
             "runs": {seed: c for seed, c in zip(sorted(by_seed), curves)},
         }
-    target = float(np.mean(methods[BASELINE]["final_accuracy"]))
+    target = float(np.mean(methods[baseline]["final_accuracy"]))
     for name, m in methods.items():
         i = _first_reaching(m["accuracy_mean"], target)
         m["target"] = target
         m["step_to_target"] = None if i is None else m["step"][i]
         m["seconds_to_target"] = None if i is None else m["seconds_mean"][i]
         m["tokens_to_target"] = None if i is None else m["tokens_mean"][i]
-    base = methods[BASELINE]
+    base = methods[baseline]
     for m in methods.values():
         for what in ("seconds", "tokens"):
             a, b = m[f"{what}_to_target"], base[f"{what}_to_target"]
             m[f"{what}_ratio"] = None if a is None or not b else a / b
-    return {"target": target, "methods": methods}
+    return {"target": target, "baseline": baseline, "methods": methods}
 
 
 def table(summary: dict, device: str) -> str:
@@ -211,7 +224,7 @@ def table(summary: dict, device: str) -> str:
     cards = len({m.get("device") for m in summary["methods"].values()}) > 1
     card = (lambda m: f" {m.get('device')} |") if cards else (lambda m: "")  # noqa: E731
     lines = [
-        f"Held-out greedy accuracy ({device}); target = GRPO's final mean accuracy "
+        f"Held-out greedy accuracy ({device}); target = {summary['baseline']}'s final mean accuracy "
         f"{100 * summary['target']:.1f}%." + (" Seconds compare only between rows of the same card." if cards else ""),
         "",
         "| method |" + (" card |" if cards else "") + " seeds | start | final (mean, min-max) | train s (final) | "
@@ -273,12 +286,13 @@ def plot(summary: dict, path: str, device: str) -> None:
             (line,) = ax.plot(x, acc, marker="o", ms=3, label=f"{name} ({len(m['seeds'])} seeds)")
             ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
     for ax, xlabel in ((axes[0], "training seconds (evaluations and compilation excluded)"), (axes[1], "decoded tokens (M)")):
-        ax.axhline(100 * summary["target"], color="grey", ls=":", lw=1, label="GRPO final (mean)")
+        ax.axhline(100 * summary["target"], color="grey", ls=":", lw=1, label=f"{summary['baseline']} final (mean)")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out greedy accuracy (%)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"TreePO vs GRPO, SmolLM2-135M-Instruct, chain_sum 2x2 step by step, {device}", fontsize=10)
+    models = sorted({str(r.get("model", "?")) for m in summary["methods"].values() for r in m["runs"].values()})
+    fig.suptitle(f"Held-out accuracy against compute: {', '.join(models)}, {device}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -305,10 +319,10 @@ def load_runs(runs_dir: str) -> dict[str, dict[int, dict]]:
     return runs
 
 
-def report(runs_dir: str, out: str, rollouts: list[str], device: str | None) -> dict:
+def report(runs_dir: str, out: str, rollouts: list[str], device: str | None, baseline: str = BASELINE) -> dict:
     runs = load_runs(runs_dir)
-    order = [BASELINE] + sorted(m for m in runs if m != BASELINE)
-    summary = summarize({m: runs[m] for m in order if m in runs})
+    order = [baseline] + sorted(m for m in runs if m != baseline)
+    summary = summarize({m: runs[m] for m in order if m in runs}, baseline)
     found = sorted({s.get("device") for by_seed in runs.values() for s in by_seed.values()} - {None})
     device = device or (", ".join(found) if found else "device not recorded")
     os.makedirs(out, exist_ok=True)
@@ -334,17 +348,21 @@ def main(argv=None):
     r.add_argument("--out", default="runs/efficacy")
     r.add_argument("--gin_param", action="append", default=[])
     r.add_argument("--dry_run", action="store_true")
-    r.add_argument("--parallel", type=int, default=1, help="runs at once on the accelerator (default 1)")
+    r.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
+    r.add_argument("--devices", nargs="+", default=None, help="GPU ids: each run on the least busy one")
+    r.add_argument("--stop_after", type=float, default=None, help="start no run after this many seconds")
     p = sub.add_parser("report", help="write efficacy.json / .png / .md from the runs")
     p.add_argument("--runs", default="runs/efficacy")
     p.add_argument("--out", default="experiments/results/efficacy")
     p.add_argument("--rollouts", nargs="*", default=[], help="compare_rollouts.py JSON files for the length table")
     p.add_argument("--device", default=None, help="the accelerator's name (default: read from the runs)")
+    p.add_argument("--baseline", default=BASELINE, help=f"the method the others are compared with ({BASELINE!r})")
     args = ap.parse_args(argv)
     if args.cmd == "run":
-        run(args.configs, args.seeds, args.out, args.gin_param, args.dry_run, args.parallel)
+        run(args.configs, args.seeds, args.out, args.gin_param, args.dry_run, args.parallel, args.devices,
+            args.stop_after)
     else:
-        report(args.runs, args.out, args.rollouts, args.device)
+        report(args.runs, args.out, args.rollouts, args.device, args.baseline)
 
 
 if __name__ == "__main__":

@@ -102,3 +102,33 @@ def test_run_skips_finished_runs_and_names_methods(efficacy, tmp_path, capsys):
     assert "treepo seed 1: " in out and "RunConfig.seed=1" in out and "RunConfig.num_steps=2" in out
     with pytest.raises(SystemExit, match="no such config"):
         efficacy.run([str(tmp_path / "missing.gin")], [0], str(tmp_path / "runs"), [], dry_run=True)
+
+
+def test_run_spreads_runs_over_devices_and_stops_starting(efficacy, tmp_path, monkeypatch):
+    """``devices``: each new run goes to the device with the fewest runs going; ``stop_after``: none starts late."""
+    configs = []
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.gin").write_text("")
+        configs.append(str(tmp_path / f"{name}.gin"))
+    started = []
+
+    class Proc:
+        def __init__(self, cmd, stdout=None, stderr=None, env=None):
+            started.append(env["CUDA_VISIBLE_DEVICES"])
+            self.polls = 0
+
+        def poll(self):  # each run is still going at its first look, done at the second
+            self.polls += 1
+            return None if self.polls < 2 else 0
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(efficacy.subprocess, "Popen", Proc)
+    efficacy.run(configs, [0, 1], str(tmp_path / "runs"), [], parallel=4, devices=["0", "1"])
+    assert started[:4] == ["0", "1", "0", "1"] and len(started) == 6
+    started.clear()
+    clock = iter([0.0] + [100.0] * 50)
+    monkeypatch.setattr(efficacy.time, "perf_counter", lambda: next(clock))
+    efficacy.run(configs, [0], str(tmp_path / "runs2"), [], parallel=2, devices=["0"], stop_after=10.0)
+    assert started == []

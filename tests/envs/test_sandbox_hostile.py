@@ -390,3 +390,27 @@ def test_the_opt_out_is_logged_and_keeps_the_in_process_guards(caplog, monkeypat
     assert r.stdout == "True\n" and "sandbox: os.system is not allowed" in r.observation()
     with pytest.raises(ValueError, match="isolation"):
         SandboxConfig(isolation="docker")
+
+
+def test_the_environments_check_the_layer_at_construction(monkeypatch):
+    """``CodeToolEnv`` and ``MultiTurnConfig`` carry the isolation choice; a missing layer fails at construction
+    (start-up), not at the first tool call; ``clone`` keeps the sandbox configuration."""
+    from treejax.envs.code_tool import CodeToolEnv
+    from treejax.errors import ConfigError
+    from treejax.rl.multiturn import MultiTurnConfig
+
+    class Task:
+        def score(self, text, example):
+            return 0.0
+
+    env = CodeToolEnv(Task(), sandbox=CONFIG)
+    env.reset({"question": "q"})
+    assert env.clone().sandbox is env.sandbox and env.step("<code>print(2 + 2)</code>").observation == \
+        "\n<output>\n4\n</output>\n"
+    monkeypatch.setattr(sandbox, "find_bwrap", lambda: None)
+    with pytest.raises(IsolationUnavailableError, match="bubblewrap"):
+        CodeToolEnv(Task(), sandbox=CONFIG)
+    CodeToolEnv(Task(), sandbox=SandboxConfig(isolation="none"))  # the opt-out needs no layer
+    assert MultiTurnConfig(tool_isolation="none").tool_isolation == "none"
+    with pytest.raises(ConfigError, match="tool_isolation"):
+        MultiTurnConfig(tool_isolation="docker")

@@ -323,6 +323,24 @@ def test_ctypes_syscalls_are_unprivileged(hostile):
         helper.wait()
 
 
+def test_the_seccomp_filter_refuses_namespaces_and_kernel_interfaces(hostile):
+    """A nested user namespace (``unshare``, ``clone`` with namespace flags), ``bpf``, ``io_uring_setup``,
+    ``keyctl``, ``perf_event_open``, ``userfaultfd`` and ``ptrace`` of its own child all fail with EPERM, while
+    threads, ``fork`` and ``subprocess`` still work."""
+    if sandbox.seccomp_filter() is None:
+        pytest.skip("no seccomp program for this architecture")
+    r = hostile("libc = ctypes.CDLL(None, use_errno=True)\n"
+                "calls = [libc.unshare(0x10000000), libc.unshare(0x40000000), libc.syscall(56, 0x10000000, 0, 0, 0, 0),"
+                " libc.syscall(321, 0, 0, 0), libc.syscall(425, 8, 0), libc.syscall(250, 0, 0), "
+                " libc.syscall(298, 0, 0, -1, -1, 0), libc.syscall(323, 0)]\n"
+                "pid = os.fork()\nif pid == 0:\n    import time; time.sleep(5); os._exit(0)\n"
+                "calls.append(libc.ptrace(16, pid, 0, 0))\nos.kill(pid, 9); os.waitpid(pid, 0)\n"
+                "import subprocess, threading\nt = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+                "print(calls, subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
+                "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])")
+    assert r.ok and r.stdout.splitlines() == ["thread", str([-1] * 9) + " child", "2"]
+
+
 def test_writes_to_every_path_outside_the_scratch_folder(hostile):
     """Every folder the snippet can see (outside ``/scratch`` and ``/proc``) refuses a new file; so do the files
     of the read-only view."""

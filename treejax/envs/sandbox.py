@@ -23,7 +23,10 @@ Layers, outermost first (each one a limit the child cannot lift):
      killed, the kernel kills every process left inside), IPC, UTS and cgroup namespaces;
    - an **unprivileged uid**: run as root, the child drops to a uid of its own (``1000000000 + the caller's
      pid``, no capabilities, ``no_new_privs``) before it reads the code; run as another user, bubblewrap maps it
-     to ``65534`` in a user namespace of its own (with further user namespaces disabled).
+     to ``65534`` in a user namespace of its own (with further user namespaces disabled);
+   - a **seccomp filter** (x86-64; :func:`seccomp_filter`): no new namespaces (``unshare``, ``clone`` with
+     namespace flags), no ``mount``, ``ptrace``, ``bpf``, ``io_uring``, keyrings, ``perf_event_open``,
+     ``userfaultfd``, kernel modules, ..., only Unix, IP and netlink sockets, no 32-bit or x32 system calls.
    ``check_isolation`` runs one probe snippet through the full layer once per process: where no layer works it
    raises :class:`~treejax.errors.IsolationUnavailableError`, one line saying why and what to install.
    ``isolation = "none"`` opts out (loudly logged): for users who already run treejax in a container of their own,
@@ -46,8 +49,8 @@ bounds a flood of output too. The result (:class:`RunResult`) holds the first ``
 and the last of stderr, the exit code, whether the limit killed it, the seconds, and :meth:`RunResult.observation`:
 the text an environment appends to the conversation.
 
-Not contained (see README, "The sandbox's threat model"): the kernel itself (no seccomp filter: a kernel
-exploit reachable by an unprivileged user escapes), reads of what the read-only view holds (``/usr``, the
+Not contained (see README, "The sandbox's threat model"): the kernel itself (a kernel exploit through a system
+call the filter allows, as an unprivileged user, escapes), reads of what the read-only view holds (``/usr``, the
 interpreter and its packages) and of the host-wide figures ``/proc`` shows (CPU, memory, uptime), CPU and memory
 use up to the limits (address space is per process: all of a snippet's processes together may use up to
 ``max_processes * memory_mb``; no cgroup), and timing side channels.
@@ -265,10 +268,81 @@ def _view(python: str) -> list[str]:
     return args
 
 
-def bwrap_command(bwrap: str, config: SandboxConfig, as_root: bool) -> list[str]:
+# x86-64 system calls the code never needs and that widen the kernel's attack surface (namespaces, mounts,
+# ptrace, BPF, keyrings, io_uring, modules, ...): refused with EPERM by the seccomp filter
+_X86_64_DENIED = {
+    "ptrace": 101, "syslog": 103, "uselib": 134, "personality": 135, "ustat": 136, "sysfs": 139, "vhangup": 153,
+    "pivot_root": 155, "_sysctl": 156, "chroot": 161, "acct": 163, "mount": 165, "umount2": 166, "swapon": 167,
+    "swapoff": 168, "reboot": 169, "sethostname": 170, "setdomainname": 171, "iopl": 172, "ioperm": 173,
+    "init_module": 175, "delete_module": 176, "quotactl": 179, "nfsservctl": 180, "lookup_dcookie": 212,
+    "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250, "migrate_pages": 256, "move_pages": 279,
+    "perf_event_open": 298, "fanotify_init": 300, "name_to_handle_at": 303, "open_by_handle_at": 304,
+    "setns": 308, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "finit_module": 313,
+    "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+    "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "pidfd_getfd": 438, "process_madvise": 440, "mount_setattr": 442, "memfd_secret": 447,
+}
+_X86_64_CLONE, _X86_64_UNSHARE, _X86_64_CLONE3, _X86_64_SOCKET = 56, 272, 435, 41
+_CLONE_NEW_ANY = 0x7E020080  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWTIME
+_SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK (no packet, vsock, alg, bluetooth, ...)
+
+
+def seccomp_filter() -> bytes | None:
+    """The seccomp program (classic BPF, as ``bwrap --seccomp`` reads it) for this machine's architecture:
+    EPERM for the system calls in ``_X86_64_DENIED``, for ``clone`` / ``unshare`` with a namespace flag (no
+    nested user namespace) and for sockets other than Unix, IP and netlink; ENOSYS for ``clone3`` (its flags are
+    behind a pointer: glibc falls back to ``clone``); EPERM for every call of another ABI (x32, 32-bit). ``None``
+    on architectures other than x86-64 (the namespaces still apply there)."""
+    import platform
+    import struct
+
+    if platform.machine() != "x86_64":
+        return None
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog: list = [(ld, 0, 0, 4), (jeq, 0, "deny", 0xC000003E),  # seccomp_data.arch == AUDIT_ARCH_X86_64
+                  (ld, 0, 0, 0), (jge, "deny", 0, 0x40000000)]  # seccomp_data.nr; x32 calls
+    prog += [(jeq, "deny", 0, nr) for nr in sorted(_X86_64_DENIED.values())]
+    prog += [(jeq, "enosys", 0, _X86_64_CLONE3), (jeq, "flags", 0, _X86_64_CLONE), (jeq, "flags", 0, _X86_64_UNSHARE),
+             (jeq, "family", 0, _X86_64_SOCKET), (ret, 0, 0, allow),
+             "flags", (ld, 0, 0, 16), (jset, "deny", 0, _CLONE_NEW_ANY), (ret, 0, 0, allow),  # low half of args[0]
+             "family", (ld, 0, 0, 16)]
+    prog += [(jeq, "allow", 0, family) for family in _SOCKET_FAMILIES]
+    prog += ["deny", (ret, 0, 0, eperm), "enosys", (ret, 0, 0, enosys), "allow", (ret, 0, 0, allow)]
+    labels, n = {}, 0
+    for op in prog:
+        if isinstance(op, str):
+            labels[op] = n
+        else:
+            n += 1
+    out, i = [], 0
+    for op in prog:
+        if isinstance(op, str):
+            continue
+        code, jt, jf, k = op
+        jt = labels[jt] - i - 1 if isinstance(jt, str) else jt
+        jf = labels[jf] - i - 1 if isinstance(jf, str) else jf
+        out.append(struct.pack("<HBBI", code, jt, jf, k))
+        i += 1
+    return b"".join(out)
+
+
+def _seccomp_fd() -> int | None:
+    """A memory file holding :func:`seccomp_filter`'s program, for ``bwrap --seccomp`` (the caller closes it);
+    ``None`` where there is no program for this architecture."""
+    program = seccomp_filter()
+    if program is None:
+        return None
+    fd = os.memfd_create("treejax-seccomp")
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def bwrap_command(bwrap: str, config: SandboxConfig, as_root: bool, seccomp_fd: int | None = None) -> list[str]:
     """The full command line of one sandboxed run (module docstring), up to the prelude's arguments; ``as_root``:
     treejax runs as root (the child drops to :func:`sandbox_uid` itself) rather than as another user (a user
-    namespace maps it to 65534)."""
+    namespace maps it to 65534); ``seccomp_fd``: a descriptor the child inherits, holding the seccomp program."""
     python = config.python or sys.executable
     cmd = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
@@ -276,6 +350,8 @@ def bwrap_command(bwrap: str, config: SandboxConfig, as_root: bool) -> list[str]
         cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         cmd += ["--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534"]
+    if seccomp_fd is not None:
+        cmd += ["--seccomp", str(seccomp_fd)]
     cmd += ["--clearenv"]
     for k, v in (("PATH", "/usr/bin:/bin"), ("HOME", SCRATCH), ("TMPDIR", SCRATCH), ("LANG", "C.UTF-8"),
                  ("OPENBLAS_NUM_THREADS", "1"), ("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1")):
@@ -299,14 +375,18 @@ def _limits(config: SandboxConfig, isolated: bool, as_root: bool) -> list[str]:
 def _probe(bwrap: str, python: str, as_root: bool) -> str:
     """Runs one snippet through the full layer; ``""`` when it worked, else why not (bwrap's own message)."""
     config = SandboxConfig(timeout_s=20.0, python=python)
+    fd = _seccomp_fd()
     try:
-        out = subprocess.run(bwrap_command(bwrap, config, as_root) + _limits(config, True, as_root),
+        out = subprocess.run(bwrap_command(bwrap, config, as_root, fd) + _limits(config, True, as_root),
                              input="import os; print(6 * 7, os.getuid())", capture_output=True, text=True,
-                             timeout=30, env={})
+                             timeout=30, env={}, pass_fds=() if fd is None else (fd,))
     except (OSError, subprocess.SubprocessError) as e:
         return f"{bwrap} does not run ({e})"
     except IsolationUnavailableError as e:
         return str(e)
+    finally:
+        if fd is not None:
+            os.close(fd)
     if out.returncode != 0 or not out.stdout.startswith("42 "):
         lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
         return f"{bwrap} fails here: {lines[-1] if lines else f'exit code {out.returncode}'}"
@@ -418,18 +498,19 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> RunResult:
     tmp = tempfile.mkdtemp(prefix="treejax_tool_")
     t = time.perf_counter()
     timed_out = False
+    fd = _seccomp_fd() if bwrap is not None else None
     try:
         # stdout / stderr go to files (outside the sandbox, inherited descriptors): RLIMIT_FSIZE bounds them (a
         # flood of output stops the child instead of filling this process's memory through a pipe)
         with open(os.path.join(tmp, ".stdout"), "wb") as fo, open(os.path.join(tmp, ".stderr"), "wb") as fe:
             limits = _limits(config, bwrap is not None, as_root)
             if bwrap is not None:
-                cmd, cwd, env = bwrap_command(bwrap, config, as_root) + limits, None, {}
+                cmd, cwd, env = bwrap_command(bwrap, config, as_root, fd) + limits, None, {}
             else:
                 cmd = [config.python or sys.executable, "-I", "-B", "-c", _PRELUDE, *limits]
                 cwd, env = tmp, {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
             proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=fo, stderr=fe, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=() if fd is None else (fd,))
             try:
                 proc.stdin.write(code.encode())
                 proc.stdin.close()
@@ -452,6 +533,8 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> RunResult:
         if bwrap is not None and 128 < code_ < 128 + 65:  # bwrap reports a child killed by signal n as 128 + n
             code_ = -(code_ - 128)
     finally:
+        if fd is not None:
+            os.close(fd)
         shutil.rmtree(tmp, ignore_errors=True)
     return RunResult(stdout=out, stderr=err, exit_code=int(code_), timed_out=timed_out,
                      seconds=time.perf_counter() - t)
@@ -470,4 +553,4 @@ def _read(path: str, chars: int, tail: bool) -> str:
 
 
 __all__ = ["ISOLATION", "RunResult", "SCRATCH", "SandboxConfig", "bwrap_command", "check_isolation", "find_bwrap",
-           "run_python", "sandbox_uid"]
+           "run_python", "sandbox_uid", "seccomp_filter"]

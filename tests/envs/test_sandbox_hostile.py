@@ -201,8 +201,8 @@ def test_a_udp_datagram_and_a_connection_never_leave(hostile):
                 "try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    print('connected')\n"
                 "except OSError as e:\n    print('no connection', type(e).__name__)\n")
     assert "connected" not in r.stdout.split() and "no connection" in r.stdout
-    r = hostile("import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {port}))",
-                unseal=False)
+    r = hostile("import socket\n"
+                "socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {port}))", unseal=False)
     assert "sandbox: socket.sendto is not allowed" in r.observation()
 
 
@@ -220,7 +220,8 @@ def test_chown_and_chmod_outside(hostile):
     """Issue case 9: ``chown`` / ``chmod`` of files outside (the read-only view and the canary)."""
     r = hostile("for f in (os.chown, os.chmod):\n"
                 "    for p in ('{canary}/secret.txt', sys.executable, '/usr/bin/env', '/'):\n"
-                "        try:\n            f(p, 0o777) if f is os.chmod else f(p, 0, 0)\n            print('changed', p)\n"
+                "        try:\n            f(p, 0o777) if f is os.chmod else f(p, 0, 0)\n"
+                "            print('changed', p)\n"
                 "        except OSError as e:\n            print(type(e).__name__)")
     assert r.ok and "changed" not in r.stdout and len(r.stdout.splitlines()) == 8
 
@@ -300,7 +301,8 @@ def test_ptrace_reaches_nothing_outside(hostile):
 
 def test_raw_and_packet_sockets_are_refused(hostile):
     r = hostile("for args in ((socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW),"
-                " (socket.AF_PACKET, socket.SOCK_RAW, 0x0300), (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)):\n"
+                " (socket.AF_PACKET, socket.SOCK_RAW, 0x0300),"
+                " (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)):\n"
                 "    try:\n        socket.socket(*args)\n        print('opened')\n"
                 "    except OSError as e:\n        print(type(e).__name__)")
     assert r.ok and r.stdout.split() == ["PermissionError"] * 3
@@ -330,12 +332,14 @@ def test_the_seccomp_filter_refuses_namespaces_and_kernel_interfaces(hostile):
     if sandbox.seccomp_filter() is None:
         pytest.skip("no seccomp program for this architecture")
     r = hostile("libc = ctypes.CDLL(None, use_errno=True)\n"
-                "calls = [libc.unshare(0x10000000), libc.unshare(0x40000000), libc.syscall(56, 0x10000000, 0, 0, 0, 0),"
-                " libc.syscall(321, 0, 0, 0), libc.syscall(425, 8, 0), libc.syscall(250, 0, 0), "
+                "calls = [libc.unshare(0x10000000), libc.unshare(0x40000000),"
+                " libc.syscall(56, 0x10000000, 0, 0, 0, 0), libc.syscall(321, 0, 0, 0), libc.syscall(425, 8, 0),"
+                " libc.syscall(250, 0, 0),"
                 " libc.syscall(298, 0, 0, -1, -1, 0), libc.syscall(323, 0)]\n"
                 "pid = os.fork()\nif pid == 0:\n    import time; time.sleep(5); os._exit(0)\n"
                 "calls.append(libc.ptrace(16, pid, 0, 0))\nos.kill(pid, 9); os.waitpid(pid, 0)\n"
-                "import subprocess, threading\nt = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+                "import subprocess, threading\n"
+                "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
                 "print(calls, subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
                 "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])")
     assert r.ok and r.stdout.splitlines() == ["thread", str([-1] * 9) + " child", "2"]

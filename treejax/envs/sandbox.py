@@ -230,7 +230,8 @@ def _python_prefixes(python: str) -> tuple[str, ...]:
     if python == sys.executable:
         paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
     else:
-        query = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))"
+        query = ("import json, sys; "
+                 "print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))")
         out = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, timeout=30, env={})
         if out.returncode != 0:
             raise IsolationUnavailableError(f"sandbox: the interpreter {python!r} does not run: "

@@ -26,7 +26,7 @@ from treejax.envs import sandbox
 from treejax.envs.sandbox import SandboxConfig, check_isolation, run_python, sandbox_uid
 from treejax.errors import IsolationUnavailableError, UserError
 
-CONFIG = SandboxConfig(timeout_s=3.0, memory_mb=512, file_mb=1, max_output=4000, max_processes=16)
+CONFIG = SandboxConfig(timeout_s=5.0, memory_mb=512, file_mb=1, max_output=4000, max_processes=16)
 
 UNSEAL = '''
 def _unseal():

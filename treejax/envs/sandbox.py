@@ -42,7 +42,8 @@ Layers, outermost first (each one a limit the child cannot lift):
    as an ordinary Python exception in the observation.
 4. **A wall-clock limit** (``timeout_s``): past it the sandbox's first process gets ``SIGKILL``, and with it
    (the kernel's PID-namespace teardown) every process inside; without the isolation layer, the process group and
-   every descendant found in ``/proc``. The call returns only when nothing it started is alive.
+   every descendant found in ``/proc``. Inside the layer the call returns only when nothing it started is alive
+   (bwrap reports the sandbox's exit after the PID namespace is torn down).
 
 stdout and stderr go to files of the parent outside the sandbox (inherited descriptors), so the file-size limit
 bounds a flood of output too. The result (:class:`RunResult`) holds the first ``max_output`` characters of stdout
@@ -531,7 +532,8 @@ def run_python(code: str, config: SandboxConfig = SandboxConfig()) -> RunResult:
         out = _read(os.path.join(tmp, ".stdout"), config.max_output, tail=False)
         err = _read(os.path.join(tmp, ".stderr"), config.max_output, tail=True)  # the error is at the end
         code_ = proc.returncode
-        if bwrap is not None and 128 < code_ < 128 + 65:  # bwrap reports a child killed by signal n as 128 + n
+        # bwrap reports a child killed by signal n as exit status 128 + n (so sys.exit(137) reads as SIGKILL too)
+        if bwrap is not None and 128 < code_ < 128 + 65:
             code_ = -(code_ - 128)
     finally:
         if fd is not None:

@@ -15,8 +15,8 @@ import os
 import time
 import traceback
 
-__all__ = ["ConfigError", "DataError", "DeviceMemoryError", "DivergenceError", "ModelFileError", "UserError",
-           "UserFileError", "record_failure"]
+__all__ = ["ConfigError", "DataError", "DeviceMemoryError", "DivergenceError", "IsolationUnavailableError",
+           "ModelFileError", "UserError", "UserFileError", "record_failure"]
 
 
 class UserError(Exception):
@@ -40,6 +40,11 @@ class DivergenceError(UserError, FloatingPointError):
 class DeviceMemoryError(UserError, MemoryError):
     """A program of the run needs more accelerator memory than the device has; the message names the program,
     the allocation and the settings that bound its memory."""
+
+
+class IsolationUnavailableError(UserError, RuntimeError):
+    """The code tool's sandbox (:mod:`treejax.envs.sandbox`) found no isolation layer it can use on this machine;
+    the message says why and what to install (or how to opt out inside a container of one's own)."""
 
 
 class UserFileError(UserError, FileNotFoundError):

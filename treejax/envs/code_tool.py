@@ -12,7 +12,8 @@ A turn ends on ``</code>`` (``stop_strings``), so the sampler hands over as soon
 runs in a fresh interpreter (nothing persists between calls: a snippet that needs earlier values recomputes them).
 At most ``max_calls`` calls: a call past the limit ends the episode with the verifier's score of that turn and an
 error observation. ``instructions`` is the text a run adds to the system prompt so the model knows the protocol.
-The state is plain data (the example, the call count): ``clone()`` copies it.
+The state is plain data (the example, the call count): ``clone()`` copies it. Constructing one checks that the
+sandbox's isolation layer works (:func:`~treejax.envs.sandbox.check_isolation`, once per process).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 from typing import Any
 
 from treejax.envs.base import StepResult
-from treejax.envs.sandbox import SandboxConfig, run_python
+from treejax.envs.sandbox import SandboxConfig, check_isolation, run_python
 
 INSTRUCTIONS = ("You can run Python code: write it between <code> and </code> and print what you need; the printed "
                 "output comes back between <output> and </output>. When you know the answer, reply without code "
@@ -57,6 +58,7 @@ class CodeToolEnv:
     def __post_init__(self):
         if self.max_calls < 0:
             raise ValueError(f"CodeToolEnv.max_calls must be >= 0, got {self.max_calls}")
+        check_isolation(self.sandbox)  # once per process (cached): a missing isolation layer fails here, not mid-run
 
     def reset(self, example) -> str:
         self.example, self.calls, self.done = example, 0, False

@@ -40,7 +40,7 @@ import numpy as np
 
 from treejax.envs.code_tool import CodeToolEnv
 from treejax.envs.guess import GuessNumberEnv
-from treejax.envs.sandbox import SandboxConfig
+from treejax.envs.sandbox import ISOLATION, SandboxConfig, check_isolation
 from treejax.errors import ConfigError
 from treejax.forest import NodeStatus
 from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, chat_observation, run_turn_trees, turn_forest
@@ -50,7 +50,9 @@ from treejax.sampling.partial import check_chains
 @dataclasses.dataclass(frozen=True)
 class MultiTurnConfig:
     """Code-tool episodes (module docstring): ``max_turns`` policy turns, ``turn_tokens`` tokens per turn, ``chunk``
-    tokens decoded between host checks, the sandbox's ``tool_timeout_s`` / ``tool_memory_mb`` per call, at most
+    tokens decoded between host checks, the sandbox's ``tool_timeout_s`` / ``tool_memory_mb`` per call and its
+    ``tool_isolation`` (``"bwrap"``, or ``"none"``: the loudly logged opt-out for a container of one's own,
+    :mod:`treejax.envs.sandbox`), at most
     ``max_turns - 1`` tool calls (the last turn is for the answer). The response capacity (policy and observation
     tokens together) is ``TreeConfig.max_length``. Trees of turns: ``roots`` episodes per prompt (``None``: one per
     leaf slot, independent episodes), forks into ``branch_factor`` children at a path's first ``fork_turns`` turns;
@@ -69,6 +71,7 @@ class MultiTurnConfig:
     chunk: int = 16
     tool_timeout_s: float = 5.0
     tool_memory_mb: int = 1024
+    tool_isolation: str = "bwrap"
     roots: int | None = None
     branch_factor: int = 2
     fork_turns: int = 1
@@ -89,6 +92,9 @@ class MultiTurnConfig:
         if self.environment not in ENVIRONMENTS or self.observation_format not in ("raw", "chat"):
             raise ConfigError(f"MultiTurnConfig: environment must be one of {ENVIRONMENTS} and observation_format "
                               f"'raw' or 'chat', got {self.environment!r}, {self.observation_format!r}")
+        if self.tool_isolation not in ISOLATION:
+            raise ConfigError(f"MultiTurnConfig.tool_isolation must be one of {ISOLATION}, got "
+                              f"{self.tool_isolation!r}")
         if not 0.0 < self.state_similarity <= 1.0:
             raise ConfigError(f"MultiTurnConfig.state_similarity must be in (0, 1], got {self.state_similarity}")
         if self.fork_rule not in FORK_RULES or not 0.0 < self.trace_fraction <= 1.0:
@@ -154,7 +160,10 @@ class MultiTurnRollouts:
         if base.sampler_fns.extend is None:
             raise ConfigError(f"RunConfig.multiturn: the sampler fns {base.sampler_fns.name!r} cannot append "
                               "observations (no extend)")
-        self.sandbox = SandboxConfig(timeout_s=config.tool_timeout_s, memory_mb=config.tool_memory_mb)
+        self.sandbox = SandboxConfig(timeout_s=config.tool_timeout_s, memory_mb=config.tool_memory_mb,
+                                     isolation=config.tool_isolation)
+        if make_env is None and config.environment == "code_tool":
+            check_isolation(self.sandbox)  # at start-up: one line saying what to install where no layer works
 
     def sample(self, params, key, step):
         from treejax.rl.rollouts import RolloutCounters, Rollouts

@@ -286,9 +286,11 @@ def test_dynamic_sampling_masks_degenerate_prompts(tiny_checkpoint, tmp_path):
               "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
               "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 4",
               "RunConfig.dynamic_sampling = True",
-              "RunConfig.max_refills = 1", "RunConfig.export_hf = False"]
+              "RunConfig.max_refills = 1", "RunConfig.export_hf = False", "RunConfig.save_final = False"]
     summary = train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
                          + sum((["--gin_param", p] for p in params), []))
+    # save_final = False: no checkpoint written, none named
+    assert summary["checkpoint_dir"] is None and not os.listdir(os.path.join(log_dir, "checkpoints"))
     row = summary["history"][0]
     assert row["reward/mean"] == -1.0
     assert row["update/grad_norm"] == 0.0 and row["update/loss"] == 0.0

@@ -232,6 +232,7 @@ class RunConfig:
     log_dir_mode: str = "new"  # "new" | "resume" | "overwrite" (treejax.run_dir)
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
+    save_final: bool = True  # False: no checkpoint at the end (sweeps that keep only summary.json; a 1.5B state is 18 GB)
     tree_picture_every: int = 1
     tree_picture_text: bool = True  # the picture shows the prompt and each leaf's answer text
     export_hf: bool = True

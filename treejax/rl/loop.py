@@ -304,7 +304,7 @@ def finish(r: Run) -> dict:
     cfg, evals = r.cfg, r.data_state["evals"]
     if evals[-1]["step"] != cfg.num_steps:
         evals.append(evaluate_now(r, cfg.num_steps))
-    if r.checkpointer.latest_step() != cfg.num_steps:
+    if cfg.save_final and r.checkpointer.latest_step() != cfg.num_steps:
         r.checkpointer.save(cfg.num_steps, r.state, r.data_state, force=True)
     r.checkpointer.wait()
     diverged = r.data_state.get("divergence", [])
@@ -320,6 +320,7 @@ def finish(r: Run) -> dict:
             export_hf(params, r.model_config, export_dir, r.tokenizer)
         del params
     r.writer.close()
+    saved_dir = os.path.abspath(r.checkpointer.directory) if r.checkpointer.latest_step() is not None else None
     r.checkpointer.close()
     history = r.data_state["history"]
     summary = {
@@ -329,7 +330,7 @@ def finish(r: Run) -> dict:
         "eval_before": evals[0], "eval_after": evals[-1], "evals": evals, "history": history,
         "decoded_tokens": int(sum(h.get("rollout/decoded_tokens", 0) for h in history)),
         "total_s": time.perf_counter() - r.t_start,
-        "log_dir": os.path.abspath(cfg.log_dir), "checkpoint_dir": os.path.abspath(r.checkpointer.directory),
+        "log_dir": os.path.abspath(cfg.log_dir), "checkpoint_dir": saved_dir,
         "hf_export": export_dir and os.path.abspath(export_dir), "tree_picture": r.data_state.get("tree_picture"),
         "divergence": diverged,
     }

@@ -48,7 +48,7 @@ def format_summary(s: dict) -> str:
                      + ("" if later is None else f" ({later:.1f} s of it after the first step)") + layouts)
     lines += [
         f"  TensorBoard logs: {s['log_dir']}",
-        f"  checkpoint:       {s['checkpoint_dir']}",
+        f"  checkpoint:       {s['checkpoint_dir'] or 'none (RunConfig.save_final = False)'}",
     ]
     if s.get("hf_export"):
         lines.append(f"  HF export:        {s['hf_export']}")

@@ -52,6 +52,12 @@ CANDIDATES: dict[str, tuple[str, dict]] = {
     "chain_sum_2x2/rg": ("chain_sum_2x2", dict(extraction="last_number")),
     "products_2x1/steps": ("products", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2,
                                             system_prompt=None, instruction=STEP_BY_STEP, extraction="last_number")),
+    # the long regime with a reasoning model (configs/include/qwen15_long_task.gin): reasoning-gym's own prompt,
+    # the final <answer> tag or \\boxed{} read as the model writes it
+    "basic_arithmetic_5x2/rg": ("basic_arithmetic", dict(min_terms=5, max_terms=5, min_digits=1, max_digits=2,
+                                                         extraction="tags_or_boxed")),
+    "basic_arithmetic_5x2/rg_tags": ("basic_arithmetic", dict(min_terms=5, max_terms=5, min_digits=1, max_digits=2,
+                                                              extraction="tags")),
     "basic_arithmetic_3x1/steps": ("basic_arithmetic", dict(
         min_terms=3, max_terms=3, min_digits=1, max_digits=1, operators=("+", "-", "*"), allow_parentheses=False,
         allow_negation=False, system_prompt=None, instruction=STEP_BY_STEP, extraction="last_number")),

@@ -75,3 +75,60 @@ def test_train_hf_folder_without_config(capsys, tmp_path, tiny_checkpoint):
     os.remove(folder / "config.json")
     msg = _train_model_error(capsys, tmp_path, folder)
     assert msg == f"missing file {folder / 'config.json'} (an HF checkpoint folder needs config.json)"
+
+
+# ----------------------------------------------------------------------------------------------- gin bindings
+@pytest.mark.parametrize("value", ["/some/path", "./runs/a", "runs/a", "~/runs/a", "Qwen2.5-Math-1.5B/"])
+def test_unquoted_path_says_quote_string_values(capsys, value):
+    msg = _one_line_error(capsys, train.console_main, ["--quiet", f"--gin_param=RunConfig.log_dir={value}"],
+                          "treejax-train")
+    assert msg == (f"--gin_param: quote string values: RunConfig.log_dir='{value}' "
+                   f"(in a shell: --gin_param=\"RunConfig.log_dir='{value}'\")")
+
+
+# ----------------------------------------------------------------------------------------------- one gin surface
+def test_sft_takes_gin_file_as_train_does(tmp_path, monkeypatch):
+    """``treejax-sft --gin_file=FILE`` reads FILE (as ``treejax-train --gin_file``); positional files still work
+    and come after the ``--gin_file`` ones."""
+    from treejax import sft
+
+    seen = []
+
+    class Parsed(Exception):
+        pass
+
+    def run(cfg):
+        seen.append(cfg)
+        raise Parsed
+
+    monkeypatch.setattr(sft, "run", run)
+    first, second = tmp_path / "a.gin", tmp_path / "b.gin"
+    first.write_text("SFTConfig.num_steps = 7\nSFTConfig.batch_size = 3\n")
+    second.write_text("SFTConfig.num_steps = 9\n")
+    with pytest.raises(Parsed):
+        sft.console_main([f"--gin_file={first}", "--quiet"])
+    with pytest.raises(Parsed):
+        sft.console_main([str(second), "--gin_file", str(first), "--quiet"])
+    assert [(c.num_steps, c.batch_size) for c in seen] == [(7, 3), (9, 3)]
+
+
+def test_sft_gin_file_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.gin"
+    bad.write_text("SFTConfig.num_stpes = 7\n")
+    from treejax import sft
+
+    msg = _one_line_error(capsys, sft.console_main, ["--gin_file", str(bad)], "treejax-sft")
+    assert msg == f"{bad}:1: unknown gin binding 'SFTConfig.num_stpes'; did you mean SFTConfig.num_steps?"
+
+
+def test_launch_says_trainer_arguments_go_after_the_separator(capsys):
+    from treejax import launch
+
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["-n", "2", "--gin_param", "RunConfig.estimator='grpo'", "--devices_per_process", "2",
+                     "--", "--quiet"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("python -m treejax.launch: error: unrecognized arguments: --gin_param "
+                       "\"RunConfig.estimator='grpo'\"; the trainer's arguments go after --: python -m treejax.launch "
+                       "-n 2 --devices_per_process 2 -- --gin_param \"RunConfig.estimator='grpo'\" --quiet")

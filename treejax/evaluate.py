@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     from treejax.data import get_task
+    from treejax.data.splits import check_split
     from treejax.models.registry import load_model
     from treejax.rl.evaluation import EvalConfig, evaluate, prompt_width_for
     from treejax.sampling.decode import make_model_fns
@@ -172,8 +173,16 @@ def main(argv: list[str] | None = None) -> dict:
     system_prompt = args.system_prompt if args.system_prompt is not None else run_cfg.system_prompt
     instruction = args.instruction if args.instruction is not None else run_cfg.instruction
     defaults = eval_defaults(run_cfg)
-    config = EvalConfig(**{name: getattr(args, name, None) if getattr(args, name, None) is not None else value
-                           for name, value in defaults.items()})
+    flags = {name: getattr(args, name) for name in defaults if getattr(args, name, None) is not None}
+    try:
+        config = EvalConfig(**{**defaults, **flags})
+    except ValueError as e:  # the run config's values were checked when it was parsed: a flag is out of range
+        given = [f"--{name} {value}" for name, value in flags.items() if f"EvalConfig.{name} " in str(e)]
+        raise ConfigError(f"{', '.join(given)}: {e}" if given else str(e)) from None
+    try:
+        check_split(args.split)  # before the model loads
+    except DataError as e:
+        raise DataError(f"--split: {e}") from None
 
     task = get_task(task_name, **task_options)  # a task error too comes before the model loads
     t0 = time.perf_counter()
@@ -217,9 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def console_main() -> None:
+def console_main(argv: list[str] | None = None) -> None:
+    """The ``treejax-eval`` entry point: a :class:`~treejax.errors.UserError` is one line and exit status 2."""
     try:
-        main()
+        main(argv)
     except UserError as e:  # a user's mistake is one line; anything else keeps its traceback
         print(f"treejax-eval: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -168,6 +169,17 @@ def launch(command: list[str], num_processes: int, *, devices_per_process: int |
     return status
 
 
+def _shell_join(args: list[str]) -> str:
+    """``args`` as a shell command line, a gin binding with single quotes in double quotes, as the README writes
+    it (``--gin_param "RunConfig.estimator='grpo'"``)."""
+    def quote(arg: str) -> str:
+        if shlex.quote(arg) == arg or any(c in arg for c in '"$`\\!'):
+            return shlex.quote(arg)
+        return f'"{arg}"'
+
+    return " ".join(map(quote, args))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--" in argv:
@@ -188,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="jax.distributed: a process silent this long is dead and the others stop (JAX: 100)")
     parser.add_argument("--timeout_s", type=float, default=None, help="kill every process after this long")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    args = parser.parse_args(own)
+    args, unknown = parser.parse_known_args(own)
+    if unknown:  # e.g. --gin_param before the separator: say where it goes, with the command that does it
+        known = list(own)
+        for arg in unknown:
+            known.remove(arg)
+        parser.error(f"unrecognized arguments: {_shell_join(unknown)}; the trainer's arguments go after --: "
+                     f"python -m treejax.launch {_shell_join(known)} -- {_shell_join(unknown + rest)}")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         parser.error(f"--devices_per_process must be >= 1, got {args.devices_per_process}")
     if args.num_processes < 1:

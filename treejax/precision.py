@@ -24,6 +24,7 @@ with both numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -119,6 +120,24 @@ def apply_policy(fn):
             return fn(params, config, *args, **kwargs)
 
     return wrapped
+
+
+def current_matmul_precision() -> str | None:
+    """The matmul precision in effect where this is called (``jax.default_matmul_precision``'s context or the
+    ``jax_default_matmul_precision`` flag; None: the backend's default)."""
+    return jax.config.jax_default_matmul_precision
+
+
+def matmul_precision_scope(precision: str | None):
+    """``jax.default_matmul_precision(precision)``, or no change for None.
+
+    A ``jax.custom_vjp``'s backward function is traced when the gradient is transposed, after the entry point
+    that called it has returned (and left :func:`apply_policy`'s context): a gradient taken outside the trainer,
+    ``jax.grad(lambda h: token_logprobs(params, config, h, t).sum())``, would trace its matmuls at the backend's
+    default (TF32 on a GPU). The entry point passes :func:`current_matmul_precision` to the custom_vjp as a
+    static argument, and the backward re-enters it here. (Autodiff's own transposes need nothing: each
+    ``dot_general`` carries the precision it was traced with, and its transpose copies it.)"""
+    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
 
 
 def cast_floating(tree: Any, dtype: str) -> Any:

@@ -1,11 +1,12 @@
 """Supervised fine-tuning on a task's demonstrations: plain cross-entropy, or OTR's one-token rollouts.
 
-``treejax-sft [FILE.gin ...] [--gin_param "SFTConfig.field = value"]``: the model (an embedded name, an HF folder or a
-``.gguf``) trains on the task's training problems, each answered by its *demonstration* (``SFTConfig.demonstration``,
-a format string over the record: ``{answer}``, ``{question}`` and the task's metadata keys, e.g. a file task's
-solution column), and is evaluated on the held-out problems (greedy accuracy, ``EvalConfig``) before, every
-``eval_every`` steps and after. Writes TensorBoard metrics and ``summary.json`` to ``log_dir`` and, with
-``export_hf``, the weights as an HF folder (``log_dir/hf_export``) that ``treejax-train`` can start from.
+``treejax-sft [FILE.gin ...] [--gin_file FILE.gin] [--gin_param "SFTConfig.field = value"]`` (the gin options of
+``treejax-train``): the model (an embedded name, an HF folder or a ``.gguf``) trains on the task's training
+problems, each answered by its *demonstration* (``SFTConfig.demonstration``, a format string over the record:
+``{answer}``, ``{question}`` and the task's metadata keys, e.g. a file task's solution column), and is evaluated
+on the held-out problems (greedy accuracy, ``EvalConfig``) before, every ``eval_every`` steps and after. Writes
+TensorBoard metrics and ``summary.json`` to ``log_dir`` and, with ``export_hf``, the weights as an HF folder
+(``log_dir/hf_export``) that ``treejax-train`` can start from.
 
 Objectives, over the demonstration's tokens ``y_t`` (``t`` in the loss mask: the demonstration and its EOS, never
 the prompt), with ``pi = softmax(z_t)`` the model at temperature 1 given the gold prefix (teacher forcing):
@@ -296,15 +297,15 @@ def main(argv: list[str] | None = None) -> dict:
     import gin
 
     from treejax.log import configure_logging
-    from treejax.train import parse
+    from treejax.train import add_gin_arguments, gin_files_of, parse
 
     parser = argparse.ArgumentParser(prog="treejax-sft", description=__doc__.split("\n\n")[0])
-    parser.add_argument("gin_files", nargs="*", metavar="FILE.gin", help="gin config file(s)")
-    parser.add_argument("--gin_param", action="append", default=[], help='a binding, e.g. "SFTConfig.num_steps = 5"')
+    add_gin_arguments(parser, example="SFTConfig.num_steps = 5")
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
     args = parser.parse_args(argv)
+    gin_files = gin_files_of(parser, args) or []
     configure_logging(args.quiet)
-    cfg = parse(args.gin_files, args.gin_param, check_mesh=False, root="SFTConfig")
+    cfg = parse(gin_files, args.gin_param, check_mesh=False, root="SFTConfig")
     summary = run(cfg)
     with open(os.path.join(cfg.log_dir, "operative_config.gin"), "w") as f:
         f.write(gin.config_str())

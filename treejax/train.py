@@ -152,8 +152,9 @@ def _at(path: str | None, line: int | None) -> str:
     return "--gin_param" if path is None else f"{path}:{line}"
 
 
-#: ``Class.param = word``: a bare word where gin expects a Python literal (an unquoted string).
-_UNQUOTED = re.compile(r"^\s*([\w./]+\.\w+)\s*=\s*([A-Za-z_][\w.\-]*)\s*$")
+#: ``Class.param = word``: a bare word or path (``/data/x``, ``./runs/a``, ``~/m``, ``Qwen2.5-1.5B/``) where gin
+#: expects a Python literal (an unquoted string).
+_UNQUOTED = re.compile(r"^\s*([\w./]+\.\w+)\s*=\s*([A-Za-z_./~][^\s'\"\[\]{}(),=@%]*)\s*$")
 
 
 def _parse_statements(text: str, path: str | None) -> list[_Located]:
@@ -443,13 +444,31 @@ command to resume. A second Ctrl-C, or one before the first step starts, stops a
 """
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="treejax-train", description=__doc__.split("\n\n")[0],
-                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_gin_arguments(parser: argparse.ArgumentParser, example: str = "RunConfig.estimator='grpo'") -> None:
+    """The gin options every gin-configured CLI takes (``treejax-train``, ``treejax-sft``): positional ``FILE.gin``
+    files, ``--gin_file`` (repeatable; the same) and ``--gin_param`` bindings. :func:`gin_files_of` reads them."""
     parser.add_argument("gin_files", nargs="*", metavar="FILE.gin", help="gin config file(s), as --gin_file")
     parser.add_argument("--gin_file", action="append", default=None, help="gin config file (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[],
-                        help="gin binding, e.g. \"RunConfig.estimator='grpo'\" (repeatable; quote strings)")
+                        help=f"gin binding, e.g. \"{example}\" (repeatable; quote strings)")
+
+
+def gin_files_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str] | None:
+    """The gin files of :func:`add_gin_arguments`' options, ``--gin_file`` first, then the positional ones (None
+    when neither is given); a positional argument that is no ``.gin`` file is the parser's error (exit status 2)."""
+    for path in args.gin_files:
+        if not path.endswith(".gin"):
+            parser.error(f"unexpected argument {path!r}: positional arguments are gin files (FILE.gin, as "
+                         "--gin_file); bindings go in --gin_param=\"Class.field=value\"")
+    if args.gin_files:
+        return (args.gin_file or []) + args.gin_files
+    return args.gin_file
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treejax-train", description=__doc__.split("\n\n")[0],
+                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_gin_arguments(parser)
     parser.add_argument("--list", choices=LIST_KINDS, default=None, metavar="KIND",
                         help=f"print the registered {', '.join(LIST_KINDS)} (one line each, with its gin "
                              "binding) and exit")
@@ -474,12 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.list:
         print("\n".join(list_lines(args.list)))
         return {}
-    for path in args.gin_files:
-        if not path.endswith(".gin"):
-            parser.error(f"unexpected argument {path!r}: positional arguments are gin files (FILE.gin, as "
-                         "--gin_file); bindings go in --gin_param=\"Class.field=value\"")
-    if args.gin_files:
-        args.gin_file = (args.gin_file or []) + args.gin_files
+    args.gin_file = gin_files_of(parser, args)
     if args.resume or args.overwrite:
         args.gin_param = args.gin_param + [f"RunConfig.log_dir_mode = '{'resume' if args.resume else 'overwrite'}'"]
     configure_logging(args.quiet)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
+from treejax.errors import DataError
+
 __all__ = ["SPLITS", "check_split", "question_uid", "split_of", "split_unit"]
 
 SPLITS = ("train", "eval")
@@ -40,6 +42,7 @@ def split_of(question: str, eval_fraction: float) -> str:
 
 
 def check_split(split: str) -> str:
+    """``split`` if it is one of :data:`SPLITS`, else a :class:`~treejax.errors.DataError` naming the valid ones."""
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
+        raise DataError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
     return split

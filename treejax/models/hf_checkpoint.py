@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from treejax.errors import UserError
+from treejax.errors import ModelFileError, UserError
 from treejax.models.config import ARCHITECTURES, ModelConfig
 from treejax.models.transformer import param_shapes
 
@@ -142,9 +142,9 @@ def config_from_hf(hf: dict, param_dtype: str = "float32", compute_dtype: str | 
 def load_hf_config(folder: str, param_dtype: str = "float32", compute_dtype: str | None = None) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+        raise ModelFileError(f"checkpoint folder not found: {folder}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing file {path} (an HF checkpoint folder needs config.json)")
+        raise ModelFileError(f"missing file {path} (an HF checkpoint folder needs config.json)")
     try:
         with open(path) as f:
             hf = json.load(f)
@@ -228,15 +228,15 @@ def _weight_map(folder: str) -> dict[str, str]:
         for name, fname in wm.items():
             path = os.path.join(folder, fname)
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"missing file {path} (listed in {index} for tensor {name!r})")
+                raise ModelFileError(f"missing file {path} (listed in {index} for tensor {name!r})")
             out[name] = path
         return out
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         others = [f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
         hint = f" (found {others}; only safetensors is supported)" if others else ""
-        raise FileNotFoundError(f"missing file {os.path.join(folder, 'model.safetensors')}: no *.safetensors "
-                                f"files in {folder}{hint}")
+        raise ModelFileError(f"missing file {os.path.join(folder, 'model.safetensors')}: no *.safetensors "
+                             f"files in {folder}{hint}")
     out = {}
     for path in files:
         with _open(path) as f:
@@ -251,7 +251,7 @@ def _open(path: str):
     except SafetensorError as e:
         raise CheckpointError(f"{path}: cannot read safetensors file, it is truncated or corrupt ({e})") from None
     except FileNotFoundError:
-        raise FileNotFoundError(f"missing file {path}") from None
+        raise ModelFileError(f"missing file {path}") from None
 
 
 class _Reader:

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from treejax.errors import ModelFileError
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Chat-turn terminators: when the chat template closes turns with one of these, generation stops on it.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -91,7 +93,7 @@ class TextTokenizer:
     def from_hf_folder(cls, folder: str) -> "TextTokenizer":
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"missing file {path} (only fast tokenizers / tokenizer.json are supported)")
+            raise ModelFileError(f"missing file {path} (only fast tokenizers / tokenizer.json are supported)")
         try:
             tok = Tokenizer.from_file(path)
         except Exception as e:

@@ -31,7 +31,7 @@ from treejax.models import tree_attention
 from treejax.models.config import ModelConfig
 from treejax.models.dense_attention import attention, segment_mask, windowed_decode_attention
 from treejax.parallel.mesh import rows_and_heads
-from treejax.precision import apply_policy
+from treejax.precision import apply_policy, current_matmul_precision, matmul_precision_scope
 
 Params = dict
 
@@ -157,7 +157,15 @@ def _mlp(lp: dict, h: jax.Array) -> jax.Array:
     else:
         gate = jnp.einsum("ble,ef->blf", h, lp["w_gate"].astype(dt))
         up = jnp.einsum("ble,ef->blf", h, lp["w_up"].astype(dt))
-    return jnp.einsum("blf,fe->ble", jax.nn.silu(gate) * up, lp["w_down"].astype(dt))
+    return jnp.einsum("blf,fe->ble", _swiglu(gate, up), lp["w_down"].astype(dt))
+
+
+@jax.checkpoint
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``. Checkpointed: its backward recomputes the elementwise ops from ``gate`` and ``up``
+    instead of saving ``sigmoid(gate)`` and ``silu(gate)`` too; under the layer scan every saved ``[B, L, F]``
+    tensor is stacked over all layers (SmolLM2-135M, 16 x 384 tokens in fp32: 1.13 GB each)."""
+    return jax.nn.silu(gate) * up
 
 
 def _block(config: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array, attend_fn):
@@ -320,8 +328,8 @@ def logits(params: Params, config: ModelConfig, hidden: jax.Array, mask_padded_v
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunk_stats(h, w_c, valid_C, local, inv_temp: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunk_stats(h, w_c, valid_C, local, inv_temp: float, precision: str | None):
     """Statistics of one vocabulary chunk ``z = (h w_c) * inv_temp`` (fp32; ``-inf`` where ``~valid_C``):
 
         lse_c = log sum_v e^{z_v},   t_c = z_{target} (0 if the target is not in the chunk),
@@ -334,9 +342,14 @@ def _chunk_stats(h, w_c, valid_C, local, inv_temp: float):
         dz = inv_temp * (p * (g_lse + g_zs * (1 + z - zs_c)) + g_t * onehot)
 
     is formed in one elementwise pass and cast to ``h``'s dtype, so both backward matmuls (``dz w_c^T`` and
-    ``h^T dz``) run in the compute dtype (bf16 GEMMs), not as fp32/TF32 GEMMs on an fp32 cotangent (measured on an H200: the fp32 head GEMMs were 17% of a qwen2.5-0.5b update step).
+    ``h^T dz``) run in the compute dtype (bf16 GEMMs), not as fp32/TF32 GEMMs on an fp32 cotangent (measured on
+    an H200: the fp32 head GEMMs were 17% of a qwen2.5-0.5b update step).
+
+    ``precision``: the matmul precision of the caller (:func:`~treejax.precision.current_matmul_precision`); the
+    backward's matmuls run at it too, also when the gradient is taken outside the entry point's precision policy
+    (:func:`~treejax.precision.matmul_precision_scope`).
     """
-    return _chunk_stats_fwd(h, w_c, valid_C, local, inv_temp)[0]
+    return _chunk_stats_fwd(h, w_c, valid_C, local, inv_temp, precision)[0]
 
 
 def _chunk_logits(h, w_c, valid_C, inv_temp):
@@ -344,8 +357,9 @@ def _chunk_logits(h, w_c, valid_C, inv_temp):
     return jnp.where(valid_C.reshape((1,) * (z.ndim - 1) + (-1,)), z, -jnp.inf)
 
 
-def _chunk_stats_fwd(h, w_c, valid_C, local, inv_temp):
-    z = _chunk_logits(h, w_c, valid_C, inv_temp)
+def _chunk_stats_fwd(h, w_c, valid_C, local, inv_temp, precision):
+    with matmul_precision_scope(precision):
+        z = _chunk_logits(h, w_c, valid_C, inv_temp)
     C = z.shape[-1]
     m = jnp.max(z, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -358,7 +372,12 @@ def _chunk_stats_fwd(h, w_c, valid_C, local, inv_temp):
     return (lse, t, zs), (h, w_c, valid_C, local, lse, zs)
 
 
-def _chunk_stats_bwd(inv_temp, res, g):
+def _chunk_stats_bwd(inv_temp, precision, res, g):
+    with matmul_precision_scope(precision):
+        return _chunk_stats_grads(inv_temp, res, g)
+
+
+def _chunk_stats_grads(inv_temp, res, g):
     h, w_c, valid_C, local, lse, zs = res
     g_lse, g_t, g_zs = g
     z = _chunk_logits(h, w_c, valid_C, inv_temp)
@@ -405,10 +424,11 @@ def token_logprobs(params: Params, config: ModelConfig, hidden: jax.Array, targe
     starts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
     valid = (starts[:, None] + jnp.arange(chunk)[None, :]) < config.sampling_vocab_size  # [n, C]
     inv_temp = 1.0 / float(temperature)
+    precision = current_matmul_precision()  # the policy's (apply_policy), also for the custom backward
 
     def body(_, xs):
         w_c, valid_C, start = xs
-        return None, _chunk_stats(h, w_c, valid_C, targets - start, inv_temp)
+        return None, _chunk_stats(h, w_c, valid_C, targets - start, inv_temp, precision)
 
     _, (lse_c, t_c, zs_c) = lax.scan(body, None, (w, valid, starts))  # each [n, *targets.shape]
     lse = jax.nn.logsumexp(lse_c, axis=0)

@@ -73,8 +73,13 @@ def main(argv=None):
     ap.add_argument("--row-buckets", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--xla", action="append", default=[], metavar="OPTION=VALUE",
+                    help="an XLA option added to the sampler's compiler options (decode.SAMPLER_COMPILER_OPTIONS)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    for item in a.xla:
+        name, _, value = item.partition("=")
+        decode.SAMPLER_COMPILER_OPTIONS[name] = value
     dtype = a.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     cfg = (presets.tiny_config("qwen2.5-0.5b") if a.preset == "tiny" else presets.get_config(a.preset))
     cfg = cfg.replace(param_dtype=dtype, compute_dtype=dtype)
@@ -87,7 +92,7 @@ def main(argv=None):
     toks = rng.randint(3, V - n_stop, (a.prompts, a.prompt_len)).astype(np.int32)
     lens = np.full((a.prompts,), a.prompt_len, np.int32)
     dev = jax.devices()[0]
-    print(f"device: {getattr(dev, 'device_kind', dev.platform)}  preset {a.preset} ({dtype}), P={a.prompts} W="
+    print(f"device: {getattr(dev, 'device_kind', dev.platform)}  sampler XLA options {decode.SAMPLER_COMPILER_OPTIONS}  preset {a.preset} ({dtype}), P={a.prompts} W="
           f"{a.leaves} S={a.segment} max {a.max_tokens} tokens, {n_stop} stop ids (mean length ~{a.mean_length:.0f})")
     print(f"{'arm':<14}{'buckets':>8}{'tokens/call':>13}{'tok ratio':>10}{'rounds':>8}{'s/call':>9}"
           f"{'predicted':>11}{'meas/pred':>10}")

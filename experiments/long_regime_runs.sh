@@ -4,7 +4,8 @@
 #   bash experiments/long_regime_runs.sh benches        # random weights: rollout seconds vs tokens (P = 8 on GPU 0,
 #                                                       # P = 64 on GPU 1), decode profile at 8 / 128 rows (GPU 2),
 #                                                       # the decode step with XLA command buffers for loops (GPU 3)
-#   bash experiments/long_regime_runs.sh front GGUF     # 7 arms x seeds 0-2, 12 steps, 2 runs per GPU (GPU 3: 1)
+#   bash experiments/long_regime_runs.sh front GGUF     # 7 arms x seeds 0-2, 12 steps, 2 runs per GPU (GPU 3: 1);
+#                                                       # PARALLEL, DEVICES, SEEDS, MEM_FRACTION override
 #   bash experiments/long_regime_runs.sh extra GGUF     # GPU 3: the task screen, then the 1.5B code-tool check
 #   bash experiments/long_regime_runs.sh collect DIR    # the report and one archive of logs and summaries in DIR
 set -uo pipefail
@@ -29,8 +30,9 @@ case "$1" in
     ;;
   front)
     M="RunConfig.model='$2'"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-    setsid nohup python experiments/efficacy.py run --seeds 0 1 2 --out "$RUNS/front" --parallel 7 --devices 0 1 2 3 \
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
+    setsid nohup python experiments/efficacy.py run --seeds ${SEEDS:-0 1 2} --out "$RUNS/front" --parallel "${PARALLEL:-7}" \
+      --devices ${DEVICES:-0 1 2 3} \
       --stop_after "${STOP_AFTER:-420}" --gin_param="$M" --gin_param=RunConfig.num_steps=12 \
       --gin_param=OptimizerConfig.total_steps=12 --gin_param=RunConfig.eval_every=6 \
       --gin_param=RunConfig.save_final=False \
@@ -40,8 +42,8 @@ case "$1" in
     ;;
   extra)
     M="RunConfig.model='$2'"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-    bg 3 extra.log "python experiments/screen_tasks.py --model $2 --only basic_arithmetic_5x2/rg --only basic_arithmetic_5x2/rg_tags --num_problems 128 --k 4 --max_new_tokens 512 --segment_length 64 --json $LR/screen_qwen15.json; python -m treejax.train configs/multiturn_code_tool_qwen15.gin --gin_param=\"$M\" --gin_param=RunConfig.num_steps=3 --gin_param=OptimizerConfig.total_steps=3 --gin_param=EvalConfig.num_problems=64 --gin_param=RunConfig.save_final=False --gin_param=RunConfig.log_dir=\"'$RUNS/mt'\" --overwrite"
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
+    bg "${EXTRA_GPU:-3}" extra.log "python experiments/screen_tasks.py --model $2 --only basic_arithmetic_5x2/rg --only basic_arithmetic_5x2/rg_tags --num_problems 128 --k 4 --max_new_tokens 512 --segment_length 64 --json $LR/screen_qwen15.json; python -m treejax.train configs/multiturn_code_tool_qwen15.gin --gin_param=\"$M\" --gin_param=RunConfig.num_steps=3 --gin_param=OptimizerConfig.total_steps=3 --gin_param=EvalConfig.num_problems=64 --gin_param=RunConfig.save_final=False --gin_param=RunConfig.log_dir=\"'$RUNS/mt'\" --overwrite"
     ;;
   collect)
     python experiments/efficacy.py report --runs "$RUNS/front" --out "$LR/front" --baseline qwen15_grpo16 \

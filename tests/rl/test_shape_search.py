@@ -124,6 +124,10 @@ def test_calibration_runs_once_is_checkpointed_and_restored(tiny_checkpoint, tmp
                         lambda self, *a: calls.append(a[-1]) or real(self, *a))
     ro = r.source.sample(params, jax.random.key(0), 0)
     assert calls == [0] and r.source.k in (2, 4) and r.source.base.rollout is r.source.rollout_for(r.source.k)
+    # the calibration's tokens are rollout compute: counted in the step's decoded tokens
+    calibration = sum(row["tokens"] for row in r.source.table)
+    assert ro.extra_metrics["shape/calibration_tokens"] == calibration > 0
+    assert ro.counters.decoded_tokens > calibration
     assert ro.extra_metrics["shape/k"] == r.source.k and ro.forest.leaf_path.shape[:2] == (2, 4)
     assert sorted(row["k"] for row in r.source.table) == [2, 4]
     r.source.sample(params, jax.random.key(1), 1)
@@ -139,6 +143,7 @@ def test_calibration_runs_once_is_checkpointed_and_restored(tiny_checkpoint, tmp
     fresh.restore_state({"shape_search": saved})
     ro2 = fresh.sample(params, jax.random.key(2), 1)
     assert fresh.k == saved["k"] and ro2.extra_metrics["shape/chosen_at"] == 0
+    assert ro2.extra_metrics["shape/calibration_tokens"] == 0
     assert ro2.forest.leaf_path.shape[:2] == (2, 4)
 
 

@@ -201,15 +201,22 @@ class ShapeSearchRollouts:
         return every > 0 and step >= self.chosen_at + every
 
     def sample(self, params, key, step):
+        """The step's rollouts with the current shape, after a calibration when one is due. A calibration's decoded
+        tokens count in the step's ``rollout/decoded_tokens`` (they are rollout compute; ``shape/calibration_tokens``
+        says how many), and its time in the step's rollout time."""
+        calibration_tokens = 0
         if self.due(step):
             arms = self.calibrate(params, key, step)
             k = choose_shape(arms, self.search.objective)
             self.use(k, step)
             self.table = [a.row() for a in arms.values()]
+            calibration_tokens = sum(a.tokens for a in arms.values())
             log.info("%s", format_table(arms, self.search.objective, k, self.W))
         ro = self.base.sample(params, key, step)
-        return dataclasses.replace(ro, extra_metrics={**(ro.extra_metrics or {}), "shape/k": float(self.k),
-                                                      "shape/chosen_at": float(self.chosen_at)})
+        counters = dataclasses.replace(ro.counters, decoded_tokens=ro.counters.decoded_tokens + calibration_tokens)
+        return dataclasses.replace(ro, counters=counters, extra_metrics={
+            **(ro.extra_metrics or {}), "shape/k": float(self.k), "shape/chosen_at": float(self.chosen_at),
+            "shape/calibration_tokens": float(calibration_tokens)})
 
     # ---------------------------------------------------------------------------------------------- checkpoint
     def checkpoint_state(self) -> dict:

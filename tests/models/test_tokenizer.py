@@ -101,7 +101,7 @@ def test_missing_tokenizer_file(tmp_path):
 
 
 def test_registry_errors(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="neither an embedded model"):
+    with pytest.raises(FileNotFoundError, match="neither a model name"):
         registry.load_model(str(tmp_path / "missing"))
     import importlib.util
 

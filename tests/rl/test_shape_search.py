@@ -137,7 +137,7 @@ def test_calibration_runs_once_is_checkpointed_and_restored(tiny_checkpoint, tmp
     # a new source over the same task source (as a resumed run builds it), restored from that state
     r.source.base.rollout = None
     fresh = shape_search.ShapeSearchRollouts(r.source.base, cfg.shape_search,  # the compiled shapes, reused
-                                             lambda tc: r.source.rollout_for(tc.init_divergence), cfg.seed)
+                                             lambda tc: r.source.rollout_for(tc.init_divergence))
     monkeypatch.setattr(shape_search.ShapeSearchRollouts, "calibrate",
                         lambda self, *a: pytest.fail("a restored run must not calibrate again"))
     fresh.restore_state({"shape_search": saved})
@@ -165,7 +165,7 @@ def test_every_n_steps_recalibrates(monkeypatch):
                             lengths_P=None)
 
     src = shape_search.ShapeSearchRollouts(Base(), ShapeSearchConfig(candidates=(2,), every=2),
-                                           lambda tc: tc.init_divergence, seed=0)
+                                           lambda tc: tc.init_divergence)
     calls = []
     monkeypatch.setattr(shape_search.ShapeSearchRollouts, "calibrate",
                         lambda self, params, key, step: calls.append(step) or {

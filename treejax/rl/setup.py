@@ -186,7 +186,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
                                             pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
     if cfg.shape_search is not None:  # the slot tree's k chosen by calibration (treejax.rl.shape_search)
         source = ShapeSearchRollouts(source, cfg.shape_search, lambda tc: make_tree_rollout(
-            rollout_fns, tc, continuations=cfg.continuation_config()), cfg.seed)
+            rollout_fns, tc, continuations=cfg.continuation_config()))
     if cfg.selection is not None:  # DOTS (treejax.rl.selection) or Prompt-GDRO (treejax.rl.prompt_gdro)
         source = cfg.selection.make_source(source, cfg.prompts_per_step, cfg.seed)
     if cfg.exemplars is not None:  # XRPO: failed prompts re-rolled with solved exemplars (treejax.rl.exemplars)

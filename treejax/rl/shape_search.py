@@ -55,7 +55,7 @@ class ShapeSearchConfig:
     """``candidates``: root-path counts ``k`` to try (``W``, independent sampling, is always tried too);
     ``objective``: ``"ess_per_token"`` or ``"ess_per_second"``; ``calibration_batches``: batches of
     ``prompts_per_step`` prompts each candidate samples (``>= 2`` for ``"ess_per_second"``: the first call of a
-    shape compiles it and is not timed); ``every``: re-calibrate every ``every`` steps (0: once, at the start)."""
+    shape compiles it; the first batch of every shape is left out of the timing); ``every``: re-calibrate every ``every`` steps (0: once, at the start)."""
 
     candidates: tuple[int, ...] | list[int] = (2, 4, 8)
     objective: str = "ess_per_token"
@@ -147,12 +147,12 @@ class ShapeSearchRollouts:
     """A :class:`~treejax.rl.rollouts.TaskRollouts` whose slot tree's ``k`` is chosen by calibration (module
     docstring). ``make_rollout(tree_config)`` builds a compiled rollout for a shape (cached per ``k``)."""
 
-    def __init__(self, base, search: ShapeSearchConfig, make_rollout, seed: int):
+    def __init__(self, base, search: ShapeSearchConfig, make_rollout):
         tc = base.cfg.rollout
         if not tc.slots:
             raise ConfigError("RunConfig.shape_search chooses a slot tree's root paths: set "
                               "TreeConfig.allocation='slots'")
-        self.base, self.search, self.make_rollout, self.seed = base, search, make_rollout, seed
+        self.base, self.search, self.make_rollout = base, search, make_rollout
         self.W = tc.num_leaves
         self.shapes = search.shapes(self.W)
         self._rollouts: dict[int, Any] = {}

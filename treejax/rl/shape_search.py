@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from treejax.errors import ConfigError
-from treejax.rl import scoring, tree_stats
+from treejax.rl import tree_stats
 
 log = logging.getLogger("treejax.rl.loop")
 
@@ -103,8 +103,9 @@ class ArmMeasurement:
 
     def row(self) -> dict:
         """JSON-safe (an undefined ``rho`` is ``None``): checkpoints keep the calibration table."""
-        return {"k": self.k, "rho": self.rho if math.isfinite(self.rho) else None, "ess_per_prompt": self.ess / max(self.prompts, 1),
-                "tokens": self.tokens, "seconds": self.seconds, "ess_per_1k_tokens": 1000 * self.ess / max(self.tokens, 1)}
+        return {"k": self.k, "rho": self.rho if math.isfinite(self.rho) else None,
+                "ess_per_prompt": self.ess / max(self.prompts, 1), "tokens": self.tokens, "seconds": self.seconds,
+                "ess_per_1k_tokens": 1000 * self.ess / max(self.tokens, 1)}
 
 
 def measure_arm(k: int, W: int, batches: list[dict]) -> ArmMeasurement:
@@ -148,12 +149,8 @@ class ShapeSearchRollouts:
     docstring). ``make_rollout(tree_config)`` builds a compiled rollout for a shape (cached per ``k``)."""
 
     def __init__(self, base, search: ShapeSearchConfig, make_rollout):
-        tc = base.cfg.rollout
-        if not tc.slots:
-            raise ConfigError("RunConfig.shape_search chooses a slot tree's root paths: set "
-                              "TreeConfig.allocation='slots'")
-        self.base, self.search, self.make_rollout = base, search, make_rollout
-        self.W = tc.num_leaves
+        self.base, self.search, self.make_rollout = base, search, make_rollout  # RunConfig checked the slot tree
+        self.W = base.cfg.rollout.num_leaves
         self.shapes = search.shapes(self.W)
         self._rollouts: dict[int, Any] = {}
         self.k: int | None = None
@@ -175,23 +172,25 @@ class ShapeSearchRollouts:
 
     # ---------------------------------------------------------------------------------------------- calibration
     def calibrate(self, params, key, step) -> dict[int, ArmMeasurement]:
-        """Every shape on the same ``calibration_batches`` batches (module docstring); returns the measurements."""
-        base = self.base
-        draws = [base.draw() for _ in range(self.search.calibration_batches)]
+        """Every shape on the same ``calibration_batches`` batches (module docstring); returns the measurements.
+        Each batch is rolled out and scored by the task source's own :meth:`roll_and_score` (its sampled-id check,
+        leaf gather across processes and reward), with the shape's rollout in place of the current one."""
+        draws = [self.base.draw() for _ in range(self.search.calibration_batches)]
+        current = self.base.rollout
         batches: dict[int, list[dict]] = {k: [] for k in self.shapes}
-        for k in self.shapes:
-            rollout = self.rollout_for(k)
-            for b, (examples, prompts, lens) in enumerate(draws):
-                bkey = jax.random.fold_in(jax.random.fold_in(key, SEARCH_STREAM), b)
-                t0 = time.perf_counter()
-                forest, info = rollout(params, prompts, lens, bkey, step)
-                jax.block_until_ready(forest.tokens)
-                seconds = time.perf_counter() - t0
-                tokens, lengths = np.asarray(forest.tokens), np.asarray(forest.leaf_length)
-                scores = scoring.score_texts(base.task, examples, scoring.decode_texts(base.tokenizer, tokens, lengths))
-                batches[k].append({"path": np.asarray(forest.leaf_path), "reward": base.rewards(scores, lengths),
-                                   "weight": np.asarray(forest.leaf_weights(), np.float64),
-                                   "decoded": int(info.decoded_tokens), "seconds": seconds, "timed": b > 0})
+        try:
+            for k in self.shapes:
+                self.base.rollout = self.rollout_for(k)
+                for b, draw in enumerate(draws):
+                    bkey = jax.random.fold_in(jax.random.fold_in(key, SEARCH_STREAM), b)
+                    t0 = time.perf_counter()
+                    forest, rewards, *_, counters, _, _ = self.base.roll_and_score(params, *draw, bkey, step)
+                    seconds = time.perf_counter() - t0 - counters.scoring_s
+                    batches[k].append({"path": np.asarray(forest.leaf_path), "reward": np.asarray(rewards),
+                                       "weight": np.asarray(forest.leaf_weights(), np.float64),
+                                       "decoded": counters.decoded_tokens, "seconds": seconds, "timed": b > 0})
+        finally:
+            self.base.rollout = current
         return {k: measure_arm(k, self.W, bs) for k, bs in batches.items()}
 
     def due(self, step: int) -> bool:

@@ -6,6 +6,8 @@
 #                                                       # the decode step with XLA command buffers for loops (GPU 3)
 #   bash experiments/long_regime_runs.sh front GGUF     # 7 arms x seeds 0-2, 12 steps, 2 runs per GPU (GPU 3: 1);
 #                                                       # PARALLEL, DEVICES, SEEDS, MEM_FRACTION override
+#   bash experiments/long_regime_runs.sh front_mt GGUF  # the same front plus multi-turn code tool, independent
+#                                                       # episodes vs trees of turns (3 seeds each, 12 steps)
 #   bash experiments/long_regime_runs.sh extra GGUF     # GPU 3: the task screen, then the 1.5B code-tool check
 #   bash experiments/long_regime_runs.sh collect DIR    # the report and one archive of logs and summaries in DIR
 set -uo pipefail
@@ -28,7 +30,9 @@ case "$1" in
     bg 2 decode.log "$D --profile $LR/prof; python experiments/trace_summary.py $LR/prof --top 25 > $LR/prof_summary.txt 2>&1"
     bg 3 decode_cb.log "XLA_FLAGS=$CB $D; XLA_FLAGS=$CB $R --prompts 8 --repeats 3 --json $LR/rs_p8_cb.json"
     ;;
-  front)
+  front|front_mt)
+    MT=""
+    [ "$1" = front_mt ] && MT="configs/multiturn_code_tool_qwen15.gin configs/multiturn_code_tool_tree_qwen15.gin"
     M="RunConfig.model='$2'"
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
     setsid nohup python experiments/efficacy.py run --seeds ${SEEDS:-0 1 2} --out "$RUNS/front" --parallel "${PARALLEL:-7}" \
@@ -37,7 +41,7 @@ case "$1" in
       --gin_param=OptimizerConfig.total_steps=12 --gin_param=RunConfig.eval_every=6 \
       --gin_param=RunConfig.save_final=False \
       configs/qwen15_grpo16.gin configs/qwen15_grpo12.gin configs/qwen15_grpo8.gin configs/qwen15_slots_k2.gin \
-      configs/qwen15_slots_k4.gin configs/qwen15_slots_k8.gin configs/qwen15_auto_shape.gin \
+      configs/qwen15_slots_k4.gin configs/qwen15_slots_k8.gin configs/qwen15_auto_shape.gin $MT \
       > "$LR/front.log" 2>&1 < /dev/null &
     ;;
   extra)
@@ -52,5 +56,5 @@ case "$1" in
       "$(basename "$LR")" "$(basename "$RUNS")" 2>/dev/null
     ls -la "$2"
     ;;
-  *) echo "usage: $0 benches | front GGUF | extra GGUF | collect DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 benches | front GGUF | front_mt GGUF | extra GGUF | collect DIR" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""The allocation study's tables (README "Where the rollout budget goes"): held-out accuracy against decoded tokens.
+"""The allocation study's tables (docs/rollout-budget.md): held-out accuracy against decoded tokens.
 
     python experiments/allocation_report.py [experiments/results/allocation]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Asynchronous vs synchronous rollouts on a 2-GPU machine (README, "Asynchronous rollouts"): for each seed, the slot
+# Asynchronous vs synchronous rollouts on a 2-GPU machine (docs/async.md): for each seed, the slot
 # tree of configs/efficacy_slots_k8.gin as
 #   sync1     synchronous, 1 GPU                      (CUDA_VISIBLE_DEVICES=0)
 #   async1    sampler and learner threads on 1 GPU    (CUDA_VISIBLE_DEVICES=1, beside sync1)

@@ -13,7 +13,7 @@ under the policy) and over the distinct leaves (what the tree decoded): length, 
 accuracy; decoded tokens, rounds (segment iterations) and rollout seconds per call (after the warm-up); distinct
 leaves per prompt; the sibling correlation of reward and of length (leaves under one depth-1 node vs across, see
 :mod:`treejax.rl.tree_stats`) and the effective sample size of the reward mean per prompt, per 1,000 decoded tokens
-and relative to independent sampling. How to read it (README, "Does a tree pay?"): an unbiased arm has weighted
+and relative to independent sampling. How to read it (docs/long-regime.md): an unbiased arm has weighted
 length / truncation / accuracy within noise of ``independent``; the tree pays when its ESS per decoded token is
 above independent's (ratio > 1), i.e. when the tokens it saves outweigh the correlation of its siblings::
 

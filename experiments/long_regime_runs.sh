@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long-regime runs of README "When a tree pays" (1.5B model), on a host with 4 GPUs (H200s here), each job in
+# The long-regime runs of docs/long-regime.md (1.5B model), on a host with 4 GPUs (H200s here), each job in
 # the background (setsid) with its log in ~/long_regime_out, so that a leased machine can take files in other calls meanwhile.
 #   bash experiments/long_regime_runs.sh benches        # random weights: rollout seconds vs tokens (P = 8 on GPU 0,
 #                                                       # P = 64 on GPU 1), decode profile at 8 / 128 rows (GPU 2),

@@ -1,4 +1,4 @@
-"""Per-call cost of the code tool's sandbox (README "The sandbox's threat model"): the median wall-clock
+"""Per-call cost of the code tool's sandbox (docs/multi-turn.md, "The sandbox's threat model"): the median wall-clock
 milliseconds of one ``run_python`` call with the isolation layer (bubblewrap) against the opt-out
 (``isolation="none"``: the same child, prelude and audit hook as before issue 51, without the layer).
 

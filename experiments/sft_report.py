@@ -1,4 +1,4 @@
-"""The SFT study's table (README "Supervised fine-tuning"): cross-entropy vs OTR on the efficacy task.
+"""The SFT study's table (docs/sft.md): cross-entropy vs OTR on the efficacy task.
 
     python experiments/sft_report.py [experiments/results/sft]
 

@@ -1,4 +1,4 @@
-"""The shaping study's table (README "Credit shaping"): one row per method, mean and spread over seeds.
+"""The shaping study's table (docs/credit-shaping.md): one row per method, mean and spread over seeds.
 
     python experiments/shaping_report.py [experiments/results/shaping]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shaping study (README "Credit shaping"): every arm x seed of configs/efficacy_slots_k8.gin, run side by side
+# The shaping study (docs/credit-shaping.md): every arm x seed of configs/efficacy_slots_k8.gin, run side by side
 # on one GPU, each run's summary copied to $RESULTS as <arm>-s<seed>.json (then experiments/shaping_report.py).
 # CONFIG picks another efficacy config (the branching rules need configs/efficacy_treepo.gin: slot trees accept
 # only slot-splitting rules that do not prune).

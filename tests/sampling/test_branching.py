@@ -96,7 +96,7 @@ class Recorded(B.BranchingRule):
         return out
 
 
-# ----------------------------------------------------------------------------------------------- README's example rule
+# ------------------------------------------------------------------------------------ docs/extending.md's example rule
 @B.register("readme_confident")
 @dataclasses.dataclass(frozen=True)
 class Confident(B.BranchingRule):
@@ -255,7 +255,7 @@ def test_echo_matches_reference_branches_and_prunes():
 
 
 def test_readme_example_rule():
-    """A new rule is one class + ``register`` (README, "Adding a branching rule"); gin knows it by class name."""
+    """A new rule is one class + ``register`` (docs/extending.md); gin knows it by class name."""
     from treejax import train
 
     totals = run_and_check(Confident(floor=-1.6), FLAT, seeds=[0, 1])

@@ -8,6 +8,8 @@
 #                                                       # PARALLEL, DEVICES, SEEDS, MEM_FRACTION override
 #   bash experiments/long_regime_runs.sh front_mt GGUF  # the same front plus multi-turn code tool, independent
 #                                                       # episodes vs trees of turns (3 seeds each, 12 steps)
+#   bash experiments/long_regime_runs.sh fill GGUF NAME:SEED ...  # one front run per GPU (0, 1, ...), 90% of its
+#                                                       # memory each (a 1.5B update does not fit two per H200)
 #   bash experiments/long_regime_runs.sh extra GGUF     # GPU 3: the task screen, then the 1.5B code-tool check
 #   bash experiments/long_regime_runs.sh collect DIR    # the report and one archive of logs and summaries in DIR
 set -uo pipefail
@@ -44,6 +46,17 @@ case "$1" in
       configs/qwen15_slots_k4.gin configs/qwen15_slots_k8.gin configs/qwen15_auto_shape.gin $MT \
       > "$LR/front.log" 2>&1 < /dev/null &
     ;;
+  fill)
+    gguf=$2; shift 2; gpu=0
+    for item in "$@"; do
+      name=${item%%:*}; seed=${item##*:}; dir="$RUNS/front/$name/seed$seed"; mkdir -p "$(dirname "$dir")"
+      bg $gpu "fill_${name}_$seed.log" "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m treejax.train configs/$name.gin \
+        --gin_param=\"RunConfig.model='$gguf'\" --gin_param=RunConfig.num_steps=12 --gin_param=OptimizerConfig.total_steps=12 \
+        --gin_param=RunConfig.eval_every=6 --gin_param=RunConfig.save_final=False --gin_param=RunConfig.seed=$seed \
+        --gin_param=\"RunConfig.log_dir='$dir'\" > $dir.log 2>&1"
+      gpu=$((gpu + 1))
+    done
+    ;;
   extra)
     M="RunConfig.model='$2'"
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
@@ -56,5 +69,5 @@ case "$1" in
       "$(basename "$LR")" "$(basename "$RUNS")" 2>/dev/null
     ls -la "$2"
     ;;
-  *) echo "usage: $0 benches | front GGUF | front_mt GGUF | extra GGUF | collect DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 benches | front GGUF | front_mt GGUF | fill GGUF NAME:SEED... | extra GGUF | collect DIR" >&2; exit 2 ;;
 esac

@@ -56,10 +56,9 @@ def register_configurables() -> dict[str, type]:
     from treejax.rl.packing import PackingConfig
     from treejax.sampling import branching, strategies
     from treejax.sampling.tree import TreeConfig
-    from treejax.rl.nudge import NudgeConfig
     from treejax.sft import OTRConfig, SFTConfig
 
-    classes = {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig, "NudgeConfig": NudgeConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
+    classes = {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig, "TreeConfig": TreeConfig, "LossConfig": LossConfig,
                "OptimizerConfig": OptimizerConfig, "MeshConfig": MeshConfig, "Precision": Precision,
                "PackingConfig": PackingConfig, "AsyncConfig": AsyncConfig,
                "EvalConfig": EvalConfig, "Greedy": strategies.Greedy,
@@ -71,33 +70,12 @@ def register_configurables() -> dict[str, type]:
 
     for cls in shaper_classes().values():  # RunConfig.shapers = [@EchoShaping(), ...]
         classes.setdefault(cls.__name__, cls)
-    from treejax.rl.allocation import AllocationConfig, allocator_classes
+    from treejax.rl.allocation import allocator_classes
+    from treejax.rl.sources import catalog  # noqa: F401  (registers every rollout stage)
+    from treejax.rl.sources.base import stage_classes
 
-    from treejax.rl.replay import ReplayConfig
-
-    classes.setdefault("AllocationConfig", AllocationConfig)
-    classes.setdefault("ReplayConfig", ReplayConfig)
-    from treejax.rl.selection import DOTSConfig
-
-    classes.setdefault("DOTSConfig", DOTSConfig)
-    from treejax.rl.partial import PartialConfig
-
-    classes.setdefault("PartialConfig", PartialConfig)
-    from treejax.rl.prompt_gdro import PromptGDROConfig
-
-    classes.setdefault("PromptGDROConfig", PromptGDROConfig)
-    from treejax.rl.exemplars import ExemplarConfig
-
-    classes.setdefault("ExemplarConfig", ExemplarConfig)
-    from treejax.rl.multiturn import MultiTurnConfig
-
-    classes.setdefault("MultiTurnConfig", MultiTurnConfig)
-    from treejax.rl.spear import SpearConfig
-
-    classes.setdefault("SpearConfig", SpearConfig)
-    from treejax.rl.shape_search import ShapeSearchConfig
-
-    classes.setdefault("ShapeSearchConfig", ShapeSearchConfig)
+    for cls in stage_classes().values():  # RunConfig.rollouts = [@DOTSConfig(), @ReplayConfig()], ...
+        classes.setdefault(cls.__name__, cls)
     for cls in allocator_classes().values():  # AllocationConfig.allocator = @DARS(), @RolloutGDRO(), ...
         classes.setdefault(cls.__name__, cls)
     for name in adv_registry.list_estimators():

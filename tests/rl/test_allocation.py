@@ -269,7 +269,7 @@ def _alloc_params(tiny_checkpoint, log_dir, *extra):
             "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
             "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2",
             "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "RunConfig.estimator = 'grpo'",
-            "RunConfig.allocation = @AllocationConfig()", "AllocationConfig.max_rollouts = 12",
+            "RunConfig.rollouts = [@AllocationConfig()]", "AllocationConfig.max_rollouts = 12",
             "AllocationConfig.extra_rows = 3", "AllocationConfig.call_prompts = 2", *extra]
 
 

@@ -124,6 +124,6 @@ def test_config_checks():
 
     with pytest.raises(ConfigError, match="shots"):
         ExemplarConfig(shots=0)
-    with pytest.raises(ConfigError, match=r"exemplars.*dynamic_sampling"):
-        RunConfig(exemplars=ExemplarConfig(), dynamic_sampling=True)
-    assert dataclasses.replace(RunConfig(), exemplars=ExemplarConfig()).exemplars.shots == 1
+    with pytest.raises(ConfigError, match=r"ExemplarConfig.*dynamic_sampling"):
+        RunConfig(rollouts=[ExemplarConfig()], dynamic_sampling=True)
+    assert dataclasses.replace(RunConfig(), rollouts=[ExemplarConfig()]).rollouts[0].shots == 1

@@ -109,4 +109,4 @@ def test_config_checks():
     with pytest.raises(ConfigError, match="gamma"):
         PromptGDROConfig(gamma=1.5)
     with pytest.raises(ConfigError, match=r"PromptGDROConfig.*dynamic_sampling"):
-        RunConfig(prompts_per_step=4, selection=PromptGDROConfig(), dynamic_sampling=True)
+        RunConfig(prompts_per_step=4, rollouts=[PromptGDROConfig()], dynamic_sampling=True)

@@ -20,22 +20,15 @@ from treejax.parallel.mesh import MeshConfig
 from treejax.precision import Precision
 from treejax.rl.advantages import estimator_spec
 from treejax.rl.advantages.registry import list_estimators
-from treejax.rl.allocation import AllocationConfig
 from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
-from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
-from treejax.rl.exemplars import ExemplarConfig
-from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnConfig
-from treejax.rl.partial import PartialConfig
-from treejax.rl.prompt_gdro import PromptGDROConfig
-from treejax.rl.replay import ReplayConfig
-from treejax.rl.shape_search import ShapeSearchConfig
-from treejax.rl.spear import SpearConfig
-from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
 from treejax.rl.shaping import Shaper, check_shapers
+from treejax.rl.sources.base import Stage, chain_rows, check_chain, normalize_chain
+from treejax.rl.sources.legacy import LegacySourceFields, cleared, legacy_chain
+from treejax.rl.sources.requirements import RunFacts
 from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
@@ -148,7 +141,7 @@ class ScheduleWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(LegacySourceFields):
     """Everything one training run needs (the gin-facing surface; see ``configs/*.gin``).
 
     The defaults are the quickstart (``configs/quickstart.gin``): a few TreePO steps of the embedded SmolLM2 on
@@ -156,9 +149,10 @@ class RunConfig:
     forward per step), ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1) or
     ``"ewma"`` (PPO-EWMA: the trainer's forward with the parameters' exponential moving average,
     ``OptimizerConfig.proximal_ewma``; :func:`treejax.rl.optimizer.proximal_ewma`).
-    ``allocation`` / ``selection`` / ``replay`` / ``partial`` / ``exemplars``: where the rollout budget goes
-    (:mod:`treejax.rl.allocation`, :mod:`treejax.rl.selection` and :mod:`treejax.rl.prompt_gdro`,
-    :mod:`treejax.rl.replay`, :mod:`treejax.rl.partial`, :mod:`treejax.rl.exemplars`).
+    ``rollouts``: the rollout source as a chain of stages, one planner then wrappers
+    (:mod:`treejax.rl.sources.base`; gin: ``RunConfig.rollouts = [@DOTSConfig(), @ReplayConfig()]``; ``()``: the
+    task source). The stages check themselves against the run (:func:`~treejax.rl.sources.base.check_chain`); the
+    old per-method fields (``RunConfig.replay``, ...) still work for one release and translate into the chain.
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
@@ -241,43 +235,37 @@ class RunConfig:
     compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
     async_rollouts: AsyncConfig = AsyncConfig()  # sampler / learner overlap with bounded staleness (AsyncConfig)
     shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order
-    nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
-    allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
-    replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
-    selection: DOTSConfig | PromptGDROConfig | None = None  # prompt selection: DOTS (treejax.rl.selection), Prompt-GDRO
-    partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
-    exemplars: ExemplarConfig | None = None  # XRPO: all-fail prompts re-rolled with solved exemplars (treejax.rl.exemplars)
-    multiturn: MultiTurnConfig | None = None  # code-tool episodes: multi-turn rollouts (treejax.rl.multiturn)
-    spear: SpearConfig | None = None  # SPEAR: tool-call bonus + self-imitation rows on multiturn (treejax.rl.spear)
-    shape_search: ShapeSearchConfig | None = None  # the slot tree's k chosen by calibration (treejax.rl.shape_search)
+    rollouts: tuple[Stage, ...] | list[Stage] = ()  # one planner, then wrappers (treejax.rl.sources.base)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
         check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
-        rows = self.step_rows() * self.rollout.num_leaves
-        if self.nudge is not None:  # each problem: M K hinted/plain rollouts (and as many distillation rows)
-            rows *= self.nudge.rows_per_problem()
+        legacy = legacy_chain(self)
+        if legacy:  # the deprecated per-method fields (RunConfig.replay, ...) translate into the chain
+            if self.rollouts:
+                raise ConfigError("RunConfig.rollouts and the deprecated per-method fields (RunConfig.replay, ...) are "
+                                  "both set; fix: only RunConfig.rollouts")
+            for k, v in {**cleared(), "rollouts": legacy}.items():
+                object.__setattr__(self, k, v)
+        object.__setattr__(self, "rollouts", tuple(self.rollouts))
+        stages = normalize_chain(self.rollouts)
+        prompt_rows, rows = chain_rows(stages, self.prompts_per_step, self.rollout.num_leaves)
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
-            raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step"
-                             f"{' + AllocationConfig.extra_rows' if self.allocation else ''}"
-                             f"{' + ReplayConfig.rows' if self.replay else ''}"
-                             f"{' + SpearConfig.sil_rows' if self.spear else ''}) x num_leaves"
-                             f"{' x NudgeConfig rows per problem' if self.nudge else ''}) must split into "
-                             f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
+            parts = "".join(f" + {s.stage_name} {s.added_rows()}" for s in stages if s.added_rows())
+            per = "".join(f" x {s.stage_name} {s.rows_per_problem()}" for s in stages if s.rows_per_problem() != 1)
+            raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step{parts}) x num_leaves{per}) must "
+                             f"split into mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         self._check_choices()
         if self.max_prompt_length < 1:
             raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
             raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
-        if self.packed_update and self.step_rows() % self.mini_batches:
-            raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
-                             f"{self.prompts_per_step}"
-                             f"{f' + AllocationConfig.extra_rows={self.allocation.extra_rows}' if self.allocation else ''}"
-                             f"{f' + ReplayConfig.rows={self.replay.rows}' if self.replay else ''}"
-                             f"{f' + SpearConfig.sil_rows={self.spear.sil_rows}' if self.spear else ''}"
-                             f" does not split into mini_batches={self.mini_batches}")
+        if self.packed_update and prompt_rows % self.mini_batches:
+            raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; {prompt_rows} prompt rows "
+                             f"(prompts_per_step={self.prompts_per_step} and the rollout stages' extra rows) do not "
+                             f"split into mini_batches={self.mini_batches}")
         if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
             raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
                               "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
@@ -285,172 +273,29 @@ class RunConfig:
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
         self._check_probe()
         self._check_continuations()
-        self._check_nudge()
-        self._check_allocation()
-        self._check_replay()
-        self._check_selection()
-        self._check_partial()
-        self._check_exemplars()
-        self._check_multiturn()
-        self._check_spear()
-        self._check_shape_search()
+        check_chain(stages, self.facts())
         self._check_proximal()
         self._check_async()
         self._check_schedule()
 
     def step_rows(self) -> int:
-        """Prompt rows of one step's rollouts: ``prompts_per_step``, plus ``AllocationConfig.extra_rows``."""
-        return (self.prompts_per_step + (self.allocation.extra_rows if self.allocation is not None else 0)
-                + (self.replay.rows if self.replay is not None else 0)
-                + (self.spear.sil_rows if self.spear is not None else 0))
+        """Prompt rows of one step's rollouts: ``prompts_per_step`` plus the rollout stages' extra rows."""
+        return chain_rows(self.rollouts, self.prompts_per_step, self.rollout.num_leaves)[0]
 
-    def _check_allocation(self) -> None:
-        """Prompt-level allocation needs an estimator that honours unused slots, and nothing else that decides
-        which rows a step keeps."""
-        a = self.allocation
-        if a is None:
-            return
-        a.check(self.rollout.num_leaves, self.prompts_per_step)
-        if not estimator_spec(self.estimator).ragged:
-            ok = sorted(n for n in list_estimators() if estimator_spec(n).ragged)
-            raise ConfigError(f"RunConfig.allocation gives prompts different numbers of rollouts, which estimator "
-                              f"{self.estimator!r} does not support (its groups are the W leaves of one row); fix: "
-                              f"RunConfig.estimator = one of {ok}")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the allocator decides the "
-                          "rows; AllocationConfig.drop_equal_groups drops all-equal groups)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier' (the allocator "
-                          "reads the verifier's accuracy)"),
-                         (self.nudge is not None, "RunConfig.nudge = None (NudgeRL has its own rows)"),
-                         (self.continuation_config() is not None, "an estimator without continuations")):
-            if bad:
-                raise ConfigError(f"RunConfig.allocation: fix: {why}")
+    def chain(self) -> tuple:
+        """The rollout stages, planner first (``()`` is ``(TaskSource(),)``)."""
+        return normalize_chain(self.rollouts)
 
-    def _check_selection(self) -> None:
-        """A selector (DOTS, Prompt-GDRO) draws and rolls out its own prompts: nothing else may decide which
-        prompt rows a step has."""
-        d = self.selection
-        if d is None:
-            return
-        name = type(d).__name__
-        if isinstance(d, DOTSConfig) and d.reference >= self.prompts_per_step:
-            raise ConfigError(f"DOTSConfig.reference = {d.reference} leaves no selected row of prompts_per_step = "
-                              f"{self.prompts_per_step}; fix: DOTSConfig.reference < RunConfig.prompts_per_step")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the selector picks the rows)"),
-                         (self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (self.train_split != "train", "RunConfig.train_split = 'train'"),
-                         ("greedy_reward_P" in estimator_spec(self.estimator).inputs,
-                          f"an estimator without a greedy baseline (not {self.estimator!r})")):
-            if bad:
-                raise ConfigError(f"RunConfig.selection ({name}): fix: {why}")
-
-    def _check_partial(self) -> None:
-        """Partial rollouts resume independent chains and train tokens of older policies: chains only, the
-        decoupled-PPO correction, and nothing else that decides a step's rows."""
-        if self.partial is None:
-            return
-        from treejax.sampling.partial import check_chains
-
-        try:
-            check_chains(self.rollout)
-        except ValueError as e:
-            raise ConfigError(f"RunConfig.partial: {e}") from None
-        if self.old_logp == "sampler" or self.loss.tis_cap is None:
-            raise ConfigError("RunConfig.partial trains tokens sampled by older policies (the resumed part of a carried "
-                              "response), which needs the importance correction of decoupled PPO; fix: "
-                              "RunConfig.old_logp = 'trainer' (or 'ewma') and LossConfig.tis_cap = 2.0 (or another cap)")
-        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.replay is not None, "RunConfig.replay = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.async_rollouts.enabled, "AsyncConfig.enabled = False (the carry is the sampler's "
-                          "own state; asynchronous rollouts would sample it from another thread)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
-            if bad:
-                raise ConfigError(f"RunConfig.partial: fix: {why}")
-
-    def _check_exemplars(self) -> None:
-        """XRPO's exemplars re-roll a step's failed prompts: nothing else may decide the step's rows."""
-        if self.exemplars is None:
-            return
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the exemplars rescue the "
-                          "all-fail groups dynamic sampling would drop)"),
-                         (self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.replay is not None, "RunConfig.replay = None"),
-                         (self.partial is not None, "RunConfig.partial = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
-            if bad:
-                raise ConfigError(f"RunConfig.exemplars: fix: {why}")
-
-    def _check_multiturn(self) -> None:
-        """Code-tool episodes are their own source of rows: nothing else may decide them; only they supply the
-        turn inputs (IGPO's ``truth_logp_PxN``, PORTool's ``tool_success_PxN``)."""
-        turn_inputs = [i for i in estimator_spec(self.estimator).inputs if i in MULTITURN_INPUTS]
-        if self.multiturn is None:
-            if turn_inputs:
-                raise ConfigError(f"estimator {self.estimator!r} reads {turn_inputs}, which only multi-turn rollouts "
-                                  "supply: set RunConfig.multiturn = @MultiTurnConfig()")
-            return
-        self.multiturn.check(self.rollout)
-        other = [i for i in estimator_spec(self.estimator).inputs if i not in MULTITURN_INPUTS]
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False"),
-                         (self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.replay is not None, "RunConfig.replay = None"),
-                         (self.partial is not None, "RunConfig.partial = None"),
-                         (self.exemplars is not None, "RunConfig.exemplars = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.async_rollouts.enabled, "AsyncConfig.enabled = False"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(other), f"an estimator without single-turn inputs (estimator {self.estimator!r} "
-                          f"reads {other})"),
-                         (bool(self.shapers), "RunConfig.shapers = [] (the shapers cut responses into fixed "
-                          "segments; turn forests hold spans)")):
-            if bad:
-                raise ConfigError(f"RunConfig.multiturn: fix: {why}")
-
-    def _check_spear(self) -> None:
-        """SPEAR wraps the multi-turn source (its tool calls, its turn forests); its self-imitation rows were
-        sampled by older policies (decoupled PPO's correction) and carry their own advantage."""
-        if self.spear is None:
-            return
-        if self.multiturn is None:
-            raise ConfigError("RunConfig.spear wraps the multi-turn source (its tool-call bonus counts tool calls); "
-                              "fix: RunConfig.multiturn = @MultiTurnConfig()")
-        if self.old_logp == "sampler" or self.loss.tis_cap is None:
-            raise ConfigError("RunConfig.spear trains self-imitation rows sampled by older policies, which needs the "
-                              "importance correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' (or "
-                              "'ewma') and LossConfig.tis_cap = 2.0 (or another cap)")
-        if self.packed_update:
-            raise ConfigError("RunConfig.spear with the packed update is not verified (its self-imitation rows are "
-                              "W copies of one chain with one slot trained); fix: RunConfig.packed_update = False")
-
-    def _check_shape_search(self) -> None:
-        """The shape search swaps the slot tree of the plain task source and calibrates in its ``sample``; sources
-        that sample through other rollouts or the task source's internals (allocation's chunks, NudgeRL's hinted
-        rows, multi-turn episodes, APRIL's carry, DOTS / Prompt-GDRO, XRPO's exemplars) are not wired."""
-        if self.shape_search is None:
-            return
-        if not self.rollout.slots:
-            raise ConfigError("RunConfig.shape_search chooses a slot tree's root paths k; fix: "
-                              "TreeConfig.allocation = 'slots'")
-        self.shape_search.shapes(self.rollout.num_leaves)  # a candidate above W is an error now
-        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.multiturn is not None, "RunConfig.multiturn = None"),
-                         (self.partial is not None, "RunConfig.partial = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.exemplars is not None, "RunConfig.exemplars = None")):
-            if bad:
-                raise ConfigError(f"RunConfig.shape_search: fix: {why} (the search swaps the task source's tree; "
-                                  "this source samples through it without the search's calibration)")
+    def facts(self) -> RunFacts:
+        """What the rollout stages check about the run (:class:`~treejax.rl.sources.requirements.RunFacts`)."""
+        spec = estimator_spec(self.estimator)
+        return RunFacts(estimator=self.estimator, estimator_inputs=tuple(spec.inputs), estimator_ragged=spec.ragged,
+                        ragged_estimators=tuple(sorted(n for n in list_estimators() if estimator_spec(n).ragged)),
+                        reward_source=self.reward_source, train_split=self.train_split, old_logp=self.old_logp,
+                        tis_cap=self.loss.tis_cap, packed_update=self.packed_update,
+                        async_enabled=self.async_rollouts.enabled, dynamic_sampling=self.dynamic_sampling,
+                        shapers=tuple(s.name for s in self.shapers), tree=self.rollout,
+                        prompts_per_step=self.prompts_per_step)
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""
@@ -463,24 +308,6 @@ class RunConfig:
                               "current weights, which then is not the PPO ratio's denominator; fix: "
                               "RunConfig.old_logp = 'trainer', or no shapers")
 
-    def _check_replay(self) -> None:
-        """Replayed rows were sampled by older policies: the learner needs the trainer's proximal log-probs and
-        the truncated importance weight pi_prox / q (decoupled PPO)."""
-        if self.replay is None:
-            return
-        if self.old_logp == "sampler" or self.loss.tis_cap is None:
-            raise ConfigError("RunConfig.replay trains rows sampled by older policies, which needs the importance "
-                              "correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' (or 'ewma') and "
-                              "LossConfig.tis_cap = 2.0 (or another cap)")
-        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None (its groups span rows that "
-                          "replay does not keep together)"),
-                         (self.nudge is not None, "RunConfig.nudge = None (NudgeRL's rows are one group per problem)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
-            if bad:
-                raise ConfigError(f"RunConfig.replay: fix: {why}")
-
     def continuation_config(self):
         """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads
         values at cut points (SPO-chain: ``cut_value_PxWxB``), from its options; else ``None``."""
@@ -489,26 +316,6 @@ class RunConfig:
             return None
         options = spec.default_options() if self.estimator_options is None else self.estimator_options
         return options.continuation_config()
-
-    def _check_nudge(self) -> None:
-        """NudgeRL: its source and its estimator come together, on one chain per prompt row, without what would
-        drop or re-pack its rows."""
-        if (self.nudge is None) != (self.estimator != "nudge"):
-            raise ConfigError("RunConfig.nudge (NudgeRL's hinted rollouts) and RunConfig.estimator = 'nudge' go "
-                              "together; fix: set both (RunConfig.nudge = @NudgeConfig()) or neither")
-        if self.nudge is None:
-            return
-        tc = self.rollout
-        if tc.num_leaves != 1 or tc.branch_factor != 1:
-            raise ConfigError("NudgeRL rolls out each hinted or plain prompt as its own row (one chain each); fix: "
-                              "TreeConfig.num_leaves = 1 and TreeConfig.branch_factor = 1 (rollouts per problem: "
-                              "NudgeConfig.num_hints x rollouts_per_hint)")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (a problem's rows are one group)"),
-                         (self.packed_update, "RunConfig.packed_update = False (its rows share no prompt)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (self.train_split != "train", "RunConfig.train_split = 'train'")):
-            if bad:
-                raise ConfigError(f"NudgeRL: fix: {why}")
 
     def _check_continuations(self) -> None:
         """SPO-chain forks its continuations from each leaf's KV, which is still resident at the end only for

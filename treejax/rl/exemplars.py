@@ -27,18 +27,21 @@ correct leaf), ``exemplars/too_long``, ``exemplars/bank_size``. The bank is save
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import numpy as np
 
 from treejax.data.prompts import encode_examples, pad_token_lists
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import VERIFIER
 
 EXEMPLAR_STREAM = 0xE7E  # fold_in stream of the exemplar re-roll
 
 
 @dataclasses.dataclass(frozen=True)
-class ExemplarConfig:
+class ExemplarConfig(Stage):
     """XRPO's exemplar injection (module docstring): ``shots`` exemplars per failed prompt, a bank of the last
     ``bank_size`` solved problems, every row padded to ``prompt_width`` tokens (0: twice the run's prompt width),
     ``dim`` buckets of the retrieval embedding."""
@@ -47,6 +50,12 @@ class ExemplarConfig:
     bank_size: int = 64
     prompt_width: int = 0
     dim: int = 1024
+
+    role: ClassVar[str] = "planner"  # it re-rolls a step's failed prompts with exemplars
+    requires: ClassVar[tuple] = (VERIFIER,)
+
+    def build(self, inner, ctx):
+        return ExemplarRollouts(ctx.task_rollouts(), self)
 
     def __post_init__(self):
         if self.shots < 1 or self.bank_size < self.shots or self.prompt_width < 0 or self.dim < 8:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,15 @@ from treejax.envs.code_tool import CodeToolEnv
 from treejax.envs.guess import GuessNumberEnv
 from treejax.envs.sandbox import ISOLATION, SandboxConfig, check_isolation
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import NO_SHAPERS, SYNCHRONOUS, VERIFIER
 from treejax.forest import NodeStatus
 from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, chat_observation, run_turn_trees, turn_forest
 from treejax.sampling.partial import check_chains
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiTurnConfig:
+class MultiTurnConfig(Stage):
     """Code-tool episodes (module docstring): ``max_turns`` policy turns, ``turn_tokens`` tokens per turn, ``chunk``
     tokens decoded between host checks, the sandbox's ``tool_timeout_s`` / ``tool_memory_mb`` per call and its
     ``tool_isolation`` (``"bwrap"``, or ``"none"``: the loudly logged opt-out for a container of one's own,
@@ -101,11 +104,24 @@ class MultiTurnConfig:
             raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
                               f"got {self.fork_rule!r}, {self.trace_fraction}")
 
-    def check(self, tree_config) -> None:
+    role: ClassVar[str] = "planner"  # episodes of turns with an environment, on the task's prompts
+    requires: ClassVar[tuple] = (VERIFIER, SYNCHRONOUS, NO_SHAPERS)
+    provides: ClassVar[frozenset[str]] = frozenset({"turn_forest"})
+    supplies: ClassVar[frozenset[str]] = frozenset({"truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN"})
+
+    def check(self, facts) -> None:
+        self.check_tree(facts.tree)
+
+    def build(self, inner, ctx):
+        base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i not in self.supplies))
+        return MultiTurnRollouts(base, self, estimator_inputs=ctx.estimator_inputs, model_config=ctx.model_config,
+                                 pad_id=ctx.pad_id)
+
+    def check_tree(self, tree_config) -> None:
         try:
             check_chains(tree_config)
         except ValueError as e:
-            raise ConfigError(f"RunConfig.multiturn: {e} (the turn tree's shape is MultiTurnConfig.roots / "
+            raise ConfigError(f"MultiTurnConfig: {e} (the turn tree's shape is MultiTurnConfig.roots / "
                               "branch_factor / fork_turns)") from None
         if self.roots is not None and self.roots > tree_config.num_leaves:
             raise ConfigError(f"MultiTurnConfig.roots={self.roots} exceeds the {tree_config.num_leaves} leaf slots "
@@ -143,7 +159,7 @@ class MultiTurnRollouts:
         self.pipeline = base.pipeline
         unknown = [i for i in estimator_inputs if i not in MULTITURN_INPUTS]
         if unknown:
-            raise ConfigError(f"RunConfig.multiturn: the estimator reads {unknown}; multi-turn rollouts supply only "
+            raise ConfigError(f"MultiTurnConfig: the estimator reads {unknown}; multi-turn rollouts supply only "
                               f"{MULTITURN_INPUTS}")
         self.estimator_inputs = tuple(estimator_inputs)
         self.scorer, self.model_config, self.pad_id = None, model_config, pad_id
@@ -156,9 +172,9 @@ class MultiTurnRollouts:
 
             self.scorer = make_truth_scorer(model_config, pad_id=pad_id)
         self.tree_config = base.rollout.tree_config
-        config.check(self.tree_config)
+        config.check_tree(self.tree_config)
         if base.sampler_fns.extend is None:
-            raise ConfigError(f"RunConfig.multiturn: the sampler fns {base.sampler_fns.name!r} cannot append "
+            raise ConfigError(f"MultiTurnConfig: the sampler fns {base.sampler_fns.name!r} cannot append "
                               "observations (no extend)")
         self.sandbox = SandboxConfig(timeout_s=config.tool_timeout_s, memory_mb=config.tool_memory_mb,
                                      isolation=config.tool_isolation)
@@ -270,6 +286,14 @@ class MultiTurnRollouts:
                             jnp.asarray(alen), jnp.asarray(scored))
         return jax.device_get(truth)
 
+
+    def evaluate(self, params, examples, prompt_width: int, system_prompt=None, instruction=None,
+                 batch_size: int = 64) -> dict:
+        """The chain's held-out hook (:func:`treejax.rl.sources.base.chain_evaluate`): greedy episodes with the
+        environment when ``MultiTurnConfig.eval_with_tools``, else nothing."""
+        if not self.config.eval_with_tools:
+            return {}
+        return self.evaluate_episodes(params, examples, prompt_width, system_prompt, instruction, batch_size)
 
     def evaluate_episodes(self, params, examples, prompt_width: int, system_prompt=None, instruction=None,
                           batch_size: int = 64) -> dict:

@@ -30,16 +30,19 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import TRAIN_SPLIT, VERIFIER
 
 PROMPT_GDRO_STREAM = 0x6D40  # the sampler's random stream (with the run's seed and the step)
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptGDROConfig:
+class PromptGDROConfig(Stage):
     """Prompt-GDRO's bucket sampler (module docstring): ``pool`` candidate batches per step, the pass-rate
     ``edges``, the pass@k window ``history``, the score EMA ``ema``, the weights' ``eta`` and exploration
     ``gamma``."""
@@ -66,6 +69,15 @@ class PromptGDROConfig:
         lo = (0.0,) + self.edges
         hi = self.edges + (1.0,)
         return [f"{a:g}-{b:g}" for a, b in zip(lo, hi)] + ["unseen"]
+
+    role: ClassVar[str] = "planner"  # it draws a pool and rolls out the prompts it picks
+    requires: ClassVar[tuple] = (VERIFIER, TRAIN_SPLIT)
+    provides: ClassVar[frozenset[str]] = frozenset({"replayable_rows"})
+    supplies: ClassVar[frozenset[str]] = frozenset({"answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"})
+
+    def build(self, inner, ctx):
+        base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i in self.supplies))
+        return self.make_source(base, ctx.cfg.prompts_per_step, ctx.seed)
 
     def make_source(self, base, prompts_per_step: int, seed: int):
         return PromptGDRORollouts(base, self, prompts_per_step, seed)

@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import RAGGED, VERIFIER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,7 @@ def get_allocator(name: str, **kwargs) -> Allocator:
 
 
 @dataclasses.dataclass(frozen=True)
-class AllocationConfig:
+class AllocationConfig(Stage):
     """Prompt-level rollout allocation (module docstring). ``allocator``: an :class:`Allocator` (gin:
     ``@DARS()``, ``@XRPOAllocator()``, ``@RolloutGDRO()``, ``@Uniform()``); ``max_rollouts``: rollouts per
     prompt at most (a multiple of ``W``: its group then holds ``max_rollouts / W`` rows); ``extra_rows``: the
@@ -153,7 +155,20 @@ class AllocationConfig:
     call_prompts: int = 0
     drop_equal_groups: bool = False
 
-    def check(self, num_leaves: int, prompts_per_step: int) -> None:
+    role: ClassVar[str] = "planner"  # the task source with the allocator's extra rows (treejax.rl.sources.base)
+    requires: ClassVar[tuple] = (VERIFIER, RAGGED)
+    supplies: ClassVar[frozenset[str]] = frozenset({"greedy_reward_P", "answer_step_PxW"})
+
+    def check(self, facts) -> None:
+        self.check_budget(facts.tree.num_leaves)
+
+    def added_rows(self) -> int:
+        return self.extra_rows
+
+    def build(self, inner, ctx):
+        return ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i in self.supplies), allocation=self)
+
+    def check_budget(self, num_leaves: int) -> None:
         if self.allocator is None:
             raise ConfigError("AllocationConfig.allocator is not set; fix: AllocationConfig.allocator = @DARS() "
                               f"(allocators: {sorted(_REGISTRY)})")

@@ -93,3 +93,24 @@ def _plain_inputs_ok(fields: dict, inputs: tuple) -> bool:
     if planner in ("nudge", "multiturn"):  # their own checks covered their inputs
         return True
     return all(i in ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB") for i in inputs)
+
+
+def test_old_fields_still_work_for_one_release_and_name_the_new_spelling():
+    import dataclasses
+
+    import pytest
+
+    from treejax.rl.config import RunConfig
+    from treejax.rl.losses import LossConfig
+    from treejax.rl.sources.legacy import DeprecatedFieldWarning
+
+    with pytest.warns(DeprecatedFieldWarning, match=r"RunConfig.rollouts = \[@DOTSConfig\(\), @ReplayConfig\(\)\]"):
+        old = RunConfig(selection=c.DOTSConfig(), replay=c.ReplayConfig(), loss=LossConfig(tis_cap=2.0),
+                        prompts_per_step=4)
+    new = RunConfig(rollouts=[c.DOTSConfig(), c.ReplayConfig()], loss=LossConfig(tis_cap=2.0), prompts_per_step=4)
+    assert old == new and old.replay is None and old.step_rows() == 4 + 4
+    assert dataclasses.replace(old, num_steps=5).rollouts == new.rollouts  # no second translation, no warning
+    with pytest.raises(ConfigError, match="both set"):
+        RunConfig(rollouts=[c.ReplayConfig()], replay=c.ReplayConfig(), loss=LossConfig(tis_cap=2.0))
+    with pytest.raises(ConfigError, match="takes DOTSConfig or PromptGDROConfig"):
+        RunConfig(selection=c.ReplayConfig(), loss=LossConfig(tis_cap=2.0))

@@ -25,10 +25,13 @@ from treejax.rl.losses import LossConfig
 from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
-from treejax.rl.shaping import Shaper, check_shapers
+from treejax.rl.shaping import Shaper
 from treejax.rl.sources.base import Stage, chain_rows, check_chain, normalize_chain
-from treejax.rl.sources.legacy import LegacySourceFields, cleared, legacy_chain
+from treejax.rl.sources.legacy import LegacySourceFields, apply_legacy_fields
 from treejax.rl.sources.requirements import RunFacts
+from treejax.rl.async_config import AsyncConfig, OffPolicyWarning  # noqa: F401  (re-exported)
+from treejax.rl.step_config import (KNOWN_INPUTS, LEAF_WEIGHTINGS, OLD_LOGP_SOURCES,  # noqa: F401  (re-exported)
+                                    StepConfig)
 from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
@@ -36,105 +39,11 @@ from treejax.sampling.tree import TreeConfig
 #: The default task's options (``RunConfig`` and ``treejax.sft.SFTConfig``): a small chain_sum_2x1 set.
 DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
                         "instruction": "Answer with just the number.", "extraction": "last_number"}
-#: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`): the trainer's forward with the
-#: current weights, the sampler's log-probs, or (PPO-EWMA) the trainer's forward with the parameters' EMA
-#: (``OptimizerConfig.proximal_ewma``).
-OLD_LOGP_SOURCES = ("trainer", "sampler", "ewma")
-#: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
-KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
-                "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN",
-                "state_cluster_PxN")
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")
 #: ``RunConfig.nonfinite``: what an update with a non-finite loss or gradient does (:mod:`treejax.rl.update`).
 NONFINITE_POLICIES = ("skip", "raise")
-
-#: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
-#: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
-#: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum
-#: ``sum_l w_l A_l grad log pi(l)`` weighs every leaf by the share of the policy's sample it stands for (the PPO
-#: clip of a leaf with ``w > 0`` is unchanged by the scale); the estimators' baselines are left as they are.
-LEAF_WEIGHTINGS = ("count", "mass")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Static settings of the learner (:func:`treejax.rl.step.learn`; a subset of ``RunConfig``): the estimator,
-    the loss, where log pi_old comes from, epochs / mini-batches / micro-batches and the layout's settings (``packing``
-    None: expanded rows, :class:`treejax.rl.layouts.Expanded`; else :class:`treejax.rl.layouts.Packed`)."""
-
-    estimator: str = "treepo"
-    estimator_options: Any = None
-    loss: LossConfig = LossConfig()
-    old_logp: str = "trainer"
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batches: int = 1
-    pad_id: int = 0
-    logprob_chunk_size: int = 8192
-    attention_impl: str = "auto"
-    clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
-    packing: PackingConfig | None = None  # None: expanded rows; else the tree-packed update
-    row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
-    leaf_weighting: str = "count"  # "count" | "mass": scale each leaf's advantages by forest.leaf_weight
-    shapers: tuple = ()  # treejax.rl.shaping.Shaper instances, applied in order after the old-log-prob pass
-
-    def __post_init__(self):
-        object.__setattr__(self, "shapers", check_shapers(self.shapers))
-        if self.leaf_weighting not in LEAF_WEIGHTINGS:
-            raise ValueError(f"leaf_weighting must be one of {LEAF_WEIGHTINGS}, got {self.leaf_weighting!r}")
-        if self.old_logp not in OLD_LOGP_SOURCES:
-            raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
-        if self.old_logp == "sampler" and self.loss.tis_cap is not None:
-            raise ValueError("LossConfig.tis_cap needs old_logp='trainer': with old_logp='sampler' the sampler's "
-                             "log-probs are both the PPO denominator and the TIS reference, so TIS is a no-op")
-        for name in ("epochs", "mini_batches", "micro_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        missing = [i for i in estimator_spec(self.estimator).inputs if i not in KNOWN_INPUTS]
-        if missing:
-            raise ValueError(f"estimator {self.estimator!r} needs inputs {missing} that the RL step cannot supply "
-                             f"(supplied: {KNOWN_INPUTS})")
-
-
-
-@dataclasses.dataclass(frozen=True)
-class AsyncConfig:
-    """Asynchronous rollouts (:mod:`treejax.rl.collect`): a sampler thread fills a queue of rollouts while the
-    learner trains on earlier ones.
-
-    ``enabled``: off (default) runs today's synchronous loop. ``max_staleness`` ``k``: the rollouts learned at
-    step ``i`` were sampled by policy version ``max(0, i - k)`` (the version after that many updates), so the
-    sampler runs up to ``k`` steps ahead; the bound is used as the lag (the schedule is fixed, hence a run is
-    reproducible and resumes exactly; it is also the fastest one the bound allows). ``k = 0`` samples every step
-    with the newest weights: the synchronous loop's numbers, bit for bit. ``sampler_devices``: the first ``n``
-    devices sample and the rest learn (``RunConfig.mesh`` then describes the learner's devices; the sampler's mesh
-    keeps ``MeshConfig.tensor`` and puts the rest on ``fsdp``), weights cast to the sampler dtype and copied
-    learner -> sampler after every update; ``0``: both share every device (one device only: programs of two
-    threads on a multi-device mesh could interleave their collectives differently on different devices).
-    ``split_staleness``: also compute the trainer's log-probs under the parameters that sampled each rollout
-    (one more forward per step; the learner keeps up to ``k + 1`` parameter versions), splitting the importance
-    weight into a staleness and a numerics part (``offpolicy/stale_iw_...``, ``mismatch/numerics_...``).
-    The correction is decoupled PPO (AReaL): the PPO ratio is taken against the trainer's recomputed log-probs
-    (``old_logp = "trainer"``, the proximal policy) and ``LossConfig.tis_cap`` weights each token by
-    ``min(pi_prox / q, C)``, ``q`` the sampler's recorded log-probs of the stale policy."""
-
-    enabled: bool = False
-    max_staleness: int = 1
-    sampler_devices: int = 0
-    split_staleness: bool = False
-
-    def __post_init__(self):
-        for name in ("max_staleness", "sampler_devices"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"AsyncConfig.{name} must be an int >= 0, got {v!r}")
-
-
-class OffPolicyWarning(UserWarning):
-    """Stale rollouts are trained without the behaviour importance weight (``RunConfig._check_async``)."""
-
 
 class ScheduleWarning(UserWarning):
     """The learning-rate schedule and the run's length disagree (``RunConfig._check_schedule``)."""
@@ -150,9 +59,9 @@ class RunConfig(LegacySourceFields):
     ``"ewma"`` (PPO-EWMA: the trainer's forward with the parameters' exponential moving average,
     ``OptimizerConfig.proximal_ewma``; :func:`treejax.rl.optimizer.proximal_ewma`).
     ``rollouts``: the rollout source as a chain of stages, one planner then wrappers
-    (:mod:`treejax.rl.sources.base`; gin: ``RunConfig.rollouts = [@DOTSConfig(), @ReplayConfig()]``; ``()``: the
+    (:mod:`treejax.rl.sources.base`; gin: ``RunConfig.rollouts = [@<planner>(), @<wrapper>()]``; ``()``: the
     task source). The stages check themselves against the run (:func:`~treejax.rl.sources.base.check_chain`); the
-    old per-method fields (``RunConfig.replay``, ...) still work for one release and translate into the chain.
+    old per-method fields (:mod:`treejax.rl.sources.legacy`) still work for one release and translate into the chain.
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
@@ -242,13 +151,7 @@ class RunConfig(LegacySourceFields):
         check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
-        legacy = legacy_chain(self)
-        if legacy:  # the deprecated per-method fields (RunConfig.replay, ...) translate into the chain
-            if self.rollouts:
-                raise ConfigError("RunConfig.rollouts and the deprecated per-method fields (RunConfig.replay, ...) are "
-                                  "both set; fix: only RunConfig.rollouts")
-            for k, v in {**cleared(), "rollouts": legacy}.items():
-                object.__setattr__(self, k, v)
+        apply_legacy_fields(self)  # the deprecated per-method fields translate into the chain, with a warning
         object.__setattr__(self, "rollouts", tuple(self.rollouts))
         stages = normalize_chain(self.rollouts)
         prompt_rows, rows = chain_rows(stages, self.prompts_per_step, self.rollout.num_leaves)

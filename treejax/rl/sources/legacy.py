@@ -51,10 +51,20 @@ def legacy_chain(cfg) -> tuple[Stage, ...]:
         new = ", ".join(f"@{type(s).__name__}()" for s in chain)
         old = ", ".join(f"RunConfig.{n}" for n in LEGACY_FIELDS if getattr(cfg, n) is not None)
         warnings.warn(f"{old}: deprecated, removed in the next release; write RunConfig.rollouts = [{new}]",
-                      DeprecatedFieldWarning, stacklevel=4)
+                      DeprecatedFieldWarning, stacklevel=5)
     return tuple(chain)
 
 
-def cleared() -> dict:
-    """Keyword arguments that unset every old field."""
-    return {name: None for name in LEGACY_FIELDS}
+def apply_legacy_fields(cfg) -> None:
+    """Moves the old fields of a ``RunConfig`` being built into ``cfg.rollouts`` (and unsets them), so that
+    ``dataclasses.replace`` of the result sees only the chain."""
+    legacy = legacy_chain(cfg)
+    if not legacy:
+        return
+    if cfg.rollouts:
+        raise ConfigError("RunConfig.rollouts and deprecated per-method fields ("
+                          + ", ".join(f"RunConfig.{n}" for n in LEGACY_FIELDS if getattr(cfg, n) is not None)
+                          + ") are both set; fix: only RunConfig.rollouts")
+    for name in LEGACY_FIELDS:
+        object.__setattr__(cfg, name, None)
+    object.__setattr__(cfg, "rollouts", legacy)

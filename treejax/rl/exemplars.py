@@ -105,11 +105,11 @@ class ExemplarRollouts:
         instruction = self.base.cfg.instruction
         return f"{text}\n\n{instruction}" if instruction else text
 
-    def _pad(self, out: tuple) -> tuple:
-        prompts = np.asarray(out[4])
+    def _pad(self, out):
+        prompts = np.asarray(out.prompts)
         wide = np.full((prompts.shape[0], self.width), self.base.pad_id, np.int32)
         wide[:, :prompts.shape[1]] = prompts
-        return out[:4] + (wide,) + out[5:]
+        return dataclasses.replace(out, prompts=wide)
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
@@ -134,14 +134,14 @@ class ExemplarRollouts:
             failed.append(int(p))
             new_ex.append(ex)
             new_toks.append(toks)
-        counters, rescued = first[6], 0
+        counters, rescued = first.counters, 0
         second = None
         if failed:
             pad = P - len(failed)  # a fixed-size call: the unused rows are copies of the first re-rolled prompt
             toks, tlens = pad_token_lists(new_toks + [new_toks[0]] * pad, self.width, b.pad_id)
             second = b.roll_and_score(params, new_ex + [new_ex[0]] * pad, toks, tlens,
                                       jax.random.fold_in(key, EXEMPLAR_STREAM), step)
-            counters = counters + second[6]
+            counters = counters + second.counters
             rescued = int(np.sum(prompt_stats(second, step).accuracy_P[:len(failed)] > 0))
         # a failed row is replaced by its re-roll, in place
         blocks = [row_block(second, np.array([failed.index(p)])) if p in failed else row_block(first, np.array([p]))
@@ -159,7 +159,7 @@ class ExemplarRollouts:
         from treejax.rl import scoring
         from treejax.rl.allocation import example_text
 
-        forest, leaf_inputs = out[0], out[8]
+        forest, leaf_inputs = out.forest, out.leaf_inputs
         correct = np.asarray(leaf_inputs["reward_scores"]) >= 1.0
         rows = np.nonzero(correct.any(axis=1))[0]
         if not len(rows):

@@ -157,7 +157,8 @@ class NudgeRollouts:
         toks = encode_examples(b.tokenizer, examples, b.cfg.system_prompt, b.cfg.instruction)
         width = max(b.prompt_width, bucket_length(max(len(t) for t in toks)))
         prompts, lens = pad_token_lists(toks, width, b.pad_id)
-        forest, rewards, scores, _, _, _, counters, _, _ = b.roll_and_score(params, examples, prompts, lens, key, step)
+        out = b.roll_and_score(params, examples, prompts, lens, key, step)
+        forest, rewards, scores, counters = out.forest, out.rewards, out.scores, out.counters
         R = len(examples)
         problem_PxW, context_PxW = np.array(problem)[:, None], np.array(context)[:, None]
         source_PxW = np.full((R, 1), -1, np.int32)

@@ -145,7 +145,7 @@ class PromptGDRORollouts:
             self.scores[str(bk)] = loss if old is None else (1.0 - cfg.ema) * old + cfg.ema * loss
             metrics[f"prompt_gdro/picked_{names[bk]}"] = int(np.sum(buckets[idx] == bk))
         metrics.update({f"prompt_gdro/loss_{names[int(k)]}": v for k, v in self.scores.items()})
-        return assemble_rows([row_block(out, np.arange(self.P))], out[6], extra_metrics=metrics)
+        return assemble_rows([row_block(out, np.arange(self.P))], out.counters, extra_metrics=metrics)
 
     def checkpoint_state(self) -> dict:
         return {**self.base.checkpoint_state(),

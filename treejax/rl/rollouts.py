@@ -153,6 +153,25 @@ class Rollouts:
         return None if s is None else np.asarray(s) >= 1.0
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoredRows:
+    """One sampler call's prompt rows, rolled out and scored (:meth:`TaskRollouts.roll_and_score`): the forest of
+    ``R`` rows, the shaped ``rewards [R, W]`` the estimator sees, the verifier's ``scores [R, W]``, the rows'
+    ``examples``, right-padded ``prompts [R, Lp]`` and ``lengths [R]``, the call's ``counters``, ``label_leaf
+    [R]`` (pseudo-label rewards: a leaf carrying each row's majority answer; ``None`` with verifier rewards) and the
+    per-leaf ``leaf_inputs`` (``reward_scores`` and the estimator inputs computed per leaf)."""
+
+    forest: Forest
+    rewards: np.ndarray
+    scores: np.ndarray
+    examples: list
+    prompts: np.ndarray
+    lengths: np.ndarray
+    counters: RolloutCounters
+    label_leaf: np.ndarray | None
+    leaf_inputs: dict
+
+
 class RolloutSource(Protocol):
     def sample(self, params: Any, key: jax.Array, step: int) -> Rollouts:
         """Rollouts of ``P`` prompts from the sampler's ``params``, with the estimator inputs it was built for."""
@@ -207,9 +226,8 @@ class TaskRollouts:
         prompts, lens = pad_token_lists(toks, self.prompt_width, self.pad_id)
         return examples, prompts, lens
 
-    def roll_and_score(self, params, examples, prompts, lens, key, step):
-        """``prompts`` rolled out and scored: (forest, rewards, scores, examples, prompts, lengths, counters, label
-        leaves or None, per-leaf estimator inputs). The rewards come from the verifier's scores, or with
+    def roll_and_score(self, params, examples, prompts, lens, key, step) -> ScoredRows:
+        """``prompts`` rolled out and scored (:class:`ScoredRows`). The rewards come from the verifier's scores, or with
         ``reward_source = "majority"`` from the prompts' majority answers (the verifier's scores then only measure)."""
         forest, info = self.rollout(params, prompts, lens, key, step)
         check_sampled_ids(forest, self.sampler_fns.sampling_vocab_size, step)
@@ -232,8 +250,8 @@ class TaskRollouts:
             leaf_inputs["cut_value_PxWxB"] = scoring.continuation_rewards(self.tokenizer, self.task, examples, tokens,
                                                                           cont, self.rewards)
         counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
-        return (forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
-                label_leaf, leaf_inputs)
+        return ScoredRows(forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
+                          label_leaf, leaf_inputs)
 
     def _one_call(self, params, key, step):
         """One batch of prompts, drawn, rolled out and scored (:meth:`roll_and_score`)."""
@@ -247,15 +265,15 @@ class TaskRollouts:
         counters, out = None, None
         for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
             out = self._one_call(params, jax.random.fold_in(key, attempt), step)
-            counters = out[6] if counters is None else counters + out[6]
-            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(out[1]))) if cfg.dynamic_sampling
+            counters = out.counters if counters is None else counters + out.counters
+            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(out.rewards))) if cfg.dynamic_sampling
                     else np.ones(P, bool))
-            have = sum(len(k[1]) for k in kept)
+            have = sum(len(k.rewards) for k in kept)
             idx = np.nonzero(keep)[0][: P - have]
             kept.append(row_block(out, idx))
             if have + len(idx) >= P:
                 break
-        missing = P - sum(len(k[1]) for k in kept)
+        missing = P - sum(len(k.rewards) for k in kept)
         if missing:
             # Not enough informative prompts after the refills: fill the remaining slots with the last rollout's
             # first prompts, masked out of the loss (they carry no gradient and no whitening weight).
@@ -274,7 +292,7 @@ class TaskRollouts:
         a, P, W = self.allocation, self.cfg.prompts_per_step, self.cfg.rollout.num_leaves
         C, E = a.chunks_per_prompt(W), a.extra_rows
         first = self.roll_and_score(params, *self.draw(), jax.random.fold_in(key, 0), step)
-        _, _, _, examples, prompts, lens, counters, _, _ = first
+        examples, prompts, lens, counters = first.examples, first.prompts, first.lengths, first.counters
         stats = prompt_stats(first, step)
         extra, self.allocation_state = a.allocator.extra_rollouts(stats, self.allocation_state,
                                                                   alloc.Budget(E * W, W, a.max_rollouts))
@@ -286,7 +304,7 @@ class TaskRollouts:
             pad = np.concatenate([idx, np.full(size - len(idx), idx[-1])])  # a call's unused rows: copies
             out = self.roll_and_score(params, [examples[i] for i in pad], prompts[pad], lens[pad],
                                       jax.random.fold_in(jax.random.fold_in(key, ALLOCATION_STREAM), calls), step)
-            counters = counters + out[6]
+            counters = counters + out.counters
             calls += 1
             parts.append(row_block(out, np.arange(len(idx))))
         unused = E - len(owner)
@@ -298,7 +316,7 @@ class TaskRollouts:
         for r, p in enumerate(owner):
             taken[p] += 1
             groups[p, taken[p]] = P + r
-        all_rewards = np.concatenate([np.asarray(p[1]) for p in parts])
+        all_rewards = np.concatenate([np.asarray(p.rewards) for p in parts])
         dropped = np.zeros(P, bool)
         if a.drop_equal_groups:  # DARS: a group whose rewards are all equal trains on nothing
             for p in range(P):
@@ -332,22 +350,36 @@ class TaskRollouts:
         return self.rewards(scores, lengths)
 
 
-def row_block(out: tuple, idx: np.ndarray, train: bool = True) -> tuple:
-    """Rows ``idx`` of one :meth:`TaskRollouts.roll_and_score` result, as a block :func:`assemble_rows` joins:
-    ``(forest, rewards, scores, examples, prompts, lengths, label leaves, per-leaf inputs)``. ``train=False``: the
-    rows are fillers, masked out of the loss (no gradient, no whitening weight)."""
-    forest, rewards, scores, examples, prompts, lens, _, labels, leaf_inputs = out
-    rows = RowSource(forest, np.asarray(idx, np.int64), train)
-    labels = np.full(len(rewards), -1, np.int64) if labels is None else labels
-    return (rows, rewards[idx], scores[idx], [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx],
-            {k: v[idx] for k, v in leaf_inputs.items()})
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowBlock:
+    """Rows of one :class:`ScoredRows` (:func:`row_block`), to be joined in order by :func:`assemble_rows`."""
+
+    rows: "RowSource"
+    rewards: np.ndarray
+    scores: np.ndarray
+    examples: list
+    prompts: np.ndarray
+    lengths: np.ndarray
+    label_leaf: np.ndarray
+    leaf_inputs: dict
 
 
-def assemble_rows(blocks: list[tuple], counters: RolloutCounters, label_leaves: bool = False, **fields) -> Rollouts:
+def row_block(out: ScoredRows, idx: np.ndarray, train: bool = True) -> RowBlock:
+    """Rows ``idx`` of one :meth:`TaskRollouts.roll_and_score` result, as a block :func:`assemble_rows` joins.
+    ``train=False``: the rows are fillers, masked out of the loss (no gradient, no whitening weight)."""
+    rows = RowSource(out.forest, np.asarray(idx, np.int64), train)
+    labels = np.full(len(out.rewards), -1, np.int64) if out.label_leaf is None else out.label_leaf
+    return RowBlock(rows, out.rewards[idx], out.scores[idx], [out.examples[i] for i in idx], out.prompts[idx],
+                    out.lengths[idx], labels[idx], {k: v[idx] for k, v in out.leaf_inputs.items()})
+
+
+def assemble_rows(blocks: list[RowBlock], counters: RolloutCounters, label_leaves: bool = False, **fields) -> Rollouts:
     """One :class:`Rollouts` of row blocks (:func:`row_block`) in order; ``label_leaves``: keep the pseudo-label
     leaves (``reward_source = "majority"``); ``fields``: more :class:`Rollouts` fields (``groups_PxC``, ...).
     Rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs."""
-    sources, rewards, scores, examples, prompts, lens, labels, leaf_inputs = zip(*blocks)
+    sources, rewards, scores = [b.rows for b in blocks], [b.rewards for b in blocks], [b.scores for b in blocks]
+    examples, prompts, lens = [b.examples for b in blocks], [b.prompts for b in blocks], [b.lengths for b in blocks]
+    labels, leaf_inputs = [b.label_leaf for b in blocks], [b.leaf_inputs for b in blocks]
     return Rollouts(forest=gather_rows(list(sources)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
                     scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
                     lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex],
@@ -357,15 +389,14 @@ def assemble_rows(blocks: list[tuple], counters: RolloutCounters, label_leaves: 
                     reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]), **fields)
 
 
-def prompt_stats(out: tuple, step: int):
+def prompt_stats(out: ScoredRows, step: int):
     """The allocators' and DOTS's per-prompt statistics of one :meth:`TaskRollouts.roll_and_score` result
     (:class:`treejax.rl.allocation.PromptStats`: leaf-weighted accuracy from the reward scores, one host read)."""
     from treejax.rl.allocation import PromptStats, prompt_key
 
-    forest, rewards, _, examples, _, _, _, _, leaf_inputs = out
-    weights = np.asarray(multihost.host_tree(forest.leaf_weights()))
-    return PromptStats.from_leaves(np.asarray(leaf_inputs["reward_scores"]) >= 1.0, rewards, weights,
-                                   keys=[prompt_key(e) for e in examples], step=step)
+    weights = np.asarray(multihost.host_tree(out.forest.leaf_weights()))
+    return PromptStats.from_leaves(np.asarray(out.leaf_inputs["reward_scores"]) >= 1.0, out.rewards, weights,
+                                   keys=[prompt_key(e) for e in out.examples], step=step)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -417,6 +448,6 @@ def first_prompt(forest: Forest) -> Forest:
     return multihost.host_tree(jax.tree.map(lambda x: x[:1], forest))
 
 
-__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "RowSource", "TaskRollouts", "assemble_rows",
+__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "RowBlock", "RowSource", "ScoredRows", "TaskRollouts", "assemble_rows",
            "concat_forests", "gather_rows", "prompt_stats", "row_block",
            "first_prompt", "check_inputs"]

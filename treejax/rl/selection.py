@@ -143,7 +143,7 @@ class DOTSRollouts:
         for i, d in zip(np.concatenate([ref_idx, rest[pick]]), np.concatenate([d_ref, d_sel])):
             self.difficulty[keys[i]] = float(d)
         blocks = [row_block(ref, np.arange(R)), row_block(sel, np.arange(self.P - R))]
-        return assemble_rows(blocks, dataclasses.replace(ref[6] + sel[6], rollout_calls=2), extra_metrics={
+        return assemble_rows(blocks, dataclasses.replace(ref.counters + sel.counters, rollout_calls=2), extra_metrics={
             "dots/reference_difficulty": float(np.mean(d_ref)),
             "dots/predicted_difficulty": float(np.mean(pred[pick])),
             "dots/measured_difficulty": float(np.mean(d_sel)),

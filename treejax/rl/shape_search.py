@@ -197,7 +197,8 @@ class ShapeSearchRollouts:
                 for b, draw in enumerate(draws):
                     bkey = jax.random.fold_in(jax.random.fold_in(key, SEARCH_STREAM), b)
                     t0 = time.perf_counter()
-                    forest, rewards, *_, counters, _, _ = self.base.roll_and_score(params, *draw, bkey, step)
+                    out = self.base.roll_and_score(params, *draw, bkey, step)
+                    forest, rewards, counters = out.forest, out.rewards, out.counters
                     seconds = time.perf_counter() - t0 - counters.scoring_s
                     batches[k].append({"path": np.asarray(forest.leaf_path), "reward": np.asarray(rewards),
                                        "weight": np.asarray(forest.leaf_weights(), np.float64),

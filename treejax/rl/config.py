@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from treejax.choices import check_choice
 from treejax.config_types import check_types
+from treejax.data.defaults import DEFAULT_TASK_OPTIONS  # noqa: F401  (re-exported: its old home)
 from treejax.errors import ConfigError
 from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
 from treejax.parallel.mesh import MeshConfig
@@ -40,9 +41,6 @@ from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
 
-#: The default task's options (``RunConfig`` and ``treejax.sft.SFTConfig``): a small chain_sum_2x1 set.
-DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
-                        "instruction": "Answer with just the number.", "extraction": "last_number"}
 #: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`): the trainer's forward with the
 #: current weights, the sampler's log-probs, or (PPO-EWMA) the trainer's forward with the parameters' EMA
 #: (``OptimizerConfig.proximal_ewma``).

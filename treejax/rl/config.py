@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from treejax.choices import check_choice
 from treejax.config_types import check_types
+from treejax.data.defaults import DEFAULT_TASK_OPTIONS  # noqa: F401  (re-exported: its old home)
 from treejax.errors import ConfigError
 from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
 from treejax.parallel.mesh import MeshConfig
@@ -36,9 +37,6 @@ from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
 
-#: The default task's options (``RunConfig`` and ``treejax.sft.SFTConfig``): a small chain_sum_2x1 set.
-DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
-                        "instruction": "Answer with just the number.", "extraction": "last_number"}
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")

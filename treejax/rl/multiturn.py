@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.envs.code_tool import CodeToolEnv
-from treejax.envs.guess import GuessNumberEnv
+from treejax.envs import env_names, get_env
 from treejax.envs.sandbox import ISOLATION, SandboxConfig, check_isolation
 from treejax.errors import ConfigError
 from treejax.rl.sources.base import Stage
@@ -134,7 +133,7 @@ class MultiTurnConfig(Stage):
 
 
 #: ``MultiTurnConfig.environment`` values.
-ENVIRONMENTS = ("code_tool", "guess_number")
+ENVIRONMENTS = tuple(env_names())
 #: ``MultiTurnConfig.fork_rule`` values.
 FORK_RULES = ("uniform", "trace")
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
@@ -151,10 +150,7 @@ class MultiTurnRollouts:
     def __init__(self, base, config: MultiTurnConfig, make_env=None, estimator_inputs: tuple[str, ...] = (),
                  model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: "):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
-        if make_env is None and config.environment == "guess_number":
-            make_env = lambda: GuessNumberEnv(max_turns=config.max_turns)  # noqa: E731
-        self.make_env = make_env or (lambda: CodeToolEnv(base.task, sandbox=self.sandbox,
-                                                         max_calls=config.max_turns - 1))
+        self.make_env = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
         self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
         self.pipeline = base.pipeline
         unknown = [i for i in estimator_inputs if i not in MULTITURN_INPUTS]

@@ -33,6 +33,7 @@ import numpy as np
 from treejax.errors import ConfigError
 from treejax.rl.sources.base import Stage
 from treejax.rl.sources.requirements import RAGGED, VERIFIER
+from treejax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,34 +109,22 @@ class Allocator:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type] = {}
+#: Every allocator class by name (gin knows each by its class name).
+ALLOCATORS: Registry[type] = Registry("allocator", base=Allocator, name_attrs=("name",))
 
 
 def register(name: str, *, overwrite: bool = False):
     """Class decorator: registers a frozen-dataclass :class:`Allocator` under ``name``."""
-
-    def decorator(cls):
-        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, Allocator)):
-            raise TypeError(f"allocator {name!r} must be a frozen dataclass subclassing Allocator")
-        if name in _REGISTRY and _REGISTRY[name] is not cls and not overwrite:
-            raise ValueError(f"an allocator named {name!r} is already registered ({_REGISTRY[name]!r}); pass "
-                             "overwrite=True to replace it")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorator
+    return ALLOCATORS.register(name, overwrite=overwrite)
 
 
 def allocator_classes() -> dict[str, type]:
     """``{registered name: class}`` (gin registers the classes by their class names)."""
-    return dict(_REGISTRY)
+    return ALLOCATORS.classes()
 
 
 def get_allocator(name: str, **kwargs) -> Allocator:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown allocator {name!r}; valid: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    return ALLOCATORS.get(name)(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +160,7 @@ class AllocationConfig(Stage):
     def check_budget(self, num_leaves: int) -> None:
         if self.allocator is None:
             raise ConfigError("AllocationConfig.allocator is not set; fix: AllocationConfig.allocator = @DARS() "
-                              f"(allocators: {sorted(_REGISTRY)})")
+                              f"(allocators: {ALLOCATORS.names()})")
         if self.max_rollouts < num_leaves or self.max_rollouts % num_leaves:
             raise ConfigError(f"AllocationConfig.max_rollouts = {self.max_rollouts} must be a multiple of "
                               f"TreeConfig.num_leaves = {num_leaves} (a prompt's rows hold W leaves each); fix: "
@@ -222,5 +211,5 @@ def allocation_metrics(chunks_P: np.ndarray, num_leaves: int, dropped_P: np.ndar
     return out
 
 
-__all__ = ["allocation_metrics", "example_text", "Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
+__all__ = ["ALLOCATORS", "allocation_metrics", "example_text", "Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
            "prompt_key", "register"]

@@ -29,10 +29,12 @@ import dataclasses
 from typing import Any, Callable, ClassVar, Protocol
 
 from treejax.errors import ConfigError
+from treejax.registry import Registry
 from treejax.rl.sources.requirements import Requirement, RunFacts
 
-#: Every concrete stage class by name (filled as stage modules are imported: :mod:`treejax.rl.sources.catalog`).
-_STAGES: dict[str, type] = {}
+#: Every stage class by class name (filled as stage modules are imported: :mod:`treejax.rl.sources.catalog`;
+#: gin registers them from here, so ``RunConfig.rollouts = [@MyStage()]`` works once the module is imported).
+STAGES: Registry[type] = Registry("rollout stage")
 
 
 class Stage:
@@ -51,7 +53,7 @@ class Stage:
         super().__init_subclass__(**kw)
         if cls.role not in ("planner", "wrapper"):
             raise TypeError(f"{cls.__name__}.role must be 'planner' or 'wrapper', got {cls.role!r}")
-        _STAGES[cls.__name__] = cls
+        STAGES.add(cls.__name__, cls, overwrite=True)  # a notebook cell that runs again redefines it
 
     @property
     def stage_name(self) -> str:
@@ -130,7 +132,7 @@ class TaskSource(Stage):
 
 def stage_classes() -> dict[str, type]:
     """Every stage class imported so far, by name (import :mod:`treejax.rl.sources.catalog` for all of them)."""
-    return dict(_STAGES)
+    return STAGES.classes()
 
 
 def normalize_chain(stages) -> tuple[Stage, ...]:
@@ -140,7 +142,7 @@ def normalize_chain(stages) -> tuple[Stage, ...]:
     for s in stages:
         if not isinstance(s, Stage):
             raise ConfigError(f"RunConfig.rollouts holds {s!r}, which is not a rollout stage; stages: "
-                              f"{sorted(_STAGES)}")
+                              f"{STAGES.names()}")
     if not stages or stages[0].role == "wrapper":
         stages = (TaskSource(),) + stages
     return stages
@@ -174,7 +176,7 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
     for s in stages[1:]:
         missing = set(s.needs) - caps
         if missing:
-            providers = sorted(n for n, c in _STAGES.items() if set(c.provides) & missing)
+            providers = sorted(n for n, c in STAGES.classes().items() if set(c.provides) & missing)
             raise ConfigError(f"RunConfig.rollouts: {s.stage_name} wraps rows with {sorted(missing)}, which the stages "
                               f"before it ({names[:names.index(s.stage_name)]}) do not give; fix: one of {providers} "
                               f"before it, e.g. RunConfig.rollouts = [@{providers[0] if providers else '?'}(), "
@@ -187,7 +189,7 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
                 raise ConfigError(req.message(s.stage_name, facts))
     unsupplied = [i for i in facts.estimator_inputs if i not in inputs]
     if unsupplied:
-        suppliers = sorted(n for n, c in _STAGES.items() if c.role == "planner" and set(unsupplied) <= set(c.supplies))
+        suppliers = sorted(n for n, c in STAGES.classes().items() if c.role == "planner" and set(unsupplied) <= set(c.supplies))
         raise ConfigError(f"RunConfig.rollouts: estimator {facts.estimator!r} reads {unsupplied}, which the chain "
                           f"{names} does not supply; fix: an estimator without them, or a chain whose planner "
                           f"supplies them ({suppliers}) and no wrapper that drops them")

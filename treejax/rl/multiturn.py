@@ -49,6 +49,10 @@ from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, chat_observat
 from treejax.sampling.partial import check_chains
 
 
+#: Estimator inputs only multi-turn rollouts supply (module docstring).
+MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN")
+
+
 @dataclasses.dataclass(frozen=True)
 class MultiTurnConfig(Stage):
     """Code-tool episodes (module docstring): ``max_turns`` policy turns, ``turn_tokens`` tokens per turn, ``chunk``
@@ -91,8 +95,9 @@ class MultiTurnConfig(Stage):
         if (self.roots is not None and self.roots < 1) or self.branch_factor < 1 or self.fork_turns < 0:
             raise ConfigError(f"MultiTurnConfig: roots >= 1 (or None), branch_factor >= 1, fork_turns >= 0 "
                               f"required, got {self}")
-        if self.environment not in ENVIRONMENTS or self.observation_format not in ("raw", "chat"):
-            raise ConfigError(f"MultiTurnConfig: environment must be one of {ENVIRONMENTS} and observation_format "
+        if self.environment not in env_names() or self.observation_format not in ("raw", "chat"):
+            raise ConfigError(f"MultiTurnConfig: environment must be one of {tuple(env_names())} and "
+                              f"observation_format "
                               f"'raw' or 'chat', got {self.environment!r}, {self.observation_format!r}")
         if self.tool_isolation not in ISOLATION:
             raise ConfigError(f"MultiTurnConfig.tool_isolation must be one of {ISOLATION}, got "
@@ -106,7 +111,7 @@ class MultiTurnConfig(Stage):
     role: ClassVar[str] = "planner"  # episodes of turns with an environment, on the task's prompts
     requires: ClassVar[tuple] = (VERIFIER, SYNCHRONOUS, NO_SHAPERS)
     provides: ClassVar[frozenset[str]] = frozenset({"turn_forest"})
-    supplies: ClassVar[frozenset[str]] = frozenset({"truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN"})
+    supplies: ClassVar[frozenset[str]] = frozenset(MULTITURN_INPUTS)
 
     def check(self, facts) -> None:
         self.check_tree(facts.tree)
@@ -136,8 +141,6 @@ class MultiTurnConfig(Stage):
 ENVIRONMENTS = tuple(env_names())
 #: ``MultiTurnConfig.fork_rule`` values.
 FORK_RULES = ("uniform", "trace")
-#: Estimator inputs only multi-turn rollouts supply (module docstring).
-MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN")
 
 
 class MultiTurnRollouts:

@@ -37,6 +37,7 @@ from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.sources import catalog  # noqa: F401  (registers every rollout stage)
+from treejax.rl.rollouts import TaskRollouts
 from treejax.rl.sources.base import RolloutSource, SourceContext, build_chain
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
@@ -173,7 +174,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     make_rollout = lambda tc: make_tree_rollout(rollout_fns, tc, continuations=cfg.continuation_config())  # noqa: E731
     source = build_chain(cfg.rollouts, SourceContext(
         cfg, tokenizer, task, pipeline, make_rollout(cfg.rollout), make_rollout, rollout_fns, model_config,
-        prompt_width, pad_id, learner.estimator_inputs))
+        prompt_width, pad_id, learner.estimator_inputs, task_rollouts))
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)
               if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files
@@ -191,6 +192,12 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     return Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, learner, state, ref_params,
                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
                mesh, sampler_mesh)
+
+
+def task_rollouts(ctx: SourceContext, estimator_inputs: tuple[str, ...], allocation=None) -> TaskRollouts:
+    """The task's rollout service of a chain's planner (:meth:`treejax.rl.sources.base.SourceContext.task_rollouts`)."""
+    return TaskRollouts(ctx.cfg, ctx.rollout, ctx.sampler_fns, ctx.tokenizer, ctx.task, ctx.pipeline,
+                        ctx.prompt_width, ctx.pad_id, estimator_inputs=estimator_inputs, allocation=allocation)
 
 
 def make_collector(r: Run, key: jax.Array):

@@ -88,7 +88,9 @@ class SourceContext:
 
     ``rollout``: the run's tree rollout (``make_tree_rollout`` of ``cfg.rollout``); ``make_rollout(tc)``: another
     rollout on the same sampler (the shape search's candidate trees); ``sampler_fns``: the sampler's model
-    functions; ``estimator_inputs``: the learner's estimator inputs; ``seed``: ``RunConfig.seed``."""
+    functions; ``estimator_inputs``: the learner's estimator inputs; ``seed``: ``RunConfig.seed``;
+    ``rollout_service(ctx, estimator_inputs, allocation)``: builds the task's rollout service (set-up passes
+    :class:`treejax.rl.rollouts.TaskRollouts`; tests may pass a fake)."""
 
     cfg: Any
     tokenizer: Any
@@ -101,6 +103,7 @@ class SourceContext:
     prompt_width: int
     pad_id: int
     estimator_inputs: tuple[str, ...]
+    rollout_service: Callable
 
     @property
     def seed(self) -> int:
@@ -108,11 +111,7 @@ class SourceContext:
 
     def task_rollouts(self, estimator_inputs: tuple[str, ...] = (), allocation: Any = None):
         """The task's rollout service (:class:`treejax.rl.rollouts.TaskRollouts`: draw prompts, roll out, score)."""
-        from treejax.rl.rollouts import TaskRollouts
-
-        return TaskRollouts(self.cfg, self.rollout, self.sampler_fns, self.tokenizer, self.task, self.pipeline,
-                            self.prompt_width, self.pad_id, estimator_inputs=tuple(estimator_inputs),
-                            allocation=allocation)
+        return self.rollout_service(self, tuple(estimator_inputs), allocation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,207 @@
+"""Golden runs of the rollout-chain redesign: every CLI feature case and every shipped config, 2 steps each.
+
+Recorded on the code BEFORE the redesign's first edit (``python -m tests.golden.golden record``) and compared after
+every phase (``check``): the history without wall-clock keys, and per step sha256 of the rollouts the learner
+received (every forest array, the rewards, the verifier scores, the estimator inputs) and of the parameters after
+the update. Equal means bit-for-bit equal on the machine that recorded them (XLA:CPU, same jax, same CPU type).
+
+Cases run in one process and share a persistent compilation cache (a cached executable is the same program, so it
+changes no bit), so a ``check`` after the first one mostly loads programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CONFIGS = os.path.join(ROOT, "configs")
+GOLDEN = os.path.join(HERE, "golden_runs.json")
+
+#: Wall-clock, memory and compile keys: not part of a run's result.
+VOLATILE = ("time/", "compile/", "memory/", "throughput/", "loop/")
+#: Configs that are not RL runs of treejax-train (treejax-sft's).
+SFT_CONFIGS = ("sft_chain_sum.gin", "sft_otr.gin")
+
+SMALL = ["RunConfig.num_steps = 2", "RunConfig.prompts_per_step = 2", "EvalConfig.num_problems = 2",
+         "EvalConfig.max_new_tokens = 2", "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0",
+         "RunConfig.eval_every = 0"]
+
+
+def _hash(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        if a is None:
+            h.update(b"None")
+            continue
+        a = np.asarray(a)
+        h.update(str(a.dtype).encode() + str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(jax.device_get(tree))
+
+
+def _rollout_hashes(ro) -> dict:
+    f = ro.forest
+    out = {"forest_tokens": _hash(f.tokens, f.leaf_length, f.leaf_status, f.leaf_path),
+           "forest_logprobs": _hash(f.logprobs),
+           "forest_rest": _hash(*_leaves(f)),
+           "rewards": _hash(ro.rewards_PxW), "scores": _hash(ro.scores_PxW),
+           "prompts": _hash(ro.prompts_PxLp, ro.lengths_P)}
+    for k in sorted(ro.estimator_inputs):
+        out[f"input/{k}"] = _hash(*_leaves(ro.estimator_inputs[k]))
+    for k in ("label_leaf_P", "groups_PxC", "tool_calls_PxW", "fixed_advantage_PxW", "reward_scores_PxW"):
+        v = getattr(ro, k, None)
+        if v is not None:
+            out[k] = _hash(v)
+    return out
+
+
+@contextlib.contextmanager
+def _recording(log: list):
+    """Wrap the learner's entry (``treejax.rl.step.learn``, also bound in ``treejax.rl.loop``)."""
+    import treejax.rl.loop as loop_mod
+    import treejax.rl.step as step_mod
+    orig = step_mod.learn
+
+    def learn(learner, state, ro, key, *a, **kw):
+        entry = _rollout_hashes(ro)
+        out = orig(learner, state, ro, key, *a, **kw)
+        entry["params_after"] = _hash(*_leaves(out[0].params))
+        log.append(entry)
+        return out
+
+    step_mod.learn, loop_mod.learn = learn, learn
+    try:
+        yield
+    finally:
+        step_mod.learn, loop_mod.learn = orig, orig
+
+
+def _clean(history: list[dict]) -> list[dict]:
+    rows = []
+    for row in history:
+        rows.append({k: (None if isinstance(v, float) and v != v else v) for k, v in sorted(row.items())
+                     if not k.startswith(VOLATILE) and not k.endswith(("_s", "_seconds"))})
+    return rows
+
+
+def cases(tiny: str) -> dict[str, list[str]]:
+    """name -> the gin bindings (file first) of every golden case."""
+    sys.path.insert(0, ROOT)
+    from tests.rl import test_loop_features as tlf
+    out = {}
+    base = [f"RunConfig.model = '{tiny}'", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
+            "TreeConfig.segment_length = 4", "OptimizerConfig.learning_rate = 1e-3", "LossConfig.entropy_coef = 0.01"]
+    for case in tlf.CLI_CASES:
+        out[f"cli/{case}"] = ["quickstart.gin", *SMALL, *base, *tlf._extra(case), "RunConfig.num_steps = 2"]
+    for name in sorted(os.listdir(CONFIGS)):
+        if name.endswith(".gin") and name not in SFT_CONFIGS:
+            out[f"config/{name}"] = [name, *SMALL, f"RunConfig.model = '{tiny}'", "TreeConfig.segment_length = 4",
+                                     "TreeConfig.max_depth = 2"]
+    return out
+
+
+def run_case(bindings: list[str], log_dir: str) -> dict:
+    from treejax import train
+    log: list = []
+    params = [*bindings[1:], f"RunConfig.log_dir = '{log_dir}'"]
+    argv = ["--gin_file", os.path.join(CONFIGS, bindings[0]), "--quiet"] + sum((["--gin_param", p] for p in params), [])
+    with _recording(log):
+        summary = train.main(argv)
+    if not isinstance(summary, dict):
+        return {"error": f"exit {summary}"}
+    return {"history": _clean(summary["history"]), "steps": log}
+
+
+def tiny_checkpoint(folder: str) -> str:
+    import jax
+    from treejax.models import presets, transformer
+    from treejax.models.export import export_hf
+    from treejax.models.registry import embedded_model_path
+    from treejax.models.tokenizer import TextTokenizer
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        tok = TextTokenizer.from_gguf(embedded_model_path("smollm2-135m-instruct"))
+        cfg = presets.tiny_config("smollm2-135m", vocab_size=49152, eos_token_ids=tuple(tok.eos_ids), pad_token_id=2)
+        export_hf(transformer.init_params(cfg, jax.random.key(0)), cfg, folder, tok)
+    return folder
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("record", "check"))
+    ap.add_argument("--only", default="", help="substring of the case names to run")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "treejax_golden"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(args.work, "xla_cache"))
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    tiny = tiny_checkpoint(os.path.join(args.work, "tiny_hf"))
+    golden = json.load(open(GOLDEN)) if os.path.exists(GOLDEN) else {}
+    bad = []
+    for name, bindings in cases(tiny).items():
+        if args.only and args.only not in name:
+            continue
+        if args.mode == "record" and name in golden and not args.only:
+            continue  # recorded already (re-record one with --only)
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(dir=args.work) as d:
+            try:
+                got = run_case(bindings, os.path.join(d, "run"))
+            except SystemExit as e:
+                got = {"error": f"SystemExit {e.code}"}
+            except Exception as e:  # noqa: BLE001  (a case the code refuses is recorded as its error line)
+                got = {"error": f"{type(e).__name__}: {e}"}
+        got = json.loads(json.dumps(got))
+        if args.mode == "record":
+            golden[name] = got
+            json.dump(golden, open(GOLDEN, "w"), indent=0, sort_keys=True)
+            status = "recorded" + (f" ({got['error']})" if "error" in got else "")
+        else:
+            status = "equal" if golden.get(name) == got else "DIFFERENT"
+            if status != "equal":
+                bad.append(name)
+                _diff(golden.get(name), got)
+        print(f"{name:45s} {status:10s} {time.time() - t0:6.1f} s", flush=True)
+    if args.mode == "check":
+        print("all equal" if not bad else f"{len(bad)} different: {bad}")
+    return 1 if bad else 0
+
+
+def _diff(old, new) -> None:
+    if old is None:
+        print("   not recorded")
+        return
+    if "error" in old or "error" in new:
+        print("   ", old.get("error"), "->", new.get("error"))
+        return
+    for i, (a, b) in enumerate(zip(old["steps"], new["steps"])):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                print(f"   step {i} {k}: {a.get(k)} -> {b.get(k)}")
+    for i, (a, b) in enumerate(zip(old["history"], new["history"])):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                print(f"   history {i} {k}: {a.get(k)} -> {b.get(k)}")
+    if len(old["steps"]) != len(new["steps"]):
+        print(f"   steps {len(old['steps'])} -> {len(new['steps'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

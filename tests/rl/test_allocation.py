@@ -302,7 +302,7 @@ def test_allocated_rollouts_hold_each_prompts_group(tiny_checkpoint, tmp_path):
     g = group_forest(ro.forest, ro.groups_PxC)
     want = adv.get_estimator("grpo")(g, group_leaves(R, ro.groups_PxC), adv.GRPOOptions())
     np.testing.assert_allclose(np.asarray(got.tokens), np.asarray(ungroup(want.tokens, ro.groups_PxC, 5)), atol=1e-6)
-    assert r.source.allocation_state == {}
+    assert r.source.state == {}
 
 
 @pytest.mark.slow  # three short runs of the whole loop (~90 s)

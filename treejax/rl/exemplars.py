@@ -113,7 +113,8 @@ class ExemplarRollouts:
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
-        from treejax.rl.rollouts import assemble_rows, prompt_stats, row_block
+        from treejax.rl.allocation.base import prompt_stats
+        from treejax.rl.rollouts import assemble_rows, row_block
 
         b, cfg = self.base, self.config
         examples, prompts, lens = b.draw()

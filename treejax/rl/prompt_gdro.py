@@ -120,7 +120,8 @@ class PromptGDRORollouts:
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
-        from treejax.rl.rollouts import assemble_rows, prompt_stats, row_block
+        from treejax.rl.allocation.base import prompt_stats
+        from treejax.rl.rollouts import assemble_rows, row_block
 
         cfg, b = self.config, self.base
         drawn = [b.draw() for _ in range(cfg.pool)]

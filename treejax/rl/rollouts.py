@@ -20,7 +20,6 @@ Several processes: every process draws the same prompts, all-gathers the leaves'
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Any, Protocol
@@ -41,7 +40,6 @@ from treejax.sampling.strategies import Greedy
 from treejax.sampling.tree_state import RolloutInfo
 
 #: Host counters of the sampler's :class:`RolloutInfo` (scalars; summed over a step's rollout calls).
-ALLOCATION_STREAM = 0xA110C  # fold_in stream of the extra rollout calls of prompt-level allocation
 
 SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "root_restarts",
                     "segments", "complete", "continuation_tokens")
@@ -192,7 +190,7 @@ class TaskRollouts:
     continuations at each leaf's cut points (SPO-chain, :func:`treejax.rl.scoring.continuation_rewards`)."""
 
     def __init__(self, cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int, pad_id: int,
-                 estimator_inputs: tuple[str, ...] = (), allocation=None):
+                 estimator_inputs: tuple[str, ...] = ()):
         check_inputs(estimator_inputs, ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"),
                      "TaskRollouts")
         if "cut_value_PxWxB" in estimator_inputs and getattr(rollout, "continuations", None) is None:
@@ -201,16 +199,6 @@ class TaskRollouts:
         self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
         self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
-        self.allocation = allocation  # AllocationConfig or None (treejax.rl.allocation)
-        self.allocation_state = allocation.allocator.init_state() if allocation is not None else None
-
-    def checkpoint_state(self) -> dict:
-        """The source's state a checkpoint saves: the allocator's (a deep copy), with allocation."""
-        return {} if self.allocation is None else {"allocation": copy.deepcopy(self.allocation_state)}
-
-    def restore_state(self, data_state: dict) -> None:
-        if self.allocation is not None:
-            self.allocation_state = data_state.get("allocation", self.allocation.allocator.init_state())
 
     def rewards(self, scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         cfg = self.cfg
@@ -258,8 +246,6 @@ class TaskRollouts:
         return self.roll_and_score(params, *self.draw(), key, step)
 
     def sample(self, params, key, step) -> Rollouts:
-        if self.allocation is not None:
-            return self._allocated_sample(params, key, step)
         cfg, P = self.cfg, self.cfg.prompts_per_step
         kept: list[tuple] = []
         counters, out = None, None
@@ -280,59 +266,9 @@ class TaskRollouts:
             kept.append(row_block(out, np.arange(missing), train=False))
         counters = dataclasses.replace(counters, rollout_calls=attempt + 1, filler_prompts=missing)
         ro = assemble_rows(kept, counters, label_leaves=cfg.reward_source == "majority")
-        return self._with_greedy(params, ro)
+        return self.with_greedy(params, ro)
 
-    def _allocated_sample(self, params, key, step) -> Rollouts:
-        """Prompt-level allocation (:mod:`treejax.rl.allocation`): the pre-rollout of ``P`` prompts, the
-        allocator's extra chunks (rows of ``W`` leaves) decoded in calls of ``call_prompts`` rows, and the step's
-        ``P + extra_rows`` rows with each prompt's group (``Rollouts.groups_PxC``); rows the budget left unused
-        are copies of row 0 that train on nothing."""
-        from treejax.rl import allocation as alloc
-
-        a, P, W = self.allocation, self.cfg.prompts_per_step, self.cfg.rollout.num_leaves
-        C, E = a.chunks_per_prompt(W), a.extra_rows
-        first = self.roll_and_score(params, *self.draw(), jax.random.fold_in(key, 0), step)
-        examples, prompts, lens, counters = first.examples, first.prompts, first.lengths, first.counters
-        stats = prompt_stats(first, step)
-        extra, self.allocation_state = a.allocator.extra_rollouts(stats, self.allocation_state,
-                                                                  alloc.Budget(E * W, W, a.max_rollouts))
-        chunks = alloc.plan_chunks(extra, stats.accuracy_P, W, C - 1, E)
-        owner = np.repeat(np.arange(P), chunks)  # the prompt of each extra row
-        parts, calls, size = [row_block(first, np.arange(P))], 0, a.call_prompts or P
-        for start in range(0, len(owner), size):
-            idx = owner[start:start + size]
-            pad = np.concatenate([idx, np.full(size - len(idx), idx[-1])])  # a call's unused rows: copies
-            out = self.roll_and_score(params, [examples[i] for i in pad], prompts[pad], lens[pad],
-                                      jax.random.fold_in(jax.random.fold_in(key, ALLOCATION_STREAM), calls), step)
-            counters = counters + out.counters
-            calls += 1
-            parts.append(row_block(out, np.arange(len(idx))))
-        unused = E - len(owner)
-        if unused:  # the budget's unused rows: row 0's copies, masked out of the loss
-            parts.append(row_block(first, np.zeros(unused, np.int64), train=False))
-        groups = np.full((P, C), -1, np.int64)
-        groups[:, 0] = np.arange(P)
-        taken = np.zeros(P, np.int64)
-        for r, p in enumerate(owner):
-            taken[p] += 1
-            groups[p, taken[p]] = P + r
-        all_rewards = np.concatenate([np.asarray(p.rewards) for p in parts])
-        dropped = np.zeros(P, bool)
-        if a.drop_equal_groups:  # DARS: a group whose rewards are all equal trains on nothing
-            for p in range(P):
-                merged = all_rewards[groups[p][groups[p] >= 0]].ravel()
-                dropped[p] = np.all(merged == merged[0])
-        counters = dataclasses.replace(counters, rollout_calls=1 + calls, filler_prompts=unused)
-        ro = assemble_rows(parts, counters, groups_PxC=groups,
-                           extra_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
-        if dropped.any():
-            rows = groups[dropped]
-            rows = rows[rows >= 0]
-            mask = ro.forest.loss_mask.at[jnp.asarray(rows)].set(0.0)
-            ro.forest = ro.forest.replace(loss_mask=mask)
-        return self._with_greedy(params, ro)
-
-    def _with_greedy(self, params, ro: Rollouts) -> Rollouts:
+    def with_greedy(self, params, ro: Rollouts) -> Rollouts:
         """``ro`` with ReMax's greedy baseline when the estimator reads it (its seconds count as scoring)."""
         if "greedy_reward_P" in self.estimator_inputs:
             t = time.perf_counter()
@@ -389,16 +325,6 @@ def assemble_rows(blocks: list[RowBlock], counters: RolloutCounters, label_leave
                     reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]), **fields)
 
 
-def prompt_stats(out: ScoredRows, step: int):
-    """The allocators' and DOTS's per-prompt statistics of one :meth:`TaskRollouts.roll_and_score` result
-    (:class:`treejax.rl.allocation.PromptStats`: leaf-weighted accuracy from the reward scores, one host read)."""
-    from treejax.rl.allocation import PromptStats, prompt_key
-
-    weights = np.asarray(multihost.host_tree(out.forest.leaf_weights()))
-    return PromptStats.from_leaves(np.asarray(out.leaf_inputs["reward_scores"]) >= 1.0, out.rewards, weights,
-                                   keys=[prompt_key(e) for e in out.examples], step=step)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class RowSource:
     """Prompts ``idx`` of ``forest`` (one sampler call's), to be joined by :func:`gather_rows`; ``train=False``:
@@ -449,5 +375,5 @@ def first_prompt(forest: Forest) -> Forest:
 
 
 __all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "RowBlock", "RowSource", "ScoredRows", "TaskRollouts", "assemble_rows",
-           "concat_forests", "gather_rows", "prompt_stats", "row_block",
+           "concat_forests", "gather_rows", "row_block",
            "first_prompt", "check_inputs"]

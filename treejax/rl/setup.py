@@ -194,10 +194,10 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
                mesh, sampler_mesh)
 
 
-def task_rollouts(ctx: SourceContext, estimator_inputs: tuple[str, ...], allocation=None) -> TaskRollouts:
+def task_rollouts(ctx: SourceContext, estimator_inputs: tuple[str, ...]) -> TaskRollouts:
     """The task's rollout service of a chain's planner (:meth:`treejax.rl.sources.base.SourceContext.task_rollouts`)."""
     return TaskRollouts(ctx.cfg, ctx.rollout, ctx.sampler_fns, ctx.tokenizer, ctx.task, ctx.pipeline,
-                        ctx.prompt_width, ctx.pad_id, estimator_inputs=estimator_inputs, allocation=allocation)
+                        ctx.prompt_width, ctx.pad_id, estimator_inputs=estimator_inputs)
 
 
 def make_collector(r: Run, key: jax.Array):

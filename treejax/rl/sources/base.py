@@ -89,7 +89,7 @@ class SourceContext:
     ``rollout``: the run's tree rollout (``make_tree_rollout`` of ``cfg.rollout``); ``make_rollout(tc)``: another
     rollout on the same sampler (the shape search's candidate trees); ``sampler_fns``: the sampler's model
     functions; ``estimator_inputs``: the learner's estimator inputs; ``seed``: ``RunConfig.seed``;
-    ``rollout_service(ctx, estimator_inputs, allocation)``: builds the task's rollout service (set-up passes
+    ``rollout_service(ctx, estimator_inputs)``: builds the task's rollout service (set-up passes
     :class:`treejax.rl.rollouts.TaskRollouts`; tests may pass a fake)."""
 
     cfg: Any
@@ -109,9 +109,9 @@ class SourceContext:
     def seed(self) -> int:
         return self.cfg.seed
 
-    def task_rollouts(self, estimator_inputs: tuple[str, ...] = (), allocation: Any = None):
+    def task_rollouts(self, estimator_inputs: tuple[str, ...] = ()):
         """The task's rollout service (:class:`treejax.rl.rollouts.TaskRollouts`: draw prompts, roll out, score)."""
-        return self.rollout_service(self, tuple(estimator_inputs), allocation)
+        return self.rollout_service(self, tuple(estimator_inputs))
 
 
 @dataclasses.dataclass(frozen=True)

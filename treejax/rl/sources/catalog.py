@@ -2,7 +2,7 @@
 A new stage is its module and one line here."""
 
 from treejax.rl.sources.base import TaskSource  # noqa: F401  (the default planner)
-from treejax.rl.allocation.base import AllocationConfig  # noqa: F401
+from treejax.rl.allocation.source import AllocationConfig  # noqa: F401
 from treejax.rl.selection import DOTSConfig  # noqa: F401
 from treejax.rl.prompt_gdro import PromptGDROConfig  # noqa: F401
 from treejax.rl.partial import PartialConfig  # noqa: F401

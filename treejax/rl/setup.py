@@ -184,7 +184,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
-        if hasattr(source, "restore_state"):  # the rollout chain's state (an allocator's, a replay buffer, ...)
+        if hasattr(source, "restore_state"):  # the rollout chain's own state (its stages')
             source.restore_state(data_state)
         log.info("resumed from step %d", int(data_state["rl_step"]))
     else:

@@ -163,7 +163,7 @@ class Learner:
     place: Callable[[Batch], Batch]
     sampler_params: Callable[[Any], Any]
     stats: Callable | None = None
-    grouped_estimator: Callable | None = None  # (forest, rewards, inputs, rows_PxC) -> Advantages (allocation)
+    grouped_estimator: Callable | None = None  # (forest, rewards, inputs, rows_PxC) -> Advantages (row groups)
     update_fn: Callable | None = None  # the update as given (``sharded_update``'s has ``precompile``)
 
     @property
@@ -205,7 +205,7 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
 
 def grouped_advantages(fn: Callable, options: Any, forest: Forest, rewards_RxW: jax.Array, inputs: dict,
                        rows_PxC: jax.Array) -> Advantages:
-    """The estimator over each prompt's whole group of rows (prompt-level allocation): the rows merged into
+    """The estimator over each prompt's whole group of rows (``Rollouts.groups_PxC``, a source that gives a prompt several rows): the rows merged into
     ``[P, C * W]`` groups with unused slots (:func:`treejax.rl.allocation.group_forest`), the estimator run
     there (it must honour unused slots: ``EstimatorSpec.ragged``), its per-leaf outputs put back in the rows'
     layout (rows in no group get 0 and a zero loss mask). Per-leaf inputs ``[R, W, ...]`` are grouped like the
@@ -274,8 +274,8 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
 
 
 def step_advantages(learner: Learner, ro: Rollouts) -> Advantages:
-    """The estimator's advantages of ``ro`` (over each prompt's group of rows with prompt-level allocation), with
-    the source's fixed advantages where it sets them (SPEAR) and, with ``leaf_weighting = "mass"``, each leaf's
+    """The estimator's advantages of ``ro`` (over each prompt's group of rows when the source groups rows), with
+    the source's fixed advantages where it sets them (``Rollouts.fixed_advantage_PxW``) and, with ``leaf_weighting = "mass"``, each leaf's
     tokens times its ``Forest.leaf_weight``. Raises when the source did not supply an input the estimator reads."""
     cfg = learner.config
     missing = [name for name in learner.estimator_inputs if name not in ro.estimator_inputs]
@@ -285,12 +285,12 @@ def step_advantages(learner: Learner, ro: Rollouts) -> Advantages:
     inputs = {name: ro.estimator_inputs[name] for name in learner.estimator_inputs}
     if ro.groups_PxC is None:
         adv = learner.estimator(ro.forest, ro.rewards_PxW, inputs)
-    else:  # prompt-level allocation: each prompt's advantages over all of its rows
+    else:  # the source's row groups: each prompt's advantages over all of its rows
         if not estimator_spec(cfg.estimator).ragged:
             raise ValueError(f"estimator {cfg.estimator!r} does not honour unused leaf slots, so it cannot take "
-                             "prompt-level allocation's groups (EstimatorSpec.ragged)")
+                             "a source's row groups (EstimatorSpec.ragged)")
         adv = learner.grouped_estimator(ro.forest, ro.rewards_PxW, inputs, jnp.asarray(ro.groups_PxC, jnp.int32))
-    if ro.fixed_advantage_PxW is not None:  # SPEAR's self-imitation rows: the source's advantage, not the estimator's
+    if ro.fixed_advantage_PxW is not None:  # rows whose advantage the source fixed, not the estimator's
         adv = with_fixed_advantages(adv, ro.forest, ro.fixed_advantage_PxW)
     if cfg.leaf_weighting == "mass":
         adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
@@ -433,11 +433,11 @@ def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step
 
 def rollout_metrics(ro: Rollouts) -> dict:
     """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (over the
-    pre-rollout's rows with prompt-level allocation, whose ``alloc/...`` metrics come along; with
+    main rows when the source groups rows (``Rollouts.main_rows``), whose own metrics come along; with
     verifier scores; with pseudo-label rewards also ``reward/label_accuracy``; with DECS's prefix hook
     ``rollout/redundant_token_frac``, the correct leaves' tokens after their answer step), the rollout counters
     and the tree's shape (:func:`tree_metrics`)."""
-    main = ro.main_rows  # with allocation: the pre-rollout, the step's uniform sample of the policy
+    main = ro.main_rows  # the step's uniform sample of the policy (a grouping source's first rows)
     host = {"time/scoring_s": ro.counters.scoring_s,
             "reward/mean": float(np.asarray(ro.rewards_PxW)[:main].mean()), **ro.counters.metrics(),
             **tree_metrics(ro.forest, ro.rewards_PxW), **(ro.extra_metrics or {})}

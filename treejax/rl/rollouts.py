@@ -200,6 +200,13 @@ class TaskRollouts:
         self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
 
+    def checkpoint_state(self) -> dict:
+        """The task service keeps no state of its own (the prompt pipeline's is saved by the loop)."""
+        return {}
+
+    def restore_state(self, data_state: dict) -> None:
+        pass
+
     def rewards(self, scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         return scoring.shaped_rewards(scores, lengths, cfg.reward_style, cfg.rollout.max_length, cfg.overlong_buffer,

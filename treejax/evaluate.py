@@ -135,7 +135,8 @@ def eval_defaults(run_cfg) -> dict:
 
 def _run_config(args, checkpoint_root):
     """The RunConfig whose settings are the defaults (and the gin file it came from)."""
-    from treejax import train
+    from treejax.gin_surface import parse
+    from treejax.listing import default_config_dir
 
     gin_files = args.gin_file
     if gin_files is None:
@@ -143,11 +144,11 @@ def _run_config(args, checkpoint_root):
         candidates = []
         if checkpoint_root is not None:
             candidates.append(os.path.join(os.path.dirname(checkpoint_root), "operative_config.gin"))
-        d = train.default_config_dir()
+        d = default_config_dir()
         if d:
             candidates.append(os.path.join(d, "quickstart.gin"))
         gin_files = [c for c in candidates if os.path.exists(c)][:1]
-    return train.parse(gin_files, args.gin_param, check_mesh=False), gin_files  # eval does not use the run's mesh
+    return parse(gin_files, args.gin_param, check_mesh=False), gin_files  # eval does not use the run's mesh
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -337,6 +337,27 @@ def forest_from_spans(
                          f"{min(T, T_in)}")
     base = forest_from_paths(leaf_path, np.maximum(leaf_path[:, :, 1:] >= 0, 0).sum(-1).clip(1), 1,
                              leaf_status=leaf_status, num_nodes=N)
+    start, seg = _span_layout(leaf_path, lens, N, T)
+    valid = seg >= 0
+    k = min(T, T_in)  # the response columns read from the inputs
+    toks = _fit_response(tokens, 0, np.int32, valid, k)
+    _check_shared_tokens(leaf_path, seg, valid, toks)
+    lp = _fit_response(np.zeros(tokens.shape, np.float32) if logprobs is None else logprobs, 0.0, np.float32, valid, k)
+    pm = _fit_response(np.ones(tokens.shape, np.float32) if policy_mask is None else policy_mask, 0.0, np.float32,
+                       valid, k)
+    span = np.stack([start, np.where(on_path, node_length, 0)], -1).astype(np.int32)
+    weight = base.leaf_weight if leaf_weight is None else jnp.asarray(leaf_weight, jnp.float32)
+    return base.replace(leaf_length=jnp.asarray(leaf_length, jnp.int32), tokens=jnp.asarray(toks),
+                        logprobs=jnp.asarray(lp), segment_index=jnp.asarray(seg), loss_mask=jnp.asarray(pm),
+                        leaf_weight=weight, segment_length=int(max(node_length.max(), 1)),
+                        node_span=jnp.asarray(span), policy_mask=jnp.asarray(pm))
+
+
+def _span_layout(leaf_path: np.ndarray, lens: np.ndarray, N: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(start [P, N], seg [P, W, T])`` of a span forest: each node starts at the sum of its ancestors' lengths
+    (``lens [P, W, D]``: the lengths of each leaf's path nodes), and each response token's ``seg`` is its node's
+    depth - 1 (-1 past the leaf)."""
+    P, W, D1 = leaf_path.shape
     start = np.zeros((P, N), np.int64)
     seg = np.full((P, W, T), -1, np.int32)
     ends = np.concatenate([np.zeros((P, W, 1), np.int64), np.cumsum(lens, -1)], -1)  # [P, W, D+1]
@@ -348,29 +369,26 @@ def forest_from_spans(
                     break
                 start[p, n] = ends[p, w, d - 1]
                 seg[p, w, ends[p, w, d - 1]:ends[p, w, d]] = d - 1
-    valid = seg >= 0
+    return start, seg
 
-    def fit(x, fill, dtype):
-        out = np.full((P, W, T), fill, dtype)
-        k = min(T, T_in)
-        out[:, :, :k] = np.asarray(x)[:, :, :k]
-        return np.where(valid, out, fill).astype(dtype)
 
-    toks = fit(tokens, 0, np.int32)
+def _fit_response(x, fill, dtype, valid: np.ndarray, k: int) -> np.ndarray:
+    """``x [P, W, T']``'s first ``k`` columns in a ``[P, W, T]`` array like ``valid`` (padded with ``fill``),
+    ``fill`` off ``valid``."""
+    out = np.full(valid.shape, fill, dtype)
+    out[:, :, :k] = np.asarray(x)[:, :, :k]
+    return np.where(valid, out, fill).astype(dtype)
+
+
+def _check_shared_tokens(leaf_path: np.ndarray, seg: np.ndarray, valid: np.ndarray, toks: np.ndarray) -> None:
+    """Raises unless the leaves through each node agree on its tokens."""
+    P, W = leaf_path.shape[:2]
     for p in range(P):  # leaves through a node agree on its tokens
         tn = np.where(valid[p], np.take_along_axis(leaf_path[p], np.maximum(seg[p] + 1, 0), axis=-1), -1)
         for n in np.unique(tn[tn > 0]):
             per_leaf = [toks[p, w][tn[w] == n] for w in range(W) if np.any(tn[w] == n)]
             if any(not np.array_equal(per_leaf[0], x) for x in per_leaf[1:]):
                 raise ValueError(f"prompt {p}: leaves through node {n} disagree on its tokens")
-    lp = fit(np.zeros(tokens.shape, np.float32) if logprobs is None else logprobs, 0.0, np.float32)
-    pm = fit(np.ones(tokens.shape, np.float32) if policy_mask is None else policy_mask, 0.0, np.float32)
-    span = np.stack([start, np.where(on_path, node_length, 0)], -1).astype(np.int32)
-    weight = base.leaf_weight if leaf_weight is None else jnp.asarray(leaf_weight, jnp.float32)
-    return base.replace(leaf_length=jnp.asarray(leaf_length, jnp.int32), tokens=jnp.asarray(toks),
-                        logprobs=jnp.asarray(lp), segment_index=jnp.asarray(seg), loss_mask=jnp.asarray(pm),
-                        leaf_weight=weight, segment_length=int(max(node_length.max(), 1)),
-                        node_span=jnp.asarray(span), policy_mask=jnp.asarray(pm))
 
 
 def chain_forest(leaf_length: np.ndarray, segment_length: int, max_depth: int, num_nodes: int,

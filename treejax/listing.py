@@ -85,7 +85,7 @@ def _strategies() -> list[str]:
     from treejax.sampling import strategies
 
     return _table([(f"TreeConfig.strategy=@{cls.__name__}()", f"'{name}': {_first_line(cls.__doc__)}")
-                   for name, cls in strategies._REGISTRY.items()])
+                   for name, cls in strategies.STRATEGIES.classes().items()])
 
 
 def _packaged_config_dir() -> str | None:

@@ -12,7 +12,7 @@ the verifier's results are given (``correct``). The colour scale is the run's re
 (``reward_range``), so one colour means one value in every picture of a run. Pruned nodes are crossed out. Matplotlib's object API is used without pyplot, so
 drawing never changes the global backend (safe in notebooks and headless servers).
 
-Trees of turns (multi-turn rollouts, :class:`~treejax.sampling.multiturn.TurnTree`): :func:`draw_turn_tree` draws
+Trees of turns (multi-turn rollouts, :class:`~treejax.sampling.turns.TurnTree`): :func:`draw_turn_tree` draws
 a box per turn (its action, its observation, its kind: tool call ran / tool error / answer / no answer, the slots
 through it and the leaf's reward, forks marked), :func:`turn_tree_text` prints the same tree as an indented
 outline; both read the tree through :func:`turn_boxes`, which checks it first.
@@ -110,7 +110,6 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
@@ -118,26 +117,9 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
         raise ValueError(f"draw_tree: path must end in .png or .svg, got {path!r}")
     if not 0 <= prompt < forest.num_prompts:
         raise ValueError(f"draw_tree: prompt {prompt} out of range [0, {forest.num_prompts})")
-    rewards = np.asarray(rewards, np.float64)
-    if rewards.ndim == 1:
-        rewards_W = rewards
-    else:
-        rewards_W = rewards[prompt]
-    if rewards_W.shape != (forest.num_leaves,):
-        raise ValueError(f"draw_tree: rewards must be [P, W] or [W] with W={forest.num_leaves}, got {rewards.shape}")
-
-    if leaf_texts is not None and len(leaf_texts) != forest.num_leaves:
-        raise ValueError(f"draw_tree: leaf_texts must hold W={forest.num_leaves} strings, got {len(leaf_texts)}")
-    correct_W = None
-    if correct is not None:
-        correct = np.asarray(correct, bool)
-        correct_W = correct if correct.ndim == 1 else correct[prompt]
-    leaf_path = np.asarray(forest.leaf_path[prompt])
-    node_depth = np.asarray(forest.node_depth[prompt])
-    node_status = np.asarray(forest.node_status[prompt])
-    leaf_status = np.asarray(forest.leaf_status[prompt])
-    leaf_depth = np.sum(leaf_path[:, 1:] >= 0, axis=-1)
-    values = node_values(leaf_path[None], node_depth[None], rewards_W[None])[0]
+    rewards_W, correct_W = _leaf_values(forest, prompt, rewards, correct, leaf_texts)
+    values = node_values(np.asarray(forest.leaf_path[prompt])[None], np.asarray(forest.node_depth[prompt])[None],
+                         rewards_W[None])[0]
     pos = tree_layout(forest, prompt)
     lo, hi = reward_range if reward_range is not None else (float(np.min(rewards_W)), float(np.max(rewards_W)))
     if hi <= lo:
@@ -152,6 +134,41 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
                           2.6 + 0.32 * n_rows + (0.5 if prompt_text else 0.0)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    sc = _draw_nodes(ax, forest, prompt, pos, values, cmap, norm)
+    handles = _draw_leaves(ax, forest, prompt, pos, rewards_W, correct_W, leaf_texts, text_chars)
+    _finish_tree_axes(fig, ax, sc, handles, forest, prompt, title, prompt_text, tree_width, text_width)
+    with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi, format=ext[1:])
+    return path
+
+
+def _leaf_values(forest: Forest, prompt: int, rewards: Any, correct: Any,
+                 leaf_texts: Sequence[str] | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The drawn prompt's ``rewards_W`` and ``correct_W`` (None when not given), from ``[P, W]`` or ``[W]``
+    arrays; checks that they and ``leaf_texts`` have ``W`` entries."""
+    rewards = np.asarray(rewards, np.float64)
+    if rewards.ndim == 1:
+        rewards_W = rewards
+    else:
+        rewards_W = rewards[prompt]
+    if rewards_W.shape != (forest.num_leaves,):
+        raise ValueError(f"draw_tree: rewards must be [P, W] or [W] with W={forest.num_leaves}, got {rewards.shape}")
+
+    if leaf_texts is not None and len(leaf_texts) != forest.num_leaves:
+        raise ValueError(f"draw_tree: leaf_texts must hold W={forest.num_leaves} strings, got {len(leaf_texts)}")
+    correct_W = None
+    if correct is not None:
+        correct = np.asarray(correct, bool)
+        correct_W = correct if correct.ndim == 1 else correct[prompt]
+    return rewards_W, correct_W
+
+
+def _draw_nodes(ax: Any, forest: Forest, prompt: int, pos: dict, values: np.ndarray, cmap: str, norm: Any) -> Any:
+    """The edges (parent -> child, elbow lines) and the nodes coloured by value, pruned nodes crossed out; returns
+    the nodes' scatter (for the colour bar)."""
+    node_status = np.asarray(forest.node_status[prompt])
     parent = np.asarray(forest.node_parent[prompt])
     for n, (x, y) in pos.items():
         if parent[n] >= 0:
@@ -166,7 +183,18 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     pruned = [n for n in nodes if node_status[n] == NodeStatus.PRUNED]
     if pruned:
         ax.scatter([pos[n][0] for n in pruned], [pos[n][1] for n in pruned], marker="x", c="k", s=90, zorder=3)
+    return sc
 
+
+def _draw_leaves(ax: Any, forest: Forest, prompt: int, pos: dict, rewards_W: np.ndarray, correct_W: Any,
+                 leaf_texts: Sequence[str] | None, text_chars: int) -> list:
+    """Each leaf's finish-reason marker and its reward (with the verifier's check or cross and the end of its text
+    when given) next to its end node; returns the legend's handles (one per finish reason drawn)."""
+    from matplotlib.lines import Line2D
+
+    leaf_path = np.asarray(forest.leaf_path[prompt])
+    leaf_status = np.asarray(forest.leaf_status[prompt])
+    leaf_depth = np.sum(leaf_path[:, 1:] >= 0, axis=-1)
     seen: dict[int, Any] = {}
     for w in range(forest.num_leaves):
         end = int(leaf_path[w, leaf_depth[w]])
@@ -184,6 +212,13 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     handles = [seen[k] for k in sorted(seen)]
     if correct_W is not None:
         handles.append(Line2D([], [], ls="", label="\u2713 / \u2717: verifier says correct / wrong"))
+    return handles
+
+
+def _finish_tree_axes(fig: Any, ax: Any, sc: Any, handles: list, forest: Forest, prompt: int, title: str | None,
+                      prompt_text: str | None, tree_width: float, text_width: float) -> None:
+    """The legend, the colour bar, the depth axis (the tree keeps its scale, the leaves' texts get the added
+    width) and the title (default: the tree's size; the prompt's text under it)."""
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3,
               fontsize=7, title="leaf finish reason", title_fontsize=7, frameon=False)
     fig.colorbar(sc, ax=ax, label="value (mean leaf reward)", fraction=0.05)
@@ -196,17 +231,12 @@ def draw_tree(forest: Forest, rewards: Any, path: str | os.PathLike, prompt: int
     ax.set_xlim(-0.4, forest.max_depth + 1.0 + text_width * units_per_inch)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    n_pruned = int(np.sum(leaf_status == NodeStatus.PRUNED))
+    n_pruned = int(np.sum(np.asarray(forest.leaf_status[prompt]) == NodeStatus.PRUNED))
     heading = title or (f"prompt {prompt}: {forest.num_leaves} leaves, segment length {forest.segment_length}"
                         + (f", {n_pruned} pruned" if n_pruned else ""))
     if prompt_text:
         heading += "\n" + "\n".join(textwrap.wrap("prompt: " + _one_line(prompt_text, 240, tail=False), 100))
     ax.set_title(heading, fontsize=9)
-    with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
-        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-        fig.tight_layout()
-        fig.savefig(path, dpi=dpi, format=ext[1:])
-    return path
 
 
 # ------------------------------------------------------------------------------------------ trees of turns
@@ -222,7 +252,7 @@ TURN_KINDS = {  # kind -> (box colour, legend text)
 
 @dataclasses.dataclass(frozen=True)
 class TurnBox:
-    """What the pictures show of one node of a :class:`~treejax.sampling.multiturn.TurnTree`: ``node`` id,
+    """What the pictures show of one node of a :class:`~treejax.sampling.turns.TurnTree`: ``node`` id,
     ``parent``, ``depth``, ``kind`` (a key of :data:`TURN_KINDS`), the abbreviated ``action`` (the turn's
     code or answer line) and ``observation``, the number of ``slots`` through it, its ``children``, and
     ``value`` (mean episode reward of those slots). ``reward`` / ``status``: the episode's total reward and
@@ -316,7 +346,7 @@ def _check_turn_tree(tree: Any, where: str) -> None:
 
 
 def turn_boxes(tree: Any, tokenizer: Any, max_chars: int = 32, where: str = "turn_boxes") -> list[TurnBox]:
-    """One :class:`TurnBox` per node of ``tree`` (a :class:`~treejax.sampling.multiturn.TurnTree`, checked
+    """One :class:`TurnBox` per node of ``tree`` (a :class:`~treejax.sampling.turns.TurnTree`, checked
     first), node 0 the root. Node ``n`` at depth ``d`` is the ``d``-th policy turn of the episodes through it:
     its action is the policy span inside the node's tokens, its observation the environment spans after it (a
     path's reset observation, before its first turn, is not shown); its kind :func:`turn_kind` of the
@@ -373,7 +403,7 @@ def _box_label(b: TurnBox, prompt_text: str | None, num_slots: int, forks: int, 
 
 
 def turn_tree_text(tree: Any, tokenizer: Any, *, prompt_text: str | None = None, max_chars: int = 40) -> str:
-    """An indented outline of one prompt's tree of turns (a :class:`~treejax.sampling.multiturn.TurnTree`), for
+    """An indented outline of one prompt's tree of turns (a :class:`~treejax.sampling.turns.TurnTree`), for
     notebooks and logs: a line for the prompt, then one line per turn node, depth-first (children by node id),
     indented two spaces a level::
 
@@ -410,7 +440,7 @@ def turn_tree_text(tree: Any, tokenizer: Any, *, prompt_text: str | None = None,
 def draw_turn_tree(tree: Any, tokenizer: Any, *, prompt_text: str | None = None, max_chars: int = 24,
                    ax: Any = None, title: str | None = None, path: str | os.PathLike | None = None,
                    dpi: int = 120) -> Any:
-    """Draws one prompt's tree of turns (a :class:`~treejax.sampling.multiturn.TurnTree`); returns the figure.
+    """Draws one prompt's tree of turns (a :class:`~treejax.sampling.turns.TurnTree`); returns the figure.
 
     Left to right by depth, as :func:`draw_tree` (x = depth, the prompt at 0; y = depth-first leaf order, a
     node at the mean height of its children). Each node is a box coloured by its kind (:data:`TURN_KINDS`:
@@ -424,16 +454,43 @@ def draw_turn_tree(tree: Any, tokenizer: Any, *, prompt_text: str | None = None,
 
     ``ax``: draw into this matplotlib Axes (default: a new Figure, object API without pyplot, so the global
     backend is untouched); ``path``: also save the figure there (``.png`` or ``.svg``)."""
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     if path is not None:
         path = os.fspath(path)
         if os.path.splitext(path)[1].lower() not in (".png", ".svg"):
             raise ValueError(f"draw_turn_tree: path must end in .png or .svg, got {path!r}")
     boxes = turn_boxes(tree, tokenizer, max_chars, where="draw_turn_tree")
     forks = int(getattr(tree, "forks", 0))
-    # layout: the tree's own shape (children by node id), leaves on consecutive rows
+    pos, rows = _turn_layout(boxes)
+    depth = max(b.depth for b in boxes)
+    col_in = 0.062 * (max_chars + 6) + 0.5  # inches per depth column (7-point monospace, ~0.062 inch a character)
+    row_in = 0.78  # inches per leaf row (up to 4 text lines)
+    own = ax is None
+    if own:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(col_in * (depth + 1) + 0.4, row_in * rows + 1.6 + (0.3 if title else 0.0)))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+    fig = ax.figure
+    _draw_turn_boxes(ax, boxes, pos, prompt_text, forks, max_chars)
+    ax.set_xlim(-0.5, depth + 0.5)
+    ax.set_ylim(rows - 0.4, -0.6)
+    ax.set_axis_off()
+    ax.set_title(title or f"tree of turns: {boxes[0].slots} slots, {len(boxes) - 1} turns, {forks} "
+                          f"fork{'s' if forks != 1 else ''}", fontsize=9)
+    with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        if own:
+            fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=dpi, format=os.path.splitext(path)[1][1:].lower())
+    return fig
+
+
+def _turn_layout(boxes: list[TurnBox]) -> tuple[dict[int, tuple[float, float]], float]:
+    """``({node: (x, y)}, rows)``: the tree's own shape (children by node id), x = depth, leaves on consecutive rows
+    ``y = 0, 1, ...`` in depth-first order, a node at the mean height of its children; ``rows`` leaf rows."""
     pos: dict[int, tuple[float, float]] = {}
     next_row = [0.0]
 
@@ -446,19 +503,16 @@ def draw_turn_tree(tree: Any, tokenizer: Any, *, prompt_text: str | None = None,
         return y
 
     place(0)
-    depth = max(b.depth for b in boxes)
-    rows = next_row[0]
-    col_in = 0.062 * (max_chars + 6) + 0.5  # inches per depth column (7-point monospace, ~0.062 inch a character)
-    row_in = 0.78  # inches per leaf row (up to 4 text lines)
-    own = ax is None
-    if own:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+    return pos, next_row[0]
 
-        fig = Figure(figsize=(col_in * (depth + 1) + 0.4, row_in * rows + 1.6 + (0.3 if title else 0.0)))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-    fig = ax.figure
+
+def _draw_turn_boxes(ax: Any, boxes: list[TurnBox], pos: dict, prompt_text: str | None, forks: int,
+                     max_chars: int) -> None:
+    """The edges (thick and blue out of a fork), one box per node coloured by its kind (a leaf's border thicker),
+    and the legend of the kinds drawn (artist ids: :func:`draw_turn_tree`)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     for b in boxes[1:]:
         (px, py), (x, y) = pos[b.parent], pos[b.node]
         fork = b.parent != 0 and len(boxes[b.parent].children) > 1
@@ -477,15 +531,3 @@ def draw_turn_tree(tree: Any, tokenizer: Any, *, prompt_text: str | None = None,
     handles.append(Patch(fc="white", ec="k", lw=1.6, label="leaf: R = episode reward"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7,
               frameon=False)
-    ax.set_xlim(-0.5, depth + 0.5)
-    ax.set_ylim(rows - 0.4, -0.6)
-    ax.set_axis_off()
-    ax.set_title(title or f"tree of turns: {boxes[0].slots} slots, {len(boxes) - 1} turns, {forks} "
-                          f"fork{'s' if forks != 1 else ''}", fontsize=9)
-    with warnings.catch_warnings():  # a model's text may hold characters the font lacks: drawn as boxes
-        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-        if own:
-            fig.tight_layout()
-        if path is not None:
-            fig.savefig(path, dpi=dpi, format=os.path.splitext(path)[1][1:].lower())
-    return fig

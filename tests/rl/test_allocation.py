@@ -269,7 +269,7 @@ def _alloc_params(tiny_checkpoint, log_dir, *extra):
             "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
             "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2",
             "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "RunConfig.estimator = 'grpo'",
-            "RunConfig.allocation = @AllocationConfig()", "AllocationConfig.max_rollouts = 12",
+            "RunConfig.rollouts = [@AllocationConfig()]", "AllocationConfig.max_rollouts = 12",
             "AllocationConfig.extra_rows = 3", "AllocationConfig.call_prompts = 2", *extra]
 
 
@@ -302,7 +302,7 @@ def test_allocated_rollouts_hold_each_prompts_group(tiny_checkpoint, tmp_path):
     g = group_forest(ro.forest, ro.groups_PxC)
     want = adv.get_estimator("grpo")(g, group_leaves(R, ro.groups_PxC), adv.GRPOOptions())
     np.testing.assert_allclose(np.asarray(got.tokens), np.asarray(ungroup(want.tokens, ro.groups_PxC, 5)), atol=1e-6)
-    assert r.source.allocation_state == {}
+    assert r.source.state == {}
 
 
 @pytest.mark.slow  # three short runs of the whole loop (~90 s)

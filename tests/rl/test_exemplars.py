@@ -15,7 +15,7 @@ from treejax.data.task_base import Example
 from treejax.errors import ConfigError
 from treejax.forest import forest_from_paths
 from treejax.rl.exemplars import ExemplarConfig, ExemplarRollouts, retrieve, with_exemplars
-from treejax.rl.rollouts import RolloutCounters
+from treejax.rl.rollouts import RolloutCounters, ScoredRows
 from treejax.rl.selection import ngram_embeddings
 
 
@@ -78,8 +78,8 @@ class _Base:
         scores = np.where(helped[:, None], [[1.0, 0.0]], np.where(even[:, None], 1.0, 0.0)).astype(np.float32)
         tokens = np.full((n, 2, 2), 5, np.int32) + np.asarray([int(e.ground_truth) for e in examples])[:, None, None]
         f = forest_from_paths(np.tile([[[0, 1], [0, 2]]], (n, 1, 1)), np.full((n, 2), 2), 2, tokens=tokens)
-        return (f, 2 * scores - 1, scores, examples, np.asarray(prompts), np.asarray(lens), RolloutCounters(), None,
-                {"reward_scores": scores})
+        return ScoredRows(f, 2 * scores - 1, scores, examples, np.asarray(prompts), np.asarray(lens),
+                          RolloutCounters(), None, {"reward_scores": scores})
 
     def checkpoint_state(self):
         return {}
@@ -124,6 +124,6 @@ def test_config_checks():
 
     with pytest.raises(ConfigError, match="shots"):
         ExemplarConfig(shots=0)
-    with pytest.raises(ConfigError, match=r"exemplars.*dynamic_sampling"):
-        RunConfig(exemplars=ExemplarConfig(), dynamic_sampling=True)
-    assert dataclasses.replace(RunConfig(), exemplars=ExemplarConfig()).exemplars.shots == 1
+    with pytest.raises(ConfigError, match=r"ExemplarConfig.*dynamic_sampling"):
+        RunConfig(rollouts=[ExemplarConfig()], dynamic_sampling=True)
+    assert dataclasses.replace(RunConfig(), rollouts=[ExemplarConfig()]).rollouts[0].shots == 1

@@ -121,7 +121,7 @@ def _extra(case):
                           "SPOChainOptions.samples = 2", "SPOChainOptions.max_cuts = 2", "SPOChainOptions.interval = 2",
                           "TreeConfig.branch_factor = 1", "TreeConfig.init_divergence = 4",
                           "TreeConfig.fallback = False"],
-            "nudge": ["RunConfig.estimator = 'nudge'", "RunConfig.nudge = @NudgeConfig()",
+            "nudge": ["RunConfig.estimator = 'nudge'", "RunConfig.rollouts = [@NudgeConfig()]",
                       "NudgeConfig.hints = ['Add the ones first.', 'Add the tens first.']",
                       "NudgeConfig.rollouts_per_hint = 2", "TreeConfig.num_leaves = 1", "TreeConfig.branch_factor = 1",
                       "LossConfig.aggregation = 'seq-mean-token-mean'"],
@@ -132,23 +132,23 @@ def _extra(case):
                                   "AllocationConfig.allocator = @XRPOAllocator()", "RunConfig.packed_update = True",
                                   "RunConfig.packing = @PackingConfig()", "PackingConfig.granule = 16"],
             "alloc_gdro_treepo": [*ALLOCATION, "AllocationConfig.allocator = @RolloutGDRO()"],
-            "dots_replay": ["RunConfig.selection = @DOTSConfig()", "DOTSConfig.pool = 3", "DOTSConfig.reference = 1",
-                            "RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "LossConfig.tis_cap = 2.0"],
+            "dots_replay": ["RunConfig.rollouts = [@DOTSConfig(), @ReplayConfig()]", "DOTSConfig.pool = 3",
+                            "DOTSConfig.reference = 1", "ReplayConfig.rows = 2", "LossConfig.tis_cap = 2.0"],
             "april": APRIL,
-            "multiturn": ["RunConfig.multiturn = @MultiTurnConfig()", "MultiTurnConfig.turn_tokens = 4",
+            "multiturn": ["RunConfig.rollouts = [@MultiTurnConfig()]", "MultiTurnConfig.turn_tokens = 4",
                           "RunConfig.estimator = 'grpo'", "TreeConfig.branch_factor = 1",
                           "TreeConfig.init_divergence = 4"],
-            "exemplars": ["RunConfig.exemplars = @ExemplarConfig()"],
-            "prompt_gdro": ["RunConfig.selection = @PromptGDROConfig()", "PromptGDROConfig.pool = 2"],
-            "replay": ["RunConfig.replay = @ReplayConfig()", "ReplayConfig.rows = 2", "ReplayConfig.informative_only = False",
+            "exemplars": ["RunConfig.rollouts = [@ExemplarConfig()]"],
+            "prompt_gdro": ["RunConfig.rollouts = [@PromptGDROConfig()]", "PromptGDROConfig.pool = 2"],
+            "replay": ["RunConfig.rollouts = [@ReplayConfig()]", "ReplayConfig.rows = 2", "ReplayConfig.informative_only = False",
                        "LossConfig.tis_cap = 2.0", "RunConfig.num_steps = 2"],
             }.get(case, [f"RunConfig.estimator = '{case}'"])
 
 
-APRIL = ["RunConfig.partial = @PartialConfig()", "PartialConfig.over_sample = 2", "RunConfig.estimator = 'grpo'",
+APRIL = ["RunConfig.rollouts = [@PartialConfig()]", "PartialConfig.over_sample = 2", "RunConfig.estimator = 'grpo'",
          "TreeConfig.branch_factor = 1", "TreeConfig.init_divergence = 4", "LossConfig.tis_cap = 2.0",
          "RunConfig.num_steps = 2"]
-ALLOCATION = ["RunConfig.allocation = @AllocationConfig()", "AllocationConfig.max_rollouts = 12",
+ALLOCATION = ["RunConfig.rollouts = [@AllocationConfig()]", "AllocationConfig.max_rollouts = 12",
               "AllocationConfig.extra_rows = 2", "AllocationConfig.call_prompts = 1"]
 
 

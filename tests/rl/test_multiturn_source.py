@@ -105,21 +105,21 @@ def test_config_checks():
     from treejax.rl.config import RunConfig
 
     with pytest.raises(ConfigError, match="branch_factor"):
-        RunConfig(multiturn=MultiTurnConfig())
+        RunConfig(rollouts=[MultiTurnConfig()])
     chains = tree.independent_config(4, 64, 16)
     with pytest.raises(ConfigError, match="dynamic_sampling"):
-        RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo", dynamic_sampling=True)
-    RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo")
+        RunConfig(rollouts=[MultiTurnConfig()], rollout=chains, estimator="grpo", dynamic_sampling=True)
+    RunConfig(rollouts=[MultiTurnConfig()], rollout=chains, estimator="grpo")
     with pytest.raises(ConfigError, match="max_turns"):
         MultiTurnConfig(max_turns=0)
     with pytest.raises(ConfigError, match="roots"):
         MultiTurnConfig(roots=0)
-    with pytest.raises(ConfigError, match="only multi-turn rollouts"):
+    with pytest.raises(ConfigError, match=r"reads \['truth_logp_PxN'\].*\(\['MultiTurnConfig'\]\)"):
         RunConfig(rollout=chains, estimator="igpo")
-    RunConfig(multiturn=MultiTurnConfig(roots=2), rollout=chains, estimator="portool_tool")
-    RunConfig(multiturn=MultiTurnConfig(), rollout=chains, estimator="grpo", packed_update=True)
+    RunConfig(rollouts=[MultiTurnConfig(roots=2)], rollout=chains, estimator="portool_tool")
+    RunConfig(rollouts=[MultiTurnConfig()], rollout=chains, estimator="grpo", packed_update=True)
     with pytest.raises(ConfigError, match="exceeds the 4 leaf slots"):
-        RunConfig(multiturn=MultiTurnConfig(roots=5), rollout=chains, estimator="grpo")
+        RunConfig(rollouts=[MultiTurnConfig(roots=5)], rollout=chains, estimator="grpo")
 
 
 @pytest.mark.slow

@@ -106,17 +106,18 @@ def test_contexts_hints_and_prompts():
 
 def _chains(**kw):
     return RunConfig(rollout=TreeConfig(num_leaves=1, branch_factor=1, max_depth=2, segment_length=4),
-                     estimator="nudge", nudge=NudgeConfig(hints=("a", "b")), **kw)
+                     estimator="nudge", rollouts=[NudgeConfig(hints=("a", "b"))], **kw)
 
 
 def test_config_checks():
-    assert _chains().nudge.rows_per_problem() == 16
-    with pytest.raises(ConfigError, match="go together"):
+    assert _chains().rollouts[0].rows_per_problem() == 16
+    with pytest.raises(ConfigError, match=r"estimator 'nudge' reads .* supplies them \(\['NudgeConfig'\]\)"):
         RunConfig(estimator="nudge")
-    with pytest.raises(ConfigError, match="go together"):
-        RunConfig(nudge=NudgeConfig(hints=("a", "b")))
+    with pytest.raises(ConfigError, match="NudgeConfig needs estimator 'nudge'"):
+        RunConfig(rollouts=[NudgeConfig(hints=("a", "b"))], estimator="grpo",
+                  rollout=TreeConfig(num_leaves=1, branch_factor=1, max_depth=2, segment_length=4))
     with pytest.raises(ConfigError, match="num_leaves = 1"):
-        RunConfig(estimator="nudge", nudge=NudgeConfig(hints=("a", "b")))
+        RunConfig(estimator="nudge", rollouts=[NudgeConfig(hints=("a", "b"))])
     with pytest.raises(ConfigError, match="dynamic_sampling"):
         _chains(dynamic_sampling=True)
     with pytest.raises(ConfigError, match="template"):

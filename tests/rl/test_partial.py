@@ -143,12 +143,12 @@ def test_config_checks():
     with pytest.raises(ConfigError, match="over_sample"):
         PartialConfig(over_sample=0)
     with pytest.raises(ConfigError, match="tis_cap"):
-        RunConfig(partial=PartialConfig(), rollout=chains, estimator="grpo")
+        RunConfig(rollouts=[PartialConfig()], rollout=chains, estimator="grpo")
     with pytest.raises(ConfigError, match="branch_factor"):
-        RunConfig(partial=PartialConfig(), loss=LossConfig(tis_cap=2.0))
-    with pytest.raises(ConfigError, match="extra inputs"):
-        RunConfig(partial=PartialConfig(), rollout=chains, estimator="remax", loss=LossConfig(tis_cap=2.0))
-    RunConfig(partial=PartialConfig(), rollout=chains, estimator="grpo", loss=LossConfig(tis_cap=2.0))
+        RunConfig(rollouts=[PartialConfig()], loss=LossConfig(tis_cap=2.0))
+    with pytest.raises(ConfigError, match=r"reads \['greedy_reward_P'\], which the chain \['PartialConfig'\]"):
+        RunConfig(rollouts=[PartialConfig()], rollout=chains, estimator="remax", loss=LossConfig(tis_cap=2.0))
+    RunConfig(rollouts=[PartialConfig()], rollout=chains, estimator="grpo", loss=LossConfig(tis_cap=2.0))
 
 
 @pytest.mark.slow  # three short runs of the whole loop (~100 s)
@@ -168,7 +168,7 @@ def test_a_resumed_run_continues_the_carry(tiny_checkpoint, tmp_path):
                   "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2",
                   "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "RunConfig.estimator = 'grpo'",
                   "OptimizerConfig.learning_rate = 1e-3", "LossConfig.entropy_coef = 0.01",
-                  "RunConfig.partial = @PartialConfig()", "PartialConfig.over_sample = 2",
+                  "RunConfig.rollouts = [@PartialConfig()]", "PartialConfig.over_sample = 2",
                   "TreeConfig.branch_factor = 1", "TreeConfig.init_divergence = 4", "LossConfig.tis_cap = 2.0",
                   f"RunConfig.num_steps = {steps}", "RunConfig.checkpoint_every = 1"]
         return train.main(["--gin_file", gin, "--quiet", *flags] + sum((["--gin_param", p] for p in params), []))

@@ -13,7 +13,7 @@ import pytest
 from treejax.errors import ConfigError
 from treejax.forest import forest_from_paths
 from treejax.rl.prompt_gdro import PromptGDROConfig, PromptGDRORollouts, bucket_of, bucket_weights, pick
-from treejax.rl.rollouts import RolloutCounters
+from treejax.rl.rollouts import RolloutCounters, ScoredRows
 
 EDGES = (0.1, 0.2, 0.4, 0.6, 0.8, 0.9)
 
@@ -68,8 +68,8 @@ class _Base:
         solved = np.array([int(e.metadata["question"][1:]) % 2 == 0 for e in examples], np.float32)
         scores = np.repeat(solved[:, None], 2, axis=1)
         f = forest_from_paths(np.tile([[[0, 1], [0, 2]]], (n, 1, 1)), np.full((n, 2), 2), 2)
-        return (f, 2 * scores - 1, scores, examples, prompts, lens, RolloutCounters(), None,
-                {"reward_scores": scores})
+        return ScoredRows(f, 2 * scores - 1, scores, examples, prompts, lens, RolloutCounters(), None,
+                          {"reward_scores": scores})
 
     def checkpoint_state(self):
         return {}
@@ -109,4 +109,4 @@ def test_config_checks():
     with pytest.raises(ConfigError, match="gamma"):
         PromptGDROConfig(gamma=1.5)
     with pytest.raises(ConfigError, match=r"PromptGDROConfig.*dynamic_sampling"):
-        RunConfig(prompts_per_step=4, selection=PromptGDROConfig(), dynamic_sampling=True)
+        RunConfig(prompts_per_step=4, rollouts=[PromptGDROConfig()], dynamic_sampling=True)

@@ -77,8 +77,8 @@ def test_config_checks():
     from treejax.rl.losses import LossConfig
 
     with pytest.raises(ConfigError, match="tis_cap"):
-        RunConfig(replay=ReplayConfig())
+        RunConfig(rollouts=[ReplayConfig()])
     with pytest.raises(ConfigError, match="rows >= 1"):
         ReplayConfig(rows=0)
-    cfg = RunConfig(replay=ReplayConfig(rows=2), loss=LossConfig(tis_cap=2.0))
+    cfg = RunConfig(rollouts=[ReplayConfig(rows=2)], loss=LossConfig(tis_cap=2.0))
     assert cfg.step_rows() == cfg.prompts_per_step + 2

@@ -44,8 +44,8 @@ def test_config_checks():
     from treejax.rl.config import RunConfig
 
     with pytest.raises(ConfigError, match="reference"):
-        RunConfig(prompts_per_step=2, selection=DOTSConfig(reference=2))
+        RunConfig(prompts_per_step=2, rollouts=[DOTSConfig(reference=2)])
     with pytest.raises(ConfigError, match="dynamic_sampling"):
-        RunConfig(prompts_per_step=4, selection=DOTSConfig(), dynamic_sampling=True)
+        RunConfig(prompts_per_step=4, rollouts=[DOTSConfig()], dynamic_sampling=True)
     with pytest.raises(ConfigError, match="temperature"):
         DOTSConfig(temperature=0)

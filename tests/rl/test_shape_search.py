@@ -93,7 +93,7 @@ def test_config_checks():
     from treejax.sampling.tree import TreeConfig
 
     with pytest.raises(ConfigError, match="allocation = 'slots'"):
-        RunConfig(shape_search=ShapeSearchConfig(candidates=(2,)),
+        RunConfig(rollouts=[ShapeSearchConfig(candidates=(2,))],
                   rollout=TreeConfig(num_leaves=4, max_depth=2, segment_length=4, allocation="transfer"))
 
 
@@ -102,7 +102,7 @@ def _params(model, log_dir, *extra):
             "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4", "TreeConfig.max_depth = 2",
             "TreeConfig.segment_length = 4", "TreeConfig.allocation = 'slots'", "EvalConfig.num_problems = 2",
             "EvalConfig.max_new_tokens = 2", "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0",
-            "RunConfig.estimator = 'grpo'", "RunConfig.shape_search = @ShapeSearchConfig()",
+            "RunConfig.estimator = 'grpo'", "RunConfig.rollouts = [@ShapeSearchConfig()]",
             "ShapeSearchConfig.candidates = [2]", "ShapeSearchConfig.calibration_batches = 1", *extra]
 
 
@@ -136,7 +136,7 @@ def test_calibration_runs_once_is_checkpointed_and_restored(tiny_checkpoint, tmp
 
     # a new source over the same task source (as a resumed run builds it), restored from that state
     r.source.base.rollout = None
-    fresh = shape_search.ShapeSearchRollouts(r.source.base, cfg.shape_search,  # the compiled shapes, reused
+    fresh = shape_search.ShapeSearchRollouts(r.source.base, cfg.rollouts[0],  # the compiled shapes, reused
                                              lambda tc: r.source.rollout_for(tc.init_divergence))
     monkeypatch.setattr(shape_search.ShapeSearchRollouts, "calibrate",
                         lambda self, *a: pytest.fail("a restored run must not calibrate again"))

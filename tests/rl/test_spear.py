@@ -195,28 +195,29 @@ def test_config_checks():
         with pytest.raises(ConfigError, match="SpearConfig"):
             SpearConfig(**bad)
     chains = tree.independent_config(4, 64, 16)
-    ok = dict(rollout=chains, estimator="grpo", multiturn=MultiTurnConfig(), loss=LossConfig(tis_cap=2.0),
-              dynamic_sampling=False)
-    cfg = RunConfig(spear=SpearConfig(sil_rows=4), **ok)
+    ok = dict(rollout=chains, estimator="grpo", loss=LossConfig(tis_cap=2.0), dynamic_sampling=False)
+    cfg = RunConfig(rollouts=[MultiTurnConfig(), SpearConfig(sil_rows=4)], **ok)
     assert cfg.step_rows() == cfg.prompts_per_step + 4
-    with pytest.raises(ConfigError, match="RunConfig.multiturn = @MultiTurnConfig"):
-        RunConfig(spear=SpearConfig(), **{**ok, "multiturn": None})
+    with pytest.raises(ConfigError, match=r"RunConfig.rollouts = \[@MultiTurnConfig\(\), @SpearConfig\(\)\]"):
+        RunConfig(rollouts=[SpearConfig()], **ok)
     with pytest.raises(ConfigError, match="tis_cap"):
-        RunConfig(spear=SpearConfig(), **{**ok, "loss": LossConfig()})
+        RunConfig(rollouts=[MultiTurnConfig(), SpearConfig()], **{**ok, "loss": LossConfig()})
     with pytest.raises(ConfigError, match="packed_update"):
-        RunConfig(spear=SpearConfig(), packed_update=True, **ok)
-    with pytest.raises(ValueError, match="SpearConfig.sil_rows"):
-        RunConfig(spear=SpearConfig(sil_rows=3), mini_batches=8, **ok)  # (P + 3) x 4 rows
+        RunConfig(rollouts=[MultiTurnConfig(), SpearConfig()], packed_update=True, **ok)
+    with pytest.raises(ValueError, match="SpearConfig 3"):
+        RunConfig(rollouts=[MultiTurnConfig(), SpearConfig(sil_rows=3)], mini_batches=8, **ok)  # (P + 3) x 4 rows
 
 
 def test_gin_config_parses():
     import os
 
+    from treejax.rl.multiturn import MultiTurnConfig
     from treejax.train import parse
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = parse([os.path.join(root, "configs", "multiturn_code_tool_spear.gin")], [], check_mesh=False)
-    assert cfg.spear == SpearConfig() and cfg.multiturn is not None and cfg.loss.tis_cap == 2.0
+    assert [type(s) for s in cfg.rollouts] == [MultiTurnConfig, SpearConfig] and cfg.rollouts[1] == SpearConfig()
+    assert cfg.loss.tis_cap == 2.0
 
 
 @pytest.mark.slow

@@ -11,8 +11,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from treejax.data.splits import check_split
+from treejax.errors import DataError
+from treejax.registry import Registry
 
-__all__ = ["RECORD_FIELDS", "Example", "Task", "decode_record", "register_task"]
+__all__ = ["RECORD_FIELDS", "TASKS", "Example", "Task", "decode_record", "register_task"]
 
 RECORD_FIELDS = ("uid", "question", "answer", "metadata")
 
@@ -102,11 +104,10 @@ class Task(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-_REGISTRY: dict[str, Callable[..., Task]] = {}
+#: Every task factory by name (:mod:`treejax.data.tasks` looks names up, with its own error for unknown ones).
+TASKS: Registry[Callable[..., Task]] = Registry("task", error=DataError)
 
 
 def register_task(name: str, factory: Callable[..., Task], *, overwrite: bool = False) -> None:
     """Register ``factory(**config) -> Task`` under ``name``."""
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"task {name!r} is already registered")
-    _REGISTRY[name] = factory
+    TASKS.add(name, factory, overwrite=overwrite)

@@ -25,7 +25,7 @@ import difflib
 import inspect
 from typing import Any
 
-from treejax.data.task_base import _REGISTRY, RECORD_FIELDS, Example, Task, decode_record, register_task
+from treejax.data.task_base import RECORD_FIELDS, TASKS, Example, Task, decode_record, register_task
 from treejax.errors import DataError
 
 __all__ = [
@@ -52,24 +52,24 @@ def _load_builtins() -> None:
 
 def task_names() -> list[str]:
     _load_builtins()
-    return sorted(_REGISTRY)
+    return TASKS.names()
 
 
 def check_task_name(name: str) -> None:
     """Raises :class:`~treejax.errors.DataError` unless ``name`` is registered, naming up to 3 close names."""
     _load_builtins()
-    if name in _REGISTRY:
+    if name in TASKS:
         return
-    close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(TASKS), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    raise DataError(f"unknown task {name!r}{hint} (all {len(_REGISTRY)} names: treejax.data.task_names())")
+    raise DataError(f"unknown task {name!r}{hint} (all {len(TASKS)} names: treejax.data.task_names())")
 
 
 def get_task(name: str, **config: Any) -> Task:
     """Build the task registered under ``name`` with its config; an unknown name suggests the closest ones, and an
     option the factory does not take (or a required one that is missing) is a :class:`DataError` naming it."""
     check_task_name(name)
-    factory = _REGISTRY[name]
+    factory = TASKS.get(name)
     try:
         inspect.signature(factory).bind(**config)
     except TypeError as e:

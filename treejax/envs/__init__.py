@@ -1,4 +1,11 @@
-"""Environments for tool-use and multi-turn rollouts (issue 26, in progress): the interface (:mod:`.base`:
-``reset`` / ``step`` / ``clone``, a gymnasium adapter), a sandboxed Python runner (:mod:`.sandbox`), a code tool for
-math and reasoning-gym tasks (:mod:`.code_tool`) and a guessing game with feedback (:mod:`.guess`). The sampler
-and the turn forest that drive them are not built yet."""
+"""Environments for tool-use and multi-turn rollouts (issue 26): the interface (:mod:`.base`: ``reset`` / ``step`` /
+``clone``, a gymnasium adapter), a sandboxed Python runner (:mod:`.sandbox`), a code tool for math and reasoning-gym
+tasks (:mod:`.code_tool`) and a guessing game with feedback (:mod:`.guess`). Multi-turn rollouts name an environment
+by ``MultiTurnConfig.environment``: the registry is :data:`ENVS` (:func:`register_env`), filled by the imports
+below."""
+
+from treejax.envs.base import ENVS, env_names, get_env, register_env
+from treejax.envs.code_tool import CodeToolEnv
+from treejax.envs.guess import GuessNumberEnv
+
+__all__ = ["ENVS", "CodeToolEnv", "GuessNumberEnv", "env_names", "get_env", "register_env"]

@@ -16,12 +16,20 @@ whose state cannot be copied, e.g. one that holds a process).
 ``step(action) -> (obs, reward, terminated, truncated, info)``; text observations and actions, as GEM and
 TextArena environments have) to this interface. Environments here: :mod:`treejax.envs.code_tool` (a Python tool
 for math / reasoning-gym tasks) and :mod:`treejax.envs.guess` (a number-guessing game with feedback).
+
+Multi-turn rollouts (``MultiTurnConfig.environment``) name an environment registered with :func:`register_env`:
+a class whose ``from_config(config, task, sandbox)`` builds one episode's environment from the
+``MultiTurnConfig``, the run's task and the code sandbox's limits (``SandboxConfig``). Registered here:
+``"code_tool"`` and ``"guess_number"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Protocol
+
+from treejax.errors import ConfigError
+from treejax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,33 @@ def turn_ended(text: str, stop_strings: tuple[str, ...]) -> bool:
     ignored)."""
     t = text.rstrip()
     return any(t.endswith(s) for s in stop_strings)
+
+
+#: Every environment class multi-turn rollouts can name, by name (module docstring).
+ENVS: Registry[type] = Registry("environment", error=ConfigError)
+
+
+def register_env(name: str, overwrite: bool = False):
+    """Class decorator registering an environment class (one with ``from_config(config, task, sandbox)``) under
+    ``name``, the value of ``MultiTurnConfig.environment`` that selects it."""
+
+    def decorator(cls):
+        if not callable(getattr(cls, "from_config", None)):
+            raise TypeError(f"environment {name!r} must have a from_config(config, task, sandbox) classmethod, got "
+                            f"{cls!r}")
+        return ENVS.add(name, cls, overwrite=overwrite)
+
+    return decorator
+
+
+def get_env(name: str) -> type:
+    """The environment class registered under ``name`` (a ``ConfigError`` listing the valid names otherwise)."""
+    return ENVS.get(name)
+
+
+def env_names() -> list[str]:
+    """The registered environment names, sorted."""
+    return ENVS.names()
 
 
 class ReplayClone:
@@ -102,4 +137,5 @@ class GymnasiumText(ReplayClone):
         return StepResult(str(obs), float(reward), self.done, {**dict(info or {}), "truncated": bool(truncated)})
 
 
-__all__ = ["Environment", "GymnasiumText", "ReplayClone", "StepResult", "turn_ended"]
+__all__ = ["ENVS", "Environment", "GymnasiumText", "ReplayClone", "StepResult", "env_names", "get_env", "register_env",
+           "turn_ended"]

@@ -22,7 +22,7 @@ import dataclasses
 import re
 from typing import Any
 
-from treejax.envs.base import StepResult
+from treejax.envs.base import StepResult, register_env
 from treejax.envs.sandbox import SandboxConfig, check_isolation, run_python
 
 INSTRUCTIONS = ("You can run Python code: write it between <code> and </code> and print what you need; the printed "
@@ -41,6 +41,7 @@ def extract_code(action: str) -> str | None:
     return fence.group(1) if fence else code
 
 
+@register_env("code_tool")
 @dataclasses.dataclass
 class CodeToolEnv:
     """The code tool (module docstring). ``task``: anything with ``score(text, example) -> float`` (a treejax
@@ -59,6 +60,12 @@ class CodeToolEnv:
         if self.max_calls < 0:
             raise ValueError(f"CodeToolEnv.max_calls must be >= 0, got {self.max_calls}")
         check_isolation(self.sandbox)  # once per process (cached): a missing isolation layer fails here, not mid-run
+
+    @classmethod
+    def from_config(cls, config, task, sandbox: SandboxConfig) -> "CodeToolEnv":
+        """One episode's tool for multi-turn rollouts: the run's ``task``, ``sandbox``'s limits per call and
+        ``config.max_turns - 1`` calls (the last turn is for the answer)."""
+        return cls(task, sandbox=sandbox, max_calls=config.max_turns - 1)
 
     def reset(self, example) -> str:
         self.example, self.calls, self.done = example, 0, False

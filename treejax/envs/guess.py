@@ -12,7 +12,7 @@ import hashlib
 import re
 from typing import Any
 
-from treejax.envs.base import StepResult
+from treejax.envs.base import StepResult, register_env
 
 
 def target_of(example: Any, low: int, high: int) -> int:
@@ -27,6 +27,7 @@ def target_of(example: Any, low: int, high: int) -> int:
     return low + int(hashlib.sha1(text.encode()).hexdigest(), 16) % (high - low + 1)
 
 
+@register_env("guess_number")
 @dataclasses.dataclass
 class GuessNumberEnv:
     """The guessing game (module docstring)."""
@@ -42,6 +43,12 @@ class GuessNumberEnv:
     def __post_init__(self):
         if self.high < self.low or self.max_turns < 1:
             raise ValueError(f"GuessNumberEnv: low <= high and max_turns >= 1 required, got {self}")
+
+    @classmethod
+    def from_config(cls, config, task, sandbox) -> "GuessNumberEnv":
+        """One episode's game for multi-turn rollouts: ``config.max_turns`` guesses (the task and the sandbox are
+        not used: the hidden number comes from the example)."""
+        return cls(max_turns=config.max_turns)
 
     def reset(self, example) -> str:
         self.target, self.turns, self.done = target_of(example, self.low, self.high), 0, False

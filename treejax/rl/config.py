@@ -14,141 +14,41 @@ from typing import Any, Callable
 
 from treejax.choices import check_choice
 from treejax.config_types import check_types
+from treejax.data.defaults import DEFAULT_TASK_OPTIONS  # noqa: F401  (re-exported: its old home)
 from treejax.errors import ConfigError
 from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
 from treejax.parallel.mesh import MeshConfig
 from treejax.precision import Precision
 from treejax.rl.advantages import estimator_spec
 from treejax.rl.advantages.registry import list_estimators
-from treejax.rl.allocation import AllocationConfig
 from treejax.rl.evaluation import EvalConfig
 from treejax.rl.losses import LossConfig
-from treejax.rl.nudge import NudgeConfig
 from treejax.rl.optimizer import OptimizerConfig
-from treejax.rl.exemplars import ExemplarConfig
-from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnConfig
-from treejax.rl.partial import PartialConfig
-from treejax.rl.prompt_gdro import PromptGDROConfig
-from treejax.rl.replay import ReplayConfig
-from treejax.rl.shape_search import ShapeSearchConfig
-from treejax.rl.spear import SpearConfig
-from treejax.rl.selection import DOTSConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
-from treejax.rl.shaping import Shaper, check_shapers
+from treejax.rl.shaping import Shaper
+from treejax.rl.sources.base import Stage, chain_rows, check_chain, normalize_chain
+from treejax.rl.sources.legacy import LegacySourceFields, apply_legacy_fields
+from treejax.rl.sources.requirements import RunFacts
+from treejax.rl.async_config import AsyncConfig, OffPolicyWarning  # noqa: F401  (re-exported)
+from treejax.rl.step_config import (KNOWN_INPUTS, LEAF_WEIGHTINGS, OLD_LOGP_SOURCES,  # noqa: F401  (re-exported)
+                                    StepConfig)
 from treejax.run_dir import LOG_DIR_MODES
 from treejax.sampling.strategies import Temperature
 from treejax.sampling.tree import TreeConfig
 
-#: The default task's options (``RunConfig`` and ``treejax.sft.SFTConfig``): a small chain_sum_2x1 set.
-DEFAULT_TASK_OPTIONS = {"size": 128, "eval_size": 32, "seed": 0, "system_prompt": None,
-                        "instruction": "Answer with just the number.", "extraction": "last_number"}
-#: ``RunConfig.old_logp``: where log pi_old comes from (:mod:`treejax.rl.step`): the trainer's forward with the
-#: current weights, the sampler's log-probs, or (PPO-EWMA) the trainer's forward with the parameters' EMA
-#: (``OptimizerConfig.proximal_ewma``).
-OLD_LOGP_SOURCES = ("trainer", "sampler", "ewma")
-#: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
-KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
-                "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN",
-                "state_cluster_PxN")
 #: ``RunConfig.train_split``: where the training prompts come from: the task's train split, or (test-time RL,
 #: TTRL's setting) the evaluated problems themselves, with pseudo-label rewards only.
 TRAIN_SPLITS = ("train", "eval")
 #: ``RunConfig.nonfinite``: what an update with a non-finite loss or gradient does (:mod:`treejax.rl.update`).
 NONFINITE_POLICIES = ("skip", "raise")
 
-#: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
-#: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
-#: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum
-#: ``sum_l w_l A_l grad log pi(l)`` weighs every leaf by the share of the policy's sample it stands for (the PPO
-#: clip of a leaf with ``w > 0`` is unchanged by the scale); the estimators' baselines are left as they are.
-LEAF_WEIGHTINGS = ("count", "mass")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Static settings of the learner (:func:`treejax.rl.step.learn`; a subset of ``RunConfig``): the estimator,
-    the loss, where log pi_old comes from, epochs / mini-batches / micro-batches and the layout's settings (``packing``
-    None: expanded rows, :class:`treejax.rl.layouts.Expanded`; else :class:`treejax.rl.layouts.Packed`)."""
-
-    estimator: str = "treepo"
-    estimator_options: Any = None
-    loss: LossConfig = LossConfig()
-    old_logp: str = "trainer"
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batches: int = 1
-    pad_id: int = 0
-    logprob_chunk_size: int = 8192
-    attention_impl: str = "auto"
-    clip_scale_fn: Callable | None = None  # (forest, rewards_PxW) -> [P, W] per-sample clip-range multiplier
-    packing: PackingConfig | None = None  # None: expanded rows; else the tree-packed update
-    row_multiple: int = 1  # packed row count multiple (micro-batches x batch-sharded devices)
-    leaf_weighting: str = "count"  # "count" | "mass": scale each leaf's advantages by forest.leaf_weight
-    shapers: tuple = ()  # treejax.rl.shaping.Shaper instances, applied in order after the old-log-prob pass
-
-    def __post_init__(self):
-        object.__setattr__(self, "shapers", check_shapers(self.shapers))
-        if self.leaf_weighting not in LEAF_WEIGHTINGS:
-            raise ValueError(f"leaf_weighting must be one of {LEAF_WEIGHTINGS}, got {self.leaf_weighting!r}")
-        if self.old_logp not in OLD_LOGP_SOURCES:
-            raise ValueError(f"old_logp must be one of {OLD_LOGP_SOURCES}, got {self.old_logp!r}")
-        if self.old_logp == "sampler" and self.loss.tis_cap is not None:
-            raise ValueError("LossConfig.tis_cap needs old_logp='trainer': with old_logp='sampler' the sampler's "
-                             "log-probs are both the PPO denominator and the TIS reference, so TIS is a no-op")
-        for name in ("epochs", "mini_batches", "micro_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        missing = [i for i in estimator_spec(self.estimator).inputs if i not in KNOWN_INPUTS]
-        if missing:
-            raise ValueError(f"estimator {self.estimator!r} needs inputs {missing} that the RL step cannot supply "
-                             f"(supplied: {KNOWN_INPUTS})")
-
-
-
-@dataclasses.dataclass(frozen=True)
-class AsyncConfig:
-    """Asynchronous rollouts (:mod:`treejax.rl.collect`): a sampler thread fills a queue of rollouts while the
-    learner trains on earlier ones.
-
-    ``enabled``: off (default) runs today's synchronous loop. ``max_staleness`` ``k``: the rollouts learned at
-    step ``i`` were sampled by policy version ``max(0, i - k)`` (the version after that many updates), so the
-    sampler runs up to ``k`` steps ahead; the bound is used as the lag (the schedule is fixed, hence a run is
-    reproducible and resumes exactly; it is also the fastest one the bound allows). ``k = 0`` samples every step
-    with the newest weights: the synchronous loop's numbers, bit for bit. ``sampler_devices``: the first ``n``
-    devices sample and the rest learn (``RunConfig.mesh`` then describes the learner's devices; the sampler's mesh
-    keeps ``MeshConfig.tensor`` and puts the rest on ``fsdp``), weights cast to the sampler dtype and copied
-    learner -> sampler after every update; ``0``: both share every device (one device only: programs of two
-    threads on a multi-device mesh could interleave their collectives differently on different devices).
-    ``split_staleness``: also compute the trainer's log-probs under the parameters that sampled each rollout
-    (one more forward per step; the learner keeps up to ``k + 1`` parameter versions), splitting the importance
-    weight into a staleness and a numerics part (``offpolicy/stale_iw_...``, ``mismatch/numerics_...``).
-    The correction is decoupled PPO (AReaL): the PPO ratio is taken against the trainer's recomputed log-probs
-    (``old_logp = "trainer"``, the proximal policy) and ``LossConfig.tis_cap`` weights each token by
-    ``min(pi_prox / q, C)``, ``q`` the sampler's recorded log-probs of the stale policy."""
-
-    enabled: bool = False
-    max_staleness: int = 1
-    sampler_devices: int = 0
-    split_staleness: bool = False
-
-    def __post_init__(self):
-        for name in ("max_staleness", "sampler_devices"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"AsyncConfig.{name} must be an int >= 0, got {v!r}")
-
-
-class OffPolicyWarning(UserWarning):
-    """Stale rollouts are trained without the behaviour importance weight (``RunConfig._check_async``)."""
-
-
 class ScheduleWarning(UserWarning):
     """The learning-rate schedule and the run's length disagree (``RunConfig._check_schedule``)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(LegacySourceFields):
     """Everything one training run needs (the gin-facing surface; see ``configs/*.gin``).
 
     The defaults are the quickstart (``configs/quickstart.gin``): a few TreePO steps of the embedded SmolLM2 on
@@ -156,9 +56,10 @@ class RunConfig:
     forward per step), ``"sampler"`` (use the sampler's log-probs; cheaper, the first ratio is then not 1) or
     ``"ewma"`` (PPO-EWMA: the trainer's forward with the parameters' exponential moving average,
     ``OptimizerConfig.proximal_ewma``; :func:`treejax.rl.optimizer.proximal_ewma`).
-    ``allocation`` / ``selection`` / ``replay`` / ``partial`` / ``exemplars``: where the rollout budget goes
-    (:mod:`treejax.rl.allocation`, :mod:`treejax.rl.selection` and :mod:`treejax.rl.prompt_gdro`,
-    :mod:`treejax.rl.replay`, :mod:`treejax.rl.partial`, :mod:`treejax.rl.exemplars`).
+    ``rollouts``: the rollout source as a chain of stages, one planner then wrappers
+    (:mod:`treejax.rl.sources.base`; gin: ``RunConfig.rollouts = [@<planner>(), @<wrapper>()]``; ``()``: the
+    task source). The stages check themselves against the run (:func:`~treejax.rl.sources.base.check_chain`); the
+    old per-method fields (:mod:`treejax.rl.sources.legacy`) still work for one release and translate into the chain.
     ``clip_scale_fn``: optional ``fn(forest, rewards_PxW) -> [P, W]`` multiplier of the clip range per sample
     (gin: ``RunConfig.clip_scale_fn = @my_fn`` after ``gin.external_configurable(my_fn)``).
     ``eval_every``: held-out evaluation every N steps (0: only before and after training).
@@ -241,43 +142,31 @@ class RunConfig:
     compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
     async_rollouts: AsyncConfig = AsyncConfig()  # sampler / learner overlap with bounded staleness (AsyncConfig)
     shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order
-    nudge: NudgeConfig | None = None  # NudgeRL's hinted rollouts (treejax.rl.nudge; estimator "nudge")
-    allocation: AllocationConfig | None = None  # prompt-level rollout allocation (treejax.rl.allocation)
-    replay: ReplayConfig | None = None  # rollout replay: recent rows trained again, IS-corrected (treejax.rl.replay)
-    selection: DOTSConfig | PromptGDROConfig | None = None  # prompt selection: DOTS (treejax.rl.selection), Prompt-GDRO
-    partial: PartialConfig | None = None  # APRIL's partial rollouts: stop early, resume next step (treejax.rl.partial)
-    exemplars: ExemplarConfig | None = None  # XRPO: all-fail prompts re-rolled with solved exemplars (treejax.rl.exemplars)
-    multiturn: MultiTurnConfig | None = None  # code-tool episodes: multi-turn rollouts (treejax.rl.multiturn)
-    spear: SpearConfig | None = None  # SPEAR: tool-call bonus + self-imitation rows on multiturn (treejax.rl.spear)
-    shape_search: ShapeSearchConfig | None = None  # the slot tree's k chosen by calibration (treejax.rl.shape_search)
+    rollouts: tuple[Stage, ...] | list[Stage] = ()  # one planner, then wrappers (treejax.rl.sources.base)
 
     def __post_init__(self):
         object.__setattr__(self, "shapers", tuple(self.shapers))
         check_types(self)  # from Python too: RunConfig(num_steps=2.5) names the field before anything runs
         if self.prompts_per_step < 1 or self.num_steps < 0:
             raise ValueError("RunConfig: prompts_per_step >= 1 and num_steps >= 0 required")
-        rows = self.step_rows() * self.rollout.num_leaves
-        if self.nudge is not None:  # each problem: M K hinted/plain rollouts (and as many distillation rows)
-            rows *= self.nudge.rows_per_problem()
+        apply_legacy_fields(self)  # the deprecated per-method fields translate into the chain, with a warning
+        object.__setattr__(self, "rollouts", tuple(self.rollouts))
+        stages = normalize_chain(self.rollouts)
+        prompt_rows, rows = chain_rows(stages, self.prompts_per_step, self.rollout.num_leaves)
         if rows % self.mini_batches or (rows // self.mini_batches) % self.micro_batches:
-            raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step"
-                             f"{' + AllocationConfig.extra_rows' if self.allocation else ''}"
-                             f"{' + ReplayConfig.rows' if self.replay else ''}"
-                             f"{' + SpearConfig.sil_rows' if self.spear else ''}) x num_leaves"
-                             f"{' x NudgeConfig rows per problem' if self.nudge else ''}) must split into "
-                             f"mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
+            parts = "".join(f" + {s.stage_name} {s.added_rows()}" for s in stages if s.added_rows())
+            per = "".join(f" x {s.stage_name} {s.rows_per_problem()}" for s in stages if s.rows_per_problem() != 1)
+            raise ValueError(f"RunConfig: {rows} rollout rows ((prompts_per_step{parts}) x num_leaves{per}) must "
+                             f"split into mini_batches={self.mini_batches} x micro_batches={self.micro_batches}")
         self._check_choices()
         if self.max_prompt_length < 1:
             raise ValueError(f"RunConfig.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         if self.eval_every < 0:
             raise ValueError(f"RunConfig.eval_every must be >= 0, got {self.eval_every}")
-        if self.packed_update and self.step_rows() % self.mini_batches:
-            raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; prompts_per_step="
-                             f"{self.prompts_per_step}"
-                             f"{f' + AllocationConfig.extra_rows={self.allocation.extra_rows}' if self.allocation else ''}"
-                             f"{f' + ReplayConfig.rows={self.replay.rows}' if self.replay else ''}"
-                             f"{f' + SpearConfig.sil_rows={self.spear.sil_rows}' if self.spear else ''}"
-                             f" does not split into mini_batches={self.mini_batches}")
+        if self.packed_update and prompt_rows % self.mini_batches:
+            raise ValueError(f"RunConfig: the packed update splits prompts into mini-batches; {prompt_rows} prompt rows "
+                             f"(prompts_per_step={self.prompts_per_step} and the rollout stages' extra rows) do not "
+                             f"split into mini_batches={self.mini_batches}")
         if self.leaf_weighting == "mass" and not self.rollout.slots and self.rollout.fallback:
             raise ConfigError("RunConfig.leaf_weighting='mass' with TreeConfig.fallback=True: the depth-first fallback "
                               "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
@@ -285,172 +174,29 @@ class RunConfig:
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
         self._check_probe()
         self._check_continuations()
-        self._check_nudge()
-        self._check_allocation()
-        self._check_replay()
-        self._check_selection()
-        self._check_partial()
-        self._check_exemplars()
-        self._check_multiturn()
-        self._check_spear()
-        self._check_shape_search()
+        check_chain(stages, self.facts())
         self._check_proximal()
         self._check_async()
         self._check_schedule()
 
     def step_rows(self) -> int:
-        """Prompt rows of one step's rollouts: ``prompts_per_step``, plus ``AllocationConfig.extra_rows``."""
-        return (self.prompts_per_step + (self.allocation.extra_rows if self.allocation is not None else 0)
-                + (self.replay.rows if self.replay is not None else 0)
-                + (self.spear.sil_rows if self.spear is not None else 0))
+        """Prompt rows of one step's rollouts: ``prompts_per_step`` plus the rollout stages' extra rows."""
+        return chain_rows(self.rollouts, self.prompts_per_step, self.rollout.num_leaves)[0]
 
-    def _check_allocation(self) -> None:
-        """Prompt-level allocation needs an estimator that honours unused slots, and nothing else that decides
-        which rows a step keeps."""
-        a = self.allocation
-        if a is None:
-            return
-        a.check(self.rollout.num_leaves, self.prompts_per_step)
-        if not estimator_spec(self.estimator).ragged:
-            ok = sorted(n for n in list_estimators() if estimator_spec(n).ragged)
-            raise ConfigError(f"RunConfig.allocation gives prompts different numbers of rollouts, which estimator "
-                              f"{self.estimator!r} does not support (its groups are the W leaves of one row); fix: "
-                              f"RunConfig.estimator = one of {ok}")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the allocator decides the "
-                          "rows; AllocationConfig.drop_equal_groups drops all-equal groups)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier' (the allocator "
-                          "reads the verifier's accuracy)"),
-                         (self.nudge is not None, "RunConfig.nudge = None (NudgeRL has its own rows)"),
-                         (self.continuation_config() is not None, "an estimator without continuations")):
-            if bad:
-                raise ConfigError(f"RunConfig.allocation: fix: {why}")
+    def chain(self) -> tuple:
+        """The rollout stages, planner first (``()`` is ``(TaskSource(),)``)."""
+        return normalize_chain(self.rollouts)
 
-    def _check_selection(self) -> None:
-        """A selector (DOTS, Prompt-GDRO) draws and rolls out its own prompts: nothing else may decide which
-        prompt rows a step has."""
-        d = self.selection
-        if d is None:
-            return
-        name = type(d).__name__
-        if isinstance(d, DOTSConfig) and d.reference >= self.prompts_per_step:
-            raise ConfigError(f"DOTSConfig.reference = {d.reference} leaves no selected row of prompts_per_step = "
-                              f"{self.prompts_per_step}; fix: DOTSConfig.reference < RunConfig.prompts_per_step")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the selector picks the rows)"),
-                         (self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (self.train_split != "train", "RunConfig.train_split = 'train'"),
-                         ("greedy_reward_P" in estimator_spec(self.estimator).inputs,
-                          f"an estimator without a greedy baseline (not {self.estimator!r})")):
-            if bad:
-                raise ConfigError(f"RunConfig.selection ({name}): fix: {why}")
-
-    def _check_partial(self) -> None:
-        """Partial rollouts resume independent chains and train tokens of older policies: chains only, the
-        decoupled-PPO correction, and nothing else that decides a step's rows."""
-        if self.partial is None:
-            return
-        from treejax.sampling.partial import check_chains
-
-        try:
-            check_chains(self.rollout)
-        except ValueError as e:
-            raise ConfigError(f"RunConfig.partial: {e}") from None
-        if self.old_logp == "sampler" or self.loss.tis_cap is None:
-            raise ConfigError("RunConfig.partial trains tokens sampled by older policies (the resumed part of a carried "
-                              "response), which needs the importance correction of decoupled PPO; fix: "
-                              "RunConfig.old_logp = 'trainer' (or 'ewma') and LossConfig.tis_cap = 2.0 (or another cap)")
-        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.replay is not None, "RunConfig.replay = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.async_rollouts.enabled, "AsyncConfig.enabled = False (the carry is the sampler's "
-                          "own state; asynchronous rollouts would sample it from another thread)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
-            if bad:
-                raise ConfigError(f"RunConfig.partial: fix: {why}")
-
-    def _check_exemplars(self) -> None:
-        """XRPO's exemplars re-roll a step's failed prompts: nothing else may decide the step's rows."""
-        if self.exemplars is None:
-            return
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (the exemplars rescue the "
-                          "all-fail groups dynamic sampling would drop)"),
-                         (self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.replay is not None, "RunConfig.replay = None"),
-                         (self.partial is not None, "RunConfig.partial = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
-            if bad:
-                raise ConfigError(f"RunConfig.exemplars: fix: {why}")
-
-    def _check_multiturn(self) -> None:
-        """Code-tool episodes are their own source of rows: nothing else may decide them; only they supply the
-        turn inputs (IGPO's ``truth_logp_PxN``, PORTool's ``tool_success_PxN``)."""
-        turn_inputs = [i for i in estimator_spec(self.estimator).inputs if i in MULTITURN_INPUTS]
-        if self.multiturn is None:
-            if turn_inputs:
-                raise ConfigError(f"estimator {self.estimator!r} reads {turn_inputs}, which only multi-turn rollouts "
-                                  "supply: set RunConfig.multiturn = @MultiTurnConfig()")
-            return
-        self.multiturn.check(self.rollout)
-        other = [i for i in estimator_spec(self.estimator).inputs if i not in MULTITURN_INPUTS]
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False"),
-                         (self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.replay is not None, "RunConfig.replay = None"),
-                         (self.partial is not None, "RunConfig.partial = None"),
-                         (self.exemplars is not None, "RunConfig.exemplars = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.async_rollouts.enabled, "AsyncConfig.enabled = False"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(other), f"an estimator without single-turn inputs (estimator {self.estimator!r} "
-                          f"reads {other})"),
-                         (bool(self.shapers), "RunConfig.shapers = [] (the shapers cut responses into fixed "
-                          "segments; turn forests hold spans)")):
-            if bad:
-                raise ConfigError(f"RunConfig.multiturn: fix: {why}")
-
-    def _check_spear(self) -> None:
-        """SPEAR wraps the multi-turn source (its tool calls, its turn forests); its self-imitation rows were
-        sampled by older policies (decoupled PPO's correction) and carry their own advantage."""
-        if self.spear is None:
-            return
-        if self.multiturn is None:
-            raise ConfigError("RunConfig.spear wraps the multi-turn source (its tool-call bonus counts tool calls); "
-                              "fix: RunConfig.multiturn = @MultiTurnConfig()")
-        if self.old_logp == "sampler" or self.loss.tis_cap is None:
-            raise ConfigError("RunConfig.spear trains self-imitation rows sampled by older policies, which needs the "
-                              "importance correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' (or "
-                              "'ewma') and LossConfig.tis_cap = 2.0 (or another cap)")
-        if self.packed_update:
-            raise ConfigError("RunConfig.spear with the packed update is not verified (its self-imitation rows are "
-                              "W copies of one chain with one slot trained); fix: RunConfig.packed_update = False")
-
-    def _check_shape_search(self) -> None:
-        """The shape search swaps the slot tree of the plain task source and calibrates in its ``sample``; sources
-        that sample through other rollouts or the task source's internals (allocation's chunks, NudgeRL's hinted
-        rows, multi-turn episodes, APRIL's carry, DOTS / Prompt-GDRO, XRPO's exemplars) are not wired."""
-        if self.shape_search is None:
-            return
-        if not self.rollout.slots:
-            raise ConfigError("RunConfig.shape_search chooses a slot tree's root paths k; fix: "
-                              "TreeConfig.allocation = 'slots'")
-        self.shape_search.shapes(self.rollout.num_leaves)  # a candidate above W is an error now
-        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None"),
-                         (self.nudge is not None, "RunConfig.nudge = None"),
-                         (self.multiturn is not None, "RunConfig.multiturn = None"),
-                         (self.partial is not None, "RunConfig.partial = None"),
-                         (self.selection is not None, "RunConfig.selection = None"),
-                         (self.exemplars is not None, "RunConfig.exemplars = None")):
-            if bad:
-                raise ConfigError(f"RunConfig.shape_search: fix: {why} (the search swaps the task source's tree; "
-                                  "this source samples through it without the search's calibration)")
+    def facts(self) -> RunFacts:
+        """What the rollout stages check about the run (:class:`~treejax.rl.sources.requirements.RunFacts`)."""
+        spec = estimator_spec(self.estimator)
+        return RunFacts(estimator=self.estimator, estimator_inputs=tuple(spec.inputs), estimator_ragged=spec.ragged,
+                        ragged_estimators=tuple(sorted(n for n in list_estimators() if estimator_spec(n).ragged)),
+                        reward_source=self.reward_source, train_split=self.train_split, old_logp=self.old_logp,
+                        tis_cap=self.loss.tis_cap, packed_update=self.packed_update,
+                        async_enabled=self.async_rollouts.enabled, dynamic_sampling=self.dynamic_sampling,
+                        shapers=tuple(s.name for s in self.shapers), tree=self.rollout,
+                        prompts_per_step=self.prompts_per_step)
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""
@@ -463,24 +209,6 @@ class RunConfig:
                               "current weights, which then is not the PPO ratio's denominator; fix: "
                               "RunConfig.old_logp = 'trainer', or no shapers")
 
-    def _check_replay(self) -> None:
-        """Replayed rows were sampled by older policies: the learner needs the trainer's proximal log-probs and
-        the truncated importance weight pi_prox / q (decoupled PPO)."""
-        if self.replay is None:
-            return
-        if self.old_logp == "sampler" or self.loss.tis_cap is None:
-            raise ConfigError("RunConfig.replay trains rows sampled by older policies, which needs the importance "
-                              "correction of decoupled PPO; fix: RunConfig.old_logp = 'trainer' (or 'ewma') and "
-                              "LossConfig.tis_cap = 2.0 (or another cap)")
-        for bad, why in ((self.allocation is not None, "RunConfig.allocation = None (its groups span rows that "
-                          "replay does not keep together)"),
-                         (self.nudge is not None, "RunConfig.nudge = None (NudgeRL's rows are one group per problem)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (bool(estimator_spec(self.estimator).inputs), f"an estimator without extra inputs "
-                          f"(estimator {self.estimator!r} reads {estimator_spec(self.estimator).inputs})")):
-            if bad:
-                raise ConfigError(f"RunConfig.replay: fix: {why}")
-
     def continuation_config(self):
         """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads
         values at cut points (SPO-chain: ``cut_value_PxWxB``), from its options; else ``None``."""
@@ -489,26 +217,6 @@ class RunConfig:
             return None
         options = spec.default_options() if self.estimator_options is None else self.estimator_options
         return options.continuation_config()
-
-    def _check_nudge(self) -> None:
-        """NudgeRL: its source and its estimator come together, on one chain per prompt row, without what would
-        drop or re-pack its rows."""
-        if (self.nudge is None) != (self.estimator != "nudge"):
-            raise ConfigError("RunConfig.nudge (NudgeRL's hinted rollouts) and RunConfig.estimator = 'nudge' go "
-                              "together; fix: set both (RunConfig.nudge = @NudgeConfig()) or neither")
-        if self.nudge is None:
-            return
-        tc = self.rollout
-        if tc.num_leaves != 1 or tc.branch_factor != 1:
-            raise ConfigError("NudgeRL rolls out each hinted or plain prompt as its own row (one chain each); fix: "
-                              "TreeConfig.num_leaves = 1 and TreeConfig.branch_factor = 1 (rollouts per problem: "
-                              "NudgeConfig.num_hints x rollouts_per_hint)")
-        for bad, why in ((self.dynamic_sampling, "RunConfig.dynamic_sampling = False (a problem's rows are one group)"),
-                         (self.packed_update, "RunConfig.packed_update = False (its rows share no prompt)"),
-                         (self.reward_source != "verifier", "RunConfig.reward_source = 'verifier'"),
-                         (self.train_split != "train", "RunConfig.train_split = 'train'")):
-            if bad:
-                raise ConfigError(f"NudgeRL: fix: {why}")
 
     def _check_continuations(self) -> None:
         """SPO-chain forks its continuations from each leaf's KV, which is still resident at the end only for

@@ -27,18 +27,21 @@ correct leaf), ``exemplars/too_long``, ``exemplars/bank_size``. The bank is save
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import numpy as np
 
 from treejax.data.prompts import encode_examples, pad_token_lists
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import VERIFIER
 
 EXEMPLAR_STREAM = 0xE7E  # fold_in stream of the exemplar re-roll
 
 
 @dataclasses.dataclass(frozen=True)
-class ExemplarConfig:
+class ExemplarConfig(Stage):
     """XRPO's exemplar injection (module docstring): ``shots`` exemplars per failed prompt, a bank of the last
     ``bank_size`` solved problems, every row padded to ``prompt_width`` tokens (0: twice the run's prompt width),
     ``dim`` buckets of the retrieval embedding."""
@@ -47,6 +50,12 @@ class ExemplarConfig:
     bank_size: int = 64
     prompt_width: int = 0
     dim: int = 1024
+
+    role: ClassVar[str] = "planner"  # it re-rolls a step's failed prompts with exemplars
+    requires: ClassVar[tuple] = (VERIFIER,)
+
+    def build(self, inner, ctx):
+        return ExemplarRollouts(ctx.task_rollouts(), self)
 
     def __post_init__(self):
         if self.shots < 1 or self.bank_size < self.shots or self.prompt_width < 0 or self.dim < 8:
@@ -96,15 +105,16 @@ class ExemplarRollouts:
         instruction = self.base.cfg.instruction
         return f"{text}\n\n{instruction}" if instruction else text
 
-    def _pad(self, out: tuple) -> tuple:
-        prompts = np.asarray(out[4])
+    def _pad(self, out):
+        prompts = np.asarray(out.prompts)
         wide = np.full((prompts.shape[0], self.width), self.base.pad_id, np.int32)
         wide[:, :prompts.shape[1]] = prompts
-        return out[:4] + (wide,) + out[5:]
+        return dataclasses.replace(out, prompts=wide)
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
-        from treejax.rl.rollouts import assemble_rows, prompt_stats, row_block
+        from treejax.rl.allocation.base import prompt_stats
+        from treejax.rl.rollouts import assemble_rows, row_block
 
         b, cfg = self.base, self.config
         examples, prompts, lens = b.draw()
@@ -125,14 +135,14 @@ class ExemplarRollouts:
             failed.append(int(p))
             new_ex.append(ex)
             new_toks.append(toks)
-        counters, rescued = first[6], 0
+        counters, rescued = first.counters, 0
         second = None
         if failed:
             pad = P - len(failed)  # a fixed-size call: the unused rows are copies of the first re-rolled prompt
             toks, tlens = pad_token_lists(new_toks + [new_toks[0]] * pad, self.width, b.pad_id)
             second = b.roll_and_score(params, new_ex + [new_ex[0]] * pad, toks, tlens,
                                       jax.random.fold_in(key, EXEMPLAR_STREAM), step)
-            counters = counters + second[6]
+            counters = counters + second.counters
             rescued = int(np.sum(prompt_stats(second, step).accuracy_P[:len(failed)] > 0))
         # a failed row is replaced by its re-roll, in place
         blocks = [row_block(second, np.array([failed.index(p)])) if p in failed else row_block(first, np.array([p]))
@@ -150,7 +160,7 @@ class ExemplarRollouts:
         from treejax.rl import scoring
         from treejax.rl.allocation import example_text
 
-        forest, leaf_inputs = out[0], out[8]
+        forest, leaf_inputs = out.forest, out.leaf_inputs
         correct = np.asarray(leaf_inputs["reward_scores"]) >= 1.0
         rows = np.nonzero(correct.any(axis=1))[0]
         if not len(rows):

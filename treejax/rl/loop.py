@@ -61,6 +61,7 @@ from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.health import divergence, nonfinite_update_error, out_of_memory_error
 from treejax.rl.report import step_line, write_tree_picture
 from treejax.rl.setup import Run, build_run, make_collector
+from treejax.rl.sources.base import chain_evaluate
 from treejax.rl.step import learn, stop_ladder
 from treejax.run_dir import claim_log_dir
 
@@ -240,23 +241,15 @@ def evaluate_now(r: Run, step: int) -> dict:
     out = evaluate(r.learner.sampler_params(r.state.params), r.sampler_fns, r.tokenizer, r.task, r.eval_examples,
                    r.prompt_width, r.cfg.eval, system_prompt=r.cfg.system_prompt, instruction=r.cfg.instruction,
                    probe=probe)
-    episodes = _episode_source(r.source) if r.cfg.multiturn is not None and r.cfg.multiturn.eval_with_tools else None
-    if episodes is not None:  # multi-turn: the same problems as greedy episodes with the environment
-        out.update(episodes.evaluate_episodes(r.learner.sampler_params(r.state.params), r.eval_examples[
-            :r.cfg.eval.num_problems], r.prompt_width, r.cfg.system_prompt, r.cfg.instruction, r.cfg.eval.batch_size))
+    out.update(chain_evaluate(r.source, r.learner.sampler_params(r.state.params), r.eval_examples[
+        :r.cfg.eval.num_problems], dict(prompt_width=r.prompt_width, system_prompt=r.cfg.system_prompt,
+                                        instruction=r.cfg.instruction, batch_size=r.cfg.eval.batch_size)))
     out = dict(out, step=step, wall_s=time.perf_counter() - r.t_start, eval_s=time.perf_counter() - t)
     scalars = {f"eval/{k}": v for k, v in out.items() if k not in ("n", "k", "step", "wall_s")}
     r.writer.write_scalars(step, scalars)
     r.writer.write_scalars(int(out["wall_s"]), {f"eval_wallclock/{k.split('/', 1)[1]}": v
                                                 for k, v in scalars.items()}, console=False)
     return out
-
-
-def _episode_source(source):
-    """The multi-turn source inside ``source``'s wrappers (each keeps the one it wraps as ``base``), or None."""
-    while source is not None and not hasattr(source, "evaluate_episodes"):
-        source = getattr(source, "base", None)
-    return source
 
 
 def loop_throughput(cfg: RunConfig, history: list[dict], start_step: int, loop_s: float) -> dict:

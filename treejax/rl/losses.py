@@ -201,6 +201,37 @@ def policy_loss(
       ``tis_clip_frac``.
     """
     shape = tuple(logp_BxT.shape)
+    _check_loss_inputs(shape, config, old_logp_BxT=old_logp_BxT, advantages_BxT=advantages_BxT, mask_BxT=mask_BxT,
+                       ref_logp=ref_logp, entropy=entropy, sampler_logp=sampler_logp, eps_scale_B=eps_scale_B,
+                       eps_scale_BxT=eps_scale_BxT)
+
+    mask = mask_BxT.astype(jnp.float32)
+    on = mask > 0
+    f32 = lambda x: jnp.where(on, x.astype(jnp.float32), 0.0)  # noqa: E731  (sanitise masked slots before exp)
+    logp, old_logp, adv = f32(logp_BxT), jax.lax.stop_gradient(f32(old_logp_BxT)), f32(advantages_BxT)
+    adv = jax.lax.stop_gradient(adv)
+
+    log_ratio = logp - old_logp
+    ratio = jnp.exp(log_ratio)
+    lower, upper = _clip_bounds(config, shape, on, eps_scale_B, eps_scale_BxT)
+    pg_loss, negative, dual_active = _clipped_surrogate(config, adv, ratio, lower, upper, on)
+
+    metrics: dict[str, jax.Array] = {}
+    if sampler_logp is not None:
+        pg_loss = _truncated_is(config, pg_loss, old_logp, f32(sampler_logp), mask, metrics)
+
+    per_token = pg_loss
+    metrics["pg_loss"] = aggregate(pg_loss, mask, config, denominator)
+    per_token = _kl_and_entropy(config, per_token, logp, ref_logp, entropy, f32, mask, metrics)
+    loss = aggregate(per_token, mask, config, denominator)
+    _ratio_metrics(metrics, adv, ratio, log_ratio, lower, upper, negative, dual_active, on, mask)
+    return loss, metrics
+
+
+def _check_loss_inputs(shape: tuple[int, ...], config: LossConfig, *, old_logp_BxT, advantages_BxT, mask_BxT,
+                       ref_logp, entropy, sampler_logp, eps_scale_B, eps_scale_BxT) -> None:
+    """:func:`policy_loss`'s arguments: every per-token array ``[B, T]`` like ``logp_BxT``, ``eps_scale_B [B]``,
+    and the arrays the config's terms need (KL: ``ref_logp``, entropy bonus: ``entropy``, TIS: ``sampler_logp``)."""
     if len(shape) != 2:
         raise ValueError(f"policy_loss: logp_BxT must be [B, T], got shape {shape}")
     _check_shapes(
@@ -218,19 +249,23 @@ def policy_loss(
     if config.tis_cap is not None and sampler_logp is None:
         raise ValueError("policy_loss: config.tis_cap is set but sampler_logp is None")
 
-    mask = mask_BxT.astype(jnp.float32)
-    on = mask > 0
-    f32 = lambda x: jnp.where(on, x.astype(jnp.float32), 0.0)  # noqa: E731  (sanitise masked slots before exp)
-    logp, old_logp, adv = f32(logp_BxT), jax.lax.stop_gradient(f32(old_logp_BxT)), f32(advantages_BxT)
-    adv = jax.lax.stop_gradient(adv)
 
-    log_ratio = logp - old_logp
-    ratio = jnp.exp(log_ratio)
+def _clip_bounds(config: LossConfig, shape: tuple[int, ...], on: jax.Array, eps_scale_B: jax.Array | None,
+                 eps_scale_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The ratio's clip range ``(1 - eps_low s_b u_bt, 1 + eps_high s_b u_bt)``, ``[B, 1]`` or ``[B, T]`` (module
+    docstring; ``u_bt`` is 1 on masked slots, where the bounds are never used)."""
     clip_scale = jnp.ones((shape[0], 1), jnp.float32) if eps_scale_B is None else eps_scale_B.astype(jnp.float32)[:, None]
     if eps_scale_BxT is not None:  # per-token clip ranges ([B, T] bounds; 1 on masked slots, never used there)
         clip_scale = clip_scale * jnp.where(on, jax.lax.stop_gradient(eps_scale_BxT.astype(jnp.float32)), 1.0)
     lower = 1.0 - config.eps_low * clip_scale
     upper = 1.0 + config.eps_high * clip_scale
+    return lower, upper
+
+
+def _clipped_surrogate(config: LossConfig, adv: jax.Array, ratio: jax.Array, lower: jax.Array, upper: jax.Array,
+                       on: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(L^pg, A < 0, dual-clip active)`` per token: ``max(-A r, -A clip(r, lower, upper))``, capped at ``-A c``
+    where ``A < 0`` when dual-clip is on (module docstring)."""
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * jnp.clip(ratio, lower, upper)
     pg_loss = jnp.maximum(pg_unclipped, pg_clipped)
@@ -240,19 +275,27 @@ def policy_loss(
         dual_active = negative & (pg_loss > dual_bound) & on
         pg_loss = jnp.where(negative, jnp.minimum(pg_loss, dual_bound), pg_loss)
     else:
-        dual_active = jnp.zeros(shape, bool)
+        dual_active = jnp.zeros(ratio.shape, bool)
+    return pg_loss, negative, dual_active
 
-    metrics: dict[str, jax.Array] = {}
-    if sampler_logp is not None:
-        tis_log_w = old_logp - jax.lax.stop_gradient(f32(sampler_logp))
-        tis_w = jnp.exp(tis_log_w)
-        metrics["tis_weight_mean"] = _masked_mean(tis_w, mask)
-        if config.tis_cap is not None:
-            metrics["tis_clip_frac"] = _masked_mean((tis_w > config.tis_cap).astype(jnp.float32), mask)
-            pg_loss = pg_loss * jnp.minimum(tis_w, config.tis_cap)
 
-    per_token = pg_loss
-    metrics["pg_loss"] = aggregate(pg_loss, mask, config, denominator)
+def _truncated_is(config: LossConfig, pg_loss: jax.Array, old_logp: jax.Array, sampler_logp: jax.Array,
+                  mask: jax.Array, metrics: dict) -> jax.Array:
+    """TIS: ``w = exp(old_logp - sampler_logp)`` (no gradient), its mean as ``tis_weight_mean``; with
+    ``config.tis_cap`` ``C`` the loss times ``min(w, C)`` and the fraction of ``w > C`` as ``tis_clip_frac``."""
+    tis_log_w = old_logp - jax.lax.stop_gradient(sampler_logp)
+    tis_w = jnp.exp(tis_log_w)
+    metrics["tis_weight_mean"] = _masked_mean(tis_w, mask)
+    if config.tis_cap is not None:
+        metrics["tis_clip_frac"] = _masked_mean((tis_w > config.tis_cap).astype(jnp.float32), mask)
+        pg_loss = pg_loss * jnp.minimum(tis_w, config.tis_cap)
+    return pg_loss
+
+
+def _kl_and_entropy(config: LossConfig, per_token: jax.Array, logp: jax.Array, ref_logp: jax.Array | None,
+                    entropy: jax.Array | None, f32, mask: jax.Array, metrics: dict) -> jax.Array:
+    """``per_token + beta KL - alpha H`` (each term when its coefficient is > 0); ``kl`` and ``entropy`` reported
+    whenever their arrays are given (``f32``: the masked-slot sanitiser)."""
     if ref_logp is not None:
         kl = kl_penalty(logp, jax.lax.stop_gradient(f32(ref_logp)), config.kl_estimator)
         metrics["kl"] = _masked_mean(kl, mask)
@@ -263,8 +306,14 @@ def policy_loss(
         metrics["entropy"] = _masked_mean(ent, mask)
         if config.entropy_coef > 0:
             per_token = per_token - config.entropy_coef * ent
-    loss = aggregate(per_token, mask, config, denominator)
+    return per_token
 
+
+def _ratio_metrics(metrics: dict, adv: jax.Array, ratio: jax.Array, log_ratio: jax.Array, lower: jax.Array,
+                   upper: jax.Array, negative: jax.Array, dual_active: jax.Array, on: jax.Array,
+                   mask: jax.Array) -> None:
+    """The clip fractions, approximate KL(pi_old || pi_theta) (k1 and k3), ratio mean / min / max and the token
+    count into ``metrics`` (no gradient; :func:`policy_loss`'s docstring)."""
     sg = jax.lax.stop_gradient
     ratio_sg, log_ratio_sg = sg(ratio), sg(log_ratio)
     metrics["clip_frac_low"] = _masked_mean((negative & (ratio_sg < lower)).astype(jnp.float32), mask)
@@ -276,4 +325,3 @@ def policy_loss(
     metrics["ratio_max"] = jnp.max(jnp.where(on, ratio_sg, -jnp.inf))
     metrics["ratio_min"] = jnp.min(jnp.where(on, ratio_sg, jnp.inf))
     metrics["num_tokens"] = jnp.sum(mask)
-    return loss, metrics

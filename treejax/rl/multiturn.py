@@ -33,22 +33,28 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.envs.code_tool import CodeToolEnv
-from treejax.envs.guess import GuessNumberEnv
+from treejax.envs import env_names, get_env
 from treejax.envs.sandbox import ISOLATION, SandboxConfig, check_isolation
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import NO_SHAPERS, SYNCHRONOUS, VERIFIER
 from treejax.forest import NodeStatus
 from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, chat_observation, run_turn_trees, turn_forest
 from treejax.sampling.partial import check_chains
 
 
+#: Estimator inputs only multi-turn rollouts supply (module docstring).
+MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN")
+
+
 @dataclasses.dataclass(frozen=True)
-class MultiTurnConfig:
+class MultiTurnConfig(Stage):
     """Code-tool episodes (module docstring): ``max_turns`` policy turns, ``turn_tokens`` tokens per turn, ``chunk``
     tokens decoded between host checks, the sandbox's ``tool_timeout_s`` / ``tool_memory_mb`` per call and its
     ``tool_isolation`` (``"bwrap"``, or ``"none"``: the loudly logged opt-out for a container of one's own,
@@ -89,8 +95,9 @@ class MultiTurnConfig:
         if (self.roots is not None and self.roots < 1) or self.branch_factor < 1 or self.fork_turns < 0:
             raise ConfigError(f"MultiTurnConfig: roots >= 1 (or None), branch_factor >= 1, fork_turns >= 0 "
                               f"required, got {self}")
-        if self.environment not in ENVIRONMENTS or self.observation_format not in ("raw", "chat"):
-            raise ConfigError(f"MultiTurnConfig: environment must be one of {ENVIRONMENTS} and observation_format "
+        if self.environment not in env_names() or self.observation_format not in ("raw", "chat"):
+            raise ConfigError(f"MultiTurnConfig: environment must be one of {tuple(env_names())} and "
+                              f"observation_format "
                               f"'raw' or 'chat', got {self.environment!r}, {self.observation_format!r}")
         if self.tool_isolation not in ISOLATION:
             raise ConfigError(f"MultiTurnConfig.tool_isolation must be one of {ISOLATION}, got "
@@ -101,11 +108,24 @@ class MultiTurnConfig:
             raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
                               f"got {self.fork_rule!r}, {self.trace_fraction}")
 
-    def check(self, tree_config) -> None:
+    role: ClassVar[str] = "planner"  # episodes of turns with an environment, on the task's prompts
+    requires: ClassVar[tuple] = (VERIFIER, SYNCHRONOUS, NO_SHAPERS)
+    provides: ClassVar[frozenset[str]] = frozenset({"turn_forest"})
+    supplies: ClassVar[frozenset[str]] = frozenset(MULTITURN_INPUTS)
+
+    def check(self, facts) -> None:
+        self.check_tree(facts.tree)
+
+    def build(self, inner, ctx):
+        base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i not in self.supplies))
+        return MultiTurnRollouts(base, self, estimator_inputs=ctx.estimator_inputs, model_config=ctx.model_config,
+                                 pad_id=ctx.pad_id)
+
+    def check_tree(self, tree_config) -> None:
         try:
             check_chains(tree_config)
         except ValueError as e:
-            raise ConfigError(f"RunConfig.multiturn: {e} (the turn tree's shape is MultiTurnConfig.roots / "
+            raise ConfigError(f"MultiTurnConfig: {e} (the turn tree's shape is MultiTurnConfig.roots / "
                               "branch_factor / fork_turns)") from None
         if self.roots is not None and self.roots > tree_config.num_leaves:
             raise ConfigError(f"MultiTurnConfig.roots={self.roots} exceeds the {tree_config.num_leaves} leaf slots "
@@ -118,11 +138,9 @@ class MultiTurnConfig:
 
 
 #: ``MultiTurnConfig.environment`` values.
-ENVIRONMENTS = ("code_tool", "guess_number")
+ENVIRONMENTS = tuple(env_names())
 #: ``MultiTurnConfig.fork_rule`` values.
 FORK_RULES = ("uniform", "trace")
-#: Estimator inputs only multi-turn rollouts supply (module docstring).
-MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN")
 
 
 class MultiTurnRollouts:
@@ -135,15 +153,12 @@ class MultiTurnRollouts:
     def __init__(self, base, config: MultiTurnConfig, make_env=None, estimator_inputs: tuple[str, ...] = (),
                  model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: "):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
-        if make_env is None and config.environment == "guess_number":
-            make_env = lambda: GuessNumberEnv(max_turns=config.max_turns)  # noqa: E731
-        self.make_env = make_env or (lambda: CodeToolEnv(base.task, sandbox=self.sandbox,
-                                                         max_calls=config.max_turns - 1))
+        self.make_env = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
         self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
         self.pipeline = base.pipeline
         unknown = [i for i in estimator_inputs if i not in MULTITURN_INPUTS]
         if unknown:
-            raise ConfigError(f"RunConfig.multiturn: the estimator reads {unknown}; multi-turn rollouts supply only "
+            raise ConfigError(f"MultiTurnConfig: the estimator reads {unknown}; multi-turn rollouts supply only "
                               f"{MULTITURN_INPUTS}")
         self.estimator_inputs = tuple(estimator_inputs)
         self.scorer, self.model_config, self.pad_id = None, model_config, pad_id
@@ -156,9 +171,9 @@ class MultiTurnRollouts:
 
             self.scorer = make_truth_scorer(model_config, pad_id=pad_id)
         self.tree_config = base.rollout.tree_config
-        config.check(self.tree_config)
+        config.check_tree(self.tree_config)
         if base.sampler_fns.extend is None:
-            raise ConfigError(f"RunConfig.multiturn: the sampler fns {base.sampler_fns.name!r} cannot append "
+            raise ConfigError(f"MultiTurnConfig: the sampler fns {base.sampler_fns.name!r} cannot append "
                               "observations (no extend)")
         self.sandbox = SandboxConfig(timeout_s=config.tool_timeout_s, memory_mb=config.tool_memory_mb,
                                      isolation=config.tool_isolation)
@@ -270,6 +285,14 @@ class MultiTurnRollouts:
                             jnp.asarray(alen), jnp.asarray(scored))
         return jax.device_get(truth)
 
+
+    def evaluate(self, params, examples, prompt_width: int, system_prompt=None, instruction=None,
+                 batch_size: int = 64) -> dict:
+        """The chain's held-out hook (:func:`treejax.rl.sources.base.chain_evaluate`): greedy episodes with the
+        environment when ``MultiTurnConfig.eval_with_tools``, else nothing."""
+        if not self.config.eval_with_tools:
+            return {}
+        return self.evaluate_episodes(params, examples, prompt_width, system_prompt, instruction, batch_size)
 
     def evaluate_episodes(self, params, examples, prompt_width: int, system_prompt=None, instruction=None,
                           batch_size: int = 64) -> dict:

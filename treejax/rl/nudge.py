@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 
 from treejax.errors import ConfigError, DataError
 from treejax.rl.advantages.nudge import NUDGE_INPUTS
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import ESTIMATOR, EXPANDED, SINGLE_CHAIN, TRAIN_SPLIT, VERIFIER
 
 #: The hint block NudgeRL's code inserts between the problem and the instruction.
 HINT_TEMPLATE = ("Context (exploration condition):\n- Use this hint/approach: {hint}\n\nImportant:\n"
@@ -45,8 +48,8 @@ HINT_TEMPLATE = ("Context (exploration condition):\n- Use this hint/approach: {h
 
 
 @dataclasses.dataclass(frozen=True)
-class NudgeConfig:
-    """The sampling side of NudgeRL (``RunConfig.nudge``): ``num_hints`` M, ``rollouts_per_hint`` K,
+class NudgeConfig(Stage):
+    """The sampling side of NudgeRL (``RunConfig.rollouts = [@NudgeConfig()]``): ``num_hints`` M, ``rollouts_per_hint`` K,
     ``p_drop``, the task-level ``hints`` used for records without a ``hints`` metadata list, the hint block
     ``template`` (``{hint}``), ``distill``: add the plain-prompt rows (the distillation term)."""
 
@@ -56,6 +59,13 @@ class NudgeConfig:
     hints: tuple[str, ...] | list[str] = ()
     template: str = HINT_TEMPLATE
     distill: bool = True
+
+    role: ClassVar[str] = "planner"  # each problem's hinted and plain rows, and the distillation rows
+    requires: ClassVar[tuple] = (VERIFIER, TRAIN_SPLIT, SINGLE_CHAIN, EXPANDED, ESTIMATOR("nudge"))
+    supplies: ClassVar[frozenset[str]] = frozenset(NUDGE_INPUTS)
+
+    def build(self, inner, ctx):
+        return NudgeRollouts(ctx.task_rollouts(), self, ctx.seed, ctx.estimator_inputs)
 
     def __post_init__(self):
         object.__setattr__(self, "hints", tuple(self.hints))
@@ -147,7 +157,8 @@ class NudgeRollouts:
         toks = encode_examples(b.tokenizer, examples, b.cfg.system_prompt, b.cfg.instruction)
         width = max(b.prompt_width, bucket_length(max(len(t) for t in toks)))
         prompts, lens = pad_token_lists(toks, width, b.pad_id)
-        forest, rewards, scores, _, _, _, counters, _, _ = b.roll_and_score(params, examples, prompts, lens, key, step)
+        out = b.roll_and_score(params, examples, prompts, lens, key, step)
+        forest, rewards, scores, counters = out.forest, out.rewards, out.scores, out.counters
         R = len(examples)
         problem_PxW, context_PxW = np.array(problem)[:, None], np.array(context)[:, None]
         source_PxW = np.full((R, 1), -1, np.int32)

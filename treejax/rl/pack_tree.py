@@ -48,23 +48,43 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
     Raises ``ValueError`` on an inconsistent tree: a gap in a path, a node with two parents or depths, a node on a
     path that holds none of a leaf's tokens, a node that does not start where its parent ends (with fixed segments:
     a node with children shorter than ``S``), a leaf longer than its path, leaves that disagree on a shared token."""
-    W, D1 = leaf_path.shape
-    T = tokens.shape[1]
-    n_p = int(prompt.shape[0])
+    W = leaf_path.shape[0]
     if W and np.any(leaf_path[:, 0] != 0):
         raise ValueError(f"prompt {p}: leaf_path[:, 0] must be the root 0")
+    nodes, prev_end = _node_table(p, leaf_path, leaf_length, tokens.shape[1], S, node_parent, node_depth, node_span)
+    _check_covers(p, nodes, leaf_length, prev_end, S, fixed=node_span is None)
+    order, pre, hi = _preorder(nodes.parent, nodes.depth)
+    row, (toks, pos, lo, hi_t, prev, real) = _lay_out(nodes, order, pre, hi, prompt, tokens, align, pad_id)
+    idx, pair_valid = _pair_map(p, leaf_path, leaf_length, tokens, nodes, row, toks, prev)
+    return PackedTree(toks, pos, lo, hi_t, prev, real, idx, pair_valid, len(order))
+
+
+@dataclasses.dataclass
+class _NodeTable:
+    """Per node id ``[num_ids]`` of one tree: ``parent`` / ``depth`` (-1: no stored leaf passes through it; the
+    root has depth 0), its span ``start`` / ``length`` in its leaves' responses, and ``rep``, a leaf whose response
+    covers the longest part of it (the one whose tokens are stored)."""
+
+    parent: np.ndarray
+    depth: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    rep: np.ndarray
+
+
+def _initial_nodes(p: int, leaf_path: np.ndarray, node_parent, node_depth, node_span):
+    """``(parent, depth, start, length)`` before the paths are read: the forest's parents and depths (restricted to
+    the nodes some stored leaf passes through) when given, else -1; the spans when given (the root's is the prompt:
+    ``(0, 0)``), else zeros."""
     num_ids = int(leaf_path.max()) + 1
-    fixed = node_span is None
-    # Per node: parent, depth, span (start, length) and a leaf that covers it all.
-    known_tree = node_parent is not None
     parent = np.full(num_ids, -1, np.int64)
     depth = np.full(num_ids, -1, np.int64)
-    if known_tree:  # the forest's arrays, restricted to the nodes some stored leaf passes through
+    if node_parent is not None:  # the forest's arrays, restricted to the nodes some stored leaf passes through
         seen = np.zeros(num_ids, bool)
         seen[leaf_path[leaf_path >= 0]] = True
         parent = np.where(seen, np.asarray(node_parent[:num_ids], np.int64), -1)
         depth = np.where(seen, np.asarray(node_depth[:num_ids], np.int64), -1)
-    if fixed:
+    if node_span is None:
         start = np.zeros(num_ids, np.int64)
         length = np.zeros(num_ids, np.int64)
     else:
@@ -73,7 +93,53 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
             raise ValueError(f"prompt {p}: node_span has shape {span.shape}, expected [>= {num_ids}, 2]")
         start, length = span[:num_ids, 0].copy(), span[:num_ids, 1].copy()
         start[0], length[0] = 0, 0  # the root is the prompt
-    rep = np.full(num_ids, -1, np.int64)
+    return parent, depth, start, length
+
+
+def _link(p: int, d: int, ids: np.ndarray, par: np.ndarray, parent: np.ndarray, depth: np.ndarray,
+          known_tree: bool) -> None:
+    """The nodes ``ids`` at depth ``d`` with parents ``par``: checked against the forest's tree when it is known,
+    else recorded (a node seen twice must have one parent and one depth)."""
+    if known_tree:
+        if np.any(parent[ids] != par) or np.any(depth[ids] != d):
+            raise ValueError(f"prompt {p}: leaf_path disagrees with the forest's node_parent / node_depth at "
+                             f"depth {d}")
+    else:
+        known = parent[ids]
+        if np.any((known >= 0) & (known != par)) or np.any((depth[ids] >= 0) & (depth[ids] != d)):
+            raise ValueError(f"prompt {p}: a node has two parents or two depths in leaf_path")
+        parent[ids] = par
+        depth[ids] = d
+
+
+def _span_cover(p: int, d: int, ids: np.ndarray, w_on: np.ndarray, par: np.ndarray, start: np.ndarray,
+                length: np.ndarray, prev_end: np.ndarray, leaf_length: np.ndarray, T: int) -> np.ndarray:
+    """Spans at depth ``d``: each node starts where its leaves' parent node ends and ends within the ``T`` response
+    tokens; returns ``[W]`` how many of each leaf's tokens its node at depth ``d`` holds."""
+    s = start[ids[w_on]]
+    if np.any(s != prev_end[w_on]):
+        k = int(np.argmax(s != prev_end[w_on]))
+        n = ids[w_on][k]
+        raise ValueError(f"prompt {p}: node {n} at depth {d} starts at response token {s[k]} but its parent "
+                         f"{par[k]} ends at {prev_end[w_on][k]} (a node's span starts where its parent's "
+                         "ends)")
+    if np.any(start[ids[w_on]] + length[ids[w_on]] > T):
+        n = ids[w_on][int(np.argmax(start[ids[w_on]] + length[ids[w_on]] > T))]
+        raise ValueError(f"prompt {p}: node {n}'s span ({start[n]}, {length[n]}) ends past the {T} response "
+                         "tokens")
+    return np.clip(leaf_length - start[np.maximum(ids, 0)], 0, length[np.maximum(ids, 0)])
+
+
+def _node_table(p: int, leaf_path: np.ndarray, leaf_length: np.ndarray, T: int, S: int, node_parent, node_depth,
+                node_span) -> tuple[_NodeTable, np.ndarray]:
+    """The tree's nodes read depth by depth from the leaf paths (:class:`_NodeTable`), and ``prev_end [W]``: where
+    each leaf's last node ends in its response. Fixed segments: the node at depth ``d`` starts at ``(d - 1) S`` and
+    its length is the longest cover of its leaves, at most ``S``; spans: as given, checked
+    (:func:`_span_cover`)."""
+    W, D1 = leaf_path.shape
+    fixed, known_tree = node_span is None, node_parent is not None
+    parent, depth, start, length = _initial_nodes(p, leaf_path, node_parent, node_depth, node_span)
+    rep = np.full(parent.shape[0], -1, np.int64)
     depth[0] = 0
     prev_end = np.zeros(W, np.int64)  # where each leaf's node at depth d - 1 ends in its response
     for d in range(1, D1):
@@ -85,33 +151,13 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
             raise ValueError(f"prompt {p}: a leaf path has a gap at depth {d}")
         w_on = np.nonzero(on)[0]
         par = leaf_path[w_on, d - 1]
-        if known_tree:
-            if np.any(parent[ids[w_on]] != par) or np.any(depth[ids[w_on]] != d):
-                raise ValueError(f"prompt {p}: leaf_path disagrees with the forest's node_parent / node_depth at "
-                                 f"depth {d}")
-        else:
-            known = parent[ids[w_on]]
-            if np.any((known >= 0) & (known != par)) or np.any((depth[ids[w_on]] >= 0) & (depth[ids[w_on]] != d)):
-                raise ValueError(f"prompt {p}: a node has two parents or two depths in leaf_path")
-            parent[ids[w_on]] = par
-            depth[ids[w_on]] = d
+        _link(p, d, ids[w_on], par, parent, depth, known_tree)
         if fixed:
             start[ids[w_on]] = (d - 1) * S
             cov = np.clip(leaf_length - (d - 1) * S, 0, S)
             np.maximum.at(length, ids[w_on], cov[w_on])
         else:
-            s = start[ids[w_on]]
-            if np.any(s != prev_end[w_on]):
-                k = int(np.argmax(s != prev_end[w_on]))
-                n = ids[w_on][k]
-                raise ValueError(f"prompt {p}: node {n} at depth {d} starts at response token {s[k]} but its parent "
-                                 f"{par[k]} ends at {prev_end[w_on][k]} (a node's span starts where its parent's "
-                                 "ends)")
-            if np.any(start[ids[w_on]] + length[ids[w_on]] > T):
-                n = ids[w_on][int(np.argmax(start[ids[w_on]] + length[ids[w_on]] > T))]
-                raise ValueError(f"prompt {p}: node {n}'s span ({start[n]}, {length[n]}) ends past the {T} response "
-                                 "tokens")
-            cov = np.clip(leaf_length - start[np.maximum(ids, 0)], 0, length[np.maximum(ids, 0)])
+            cov = _span_cover(p, d, ids, w_on, par, start, length, prev_end, leaf_length, T)
         if np.any(on & (cov <= 0)):
             w = int(np.argmax(on & (cov <= 0)))
             raise ValueError(f"prompt {p}, leaf {w}: node {ids[w]} at depth {d} holds no token "
@@ -120,7 +166,15 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
         order = w_on[np.argsort(cov[w_on], kind="stable")]  # the last write per node is its longest cover
         rep[ids[order]] = order
         prev_end[w_on] = start[ids[w_on]] + length[ids[w_on]]
-    has_child = np.zeros(num_ids, bool)
+    return _NodeTable(parent, depth, start, length, rep), prev_end
+
+
+def _check_covers(p: int, nodes: _NodeTable, leaf_length: np.ndarray, prev_end: np.ndarray, S: int,
+                  fixed: bool) -> None:
+    """With fixed segments every node with children is a full segment (only a leaf's last segment may be
+    shorter); no leaf runs past its path's last node."""
+    parent, depth, length = nodes.parent, nodes.depth, nodes.length
+    has_child = np.zeros(parent.shape[0], bool)
     has_child[parent[parent >= 0]] = True
     if fixed:  # every node with children is a full segment (only a leaf's last segment may be shorter)
         bad = has_child & (depth >= 1) & (length < S)
@@ -132,10 +186,15 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
         w = int(np.argmax(long_leaf))
         raise ValueError(f"prompt {p}, leaf {w}: leaf_length {leaf_length[w]} runs past its path's last node, which "
                          f"ends at response token {prev_end[w]}")
+
+
+def _preorder(parent: np.ndarray, depth: np.ndarray) -> tuple[list, np.ndarray, np.ndarray]:
+    """``(order, pre, hi)``: the used nodes in depth-first preorder from the root (children by id), each node's
+    preorder number ``pre`` and the largest preorder number ``hi`` in its subtree (its subtree is ``[pre, hi]``)."""
+    num_ids = parent.shape[0]
     children: list[list[int]] = [[] for _ in range(num_ids)]
     for n in np.nonzero(depth >= 1)[0]:
         children[parent[n]].append(int(n))
-    # Preorder numbering and row placement (the root = the prompt first).
     order, stack = [], [0]
     while stack:
         n = stack.pop()
@@ -147,9 +206,19 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
     for n in reversed(order):  # children after parents in preorder: reversed order finishes subtrees first
         if parent[n] >= 0:
             hi[parent[n]] = max(hi[parent[n]], hi[n])
-    seg_len = np.where(np.arange(num_ids) == 0, n_p, length)
+    return order, pre, hi
+
+
+def _lay_out(nodes: _NodeTable, order: list, pre: np.ndarray, hi: np.ndarray, prompt: np.ndarray,
+             tokens: np.ndarray, align: int, pad_id: int):
+    """The packed tree's tokens, node by node in preorder (the root = the prompt first), each node's stored length
+    padded to a multiple of ``align``. Returns ``(row, (tokens, positions, node_lo, node_hi, prev, real))``: where
+    each node's tokens begin, and the per-token arrays (module docstring)."""
+    parent, depth, start, length, rep = nodes.parent, nodes.depth, nodes.start, nodes.length, nodes.rep
+    n_p = int(prompt.shape[0])
+    seg_len = np.where(np.arange(parent.shape[0]) == 0, n_p, length)
     stored = np.where(seg_len > 0, -(-seg_len // align) * align, 0)
-    row = np.zeros(num_ids, np.int64)  # where each node's tokens begin in the packed tree
+    row = np.zeros(parent.shape[0], np.int64)  # where each node's tokens begin in the packed tree
     cursor = 0
     for n in order:
         row[n] = cursor
@@ -181,8 +250,18 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
             prev[a] = n_p - 1 if n_p > 0 else -1
         else:  # the parent's last token
             prev[a] = row[parent[n]] + seg_len[parent[n]] - 1
-    # Gather map: response token t of leaf w sits in the node of its path whose span holds t, at
-    # row[node] + t - start[node] (fixed segments: the node at depth t // S + 1, at row[node] + t % S).
+    return row, (toks, pos, lo, hi_t, prev, real)
+
+
+def _pair_map(p: int, leaf_path: np.ndarray, leaf_length: np.ndarray, tokens: np.ndarray, nodes: _NodeTable,
+              row: np.ndarray, toks: np.ndarray, prev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gather map ``(pair_index, pair_valid) [W, T]``: response token ``t`` of leaf ``w`` sits in the node of
+    its path whose span holds ``t``, at ``row[node] + t - start[node]`` (fixed segments: the node at depth ``t // S
+    + 1``, at ``row[node] + t % S``); a pair is valid when the token is real and has a predecessor. Raises when
+    leaves sharing a node disagree on its tokens."""
+    start, length = nodes.start, nodes.length
+    W, D1 = leaf_path.shape
+    T = tokens.shape[1]
     t = np.arange(T)
     node_wt = np.full((W, T), -1, np.int64)
     for d in range(1, D1):
@@ -200,4 +279,4 @@ def build_tree(p: int, prompt: np.ndarray, leaf_path: np.ndarray, leaf_length: n
         raise ValueError(f"prompt {p}: leaves sharing node {n} disagree on its token {tt - start[n]} "
                          f"(leaf {w} has {tokens[w, tt]}, the node {toks[idx[w, tt]]})")
     pair_valid = valid & (prev[idx] >= 0)
-    return PackedTree(toks, pos, lo, hi_t, prev, real, idx, pair_valid, len(order))
+    return idx, pair_valid

@@ -239,16 +239,41 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
         raise ValueError(f"plan_packing: row_multiple must be >= 1, got {row_multiple}")
     prompts = np.arange(P) if prompts is None else np.asarray(prompts, np.int64)
     trained = None if trained_PxW is None else np.asarray(trained_PxW, bool)
-    trees: list[tuple[int, PackedTree]] = []
-    for p in prompts:
-        if config.skip_untrained and trained is not None and not trained[p].any():
-            continue
-        nodes = {} if node_parent_PxN is None else dict(node_parent=node_parent_PxN[p], node_depth=node_depth_PxN[p])
-        if spans is not None:
-            nodes["node_span"] = spans[p]
-        trees.append((int(p), build_tree(int(p), prompt_tokens[p, : lens[p]], leaf_path[p], leaf_length[p],
-                                          tokens[p], S, config.align, pad_id, **nodes)))
+    trees = [(int(p), build_tree(int(p), prompt_tokens[p, : lens[p]], leaf_path[p], leaf_length[p], tokens[p], S,
+                                 config.align, pad_id, **_tree_nodes(p, node_parent_PxN, node_depth_PxN, spans)))
+             for p in prompts if not (config.skip_untrained and trained is not None and not trained[p].any())]
     sizes = [len(tr.tokens) for _, tr in trees]
+    L, cap = _row_length(sizes, config, floor, W)
+    rows = _first_fit(sizes, L, cap)
+    max_rows = _round_up(max(len(prompts), 1), row_multiple)  # one tree per row: constant per run
+    R = min(row_multiple * (1 << (-(-max(len(rows), 1) // row_multiple) - 1).bit_length()), max_rows)
+    Wr = W * (1 << (max((len(r) for r in rows), default=1) - 1).bit_length())
+    if floor is not None:
+        R, Wr = max(R, floor[0]), max(Wr, floor[2])
+    if balance and len(rows) < R:
+        rows = _spread(sizes, rows, R, L, min(cap, Wr // W))
+    out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf, unique = _fill_rows(
+        trees, rows, (R, L, Wr), W, T, pad_id)
+    expanded = int(np.sum(lens[prompts]) * W + np.sum(leaf_length[prompts]))
+    return PackingPlan(out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf,
+                       num_sequences=len(prompts) * W, sequence_length=prompt_tokens.shape[1] + T,
+                       unique_tokens=unique, expanded_tokens=expanded)
+
+
+def _tree_nodes(p: int, node_parent_PxN, node_depth_PxN, spans) -> dict:
+    """The forest's own node arrays of prompt ``p`` that :func:`build_tree` reads (none, parents and depths,
+    spans)."""
+    nodes = {} if node_parent_PxN is None else dict(node_parent=node_parent_PxN[p], node_depth=node_depth_PxN[p])
+    if spans is not None:
+        nodes["node_span"] = spans[p]
+    return nodes
+
+
+def _row_length(sizes: list[int], config: PackingConfig, floor: tuple[int, int, int] | None,
+                W: int) -> tuple[int, int]:
+    """``(L, cap)``: the row length (``config.row_length``, which the longest tree must fit, else bucketed from it;
+    at least the floor's) and the most trees a row may hold (``config.max_trees_per_row``, at most the floor's
+    ``Wr / W``)."""
     longest = max(sizes, default=1)
     if config.row_length is not None:
         L = config.row_length
@@ -257,7 +282,7 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
                              f"PackingConfig.row_length={L}; raise it or set it to None (bucketed)")
     else:
         L = bucket_row_length(longest, config.granule)
-    cap = config.max_trees_per_row or len(trees) or 1
+    cap = config.max_trees_per_row or len(sizes) or 1
     if floor is not None:
         f_rows, f_len, f_slots = floor
         if f_slots % W:
@@ -265,10 +290,15 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
         if config.row_length is None:
             L = max(L, f_len)
         cap = min(cap, max(f_slots // W, 1))
-    # First-fit decreasing into rows of L tokens.
+    return L, cap
+
+
+def _first_fit(sizes: list[int], L: int, cap: int) -> list[list[int]]:
+    """First-fit decreasing of the trees (their ``sizes``) into rows of ``L`` tokens, at most ``cap`` trees a row:
+    each tree, largest first, goes into the first row it fits, else a new row. The trees of each row, in order."""
     rows: list[list[int]] = []
     free: list[int] = []
-    for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         for r in range(len(rows)):
             if free[r] >= sizes[i] and len(rows[r]) < cap:
                 rows[r].append(i)
@@ -277,13 +307,17 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
         else:
             rows.append([i])
             free.append(L - sizes[i])
-    max_rows = _round_up(max(len(prompts), 1), row_multiple)  # one tree per row: constant per run
-    R = min(row_multiple * (1 << (-(-max(len(rows), 1) // row_multiple) - 1).bit_length()), max_rows)
-    Wr = W * (1 << (max((len(r) for r in rows), default=1) - 1).bit_length())
-    if floor is not None:
-        R, Wr = max(R, f_rows), max(Wr, f_slots)
-    if balance and len(rows) < R:
-        rows = _spread(sizes, rows, R, L, min(cap, Wr // W))
+    return rows
+
+
+def _fill_rows(trees: list[tuple[int, PackedTree]], rows: list[list[int]], shape: tuple[int, int, int], W: int,
+               T: int, pad_id: int):
+    """The packed arrays of ``shape`` ``(R, L, Wr)``: row ``r`` holds its trees end to end, each tree's token
+    indices offset by where it starts and its preorder numbers by the nodes before it in the row; tree ``k`` of a
+    row owns leaf slots ``[k W, (k + 1) W)`` (leaf ids ``p W + w``). Padding tokens get node number ``PAD_NODE +
+    column``, above every real one, so each sees only itself (module docstring). Returns the eight arrays of
+    :class:`PackingPlan` and the number of real tokens."""
+    R, L, Wr = shape
     out_tok = np.full((R, L), pad_id, np.int32)
     out_pos = np.zeros((R, L), np.int32)
     out_lo = np.full((R, L), PAD_NODE, np.int32)
@@ -314,11 +348,7 @@ def plan_packing(prompt_tokens_PxLp, prompt_lengths_P, leaf_path_PxWxD1, leaf_le
     pad_RxL = out_lo >= PAD_NODE
     out_lo = np.where(pad_RxL, PAD_NODE + np.arange(L, dtype=np.int32)[None, :], out_lo)
     out_hi = np.where(pad_RxL, out_lo, out_hi)
-    Lp = prompt_tokens.shape[1]
-    expanded = int(np.sum(lens[prompts]) * W + np.sum(leaf_length[prompts]))
-    return PackingPlan(out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf,
-                       num_sequences=len(prompts) * W, sequence_length=Lp + T, unique_tokens=unique,
-                       expanded_tokens=expanded)
+    return out_tok, out_pos, out_lo, out_hi, out_prev, out_pair, out_valid, out_leaf, unique
 
 
 def _spread(sizes: list[int], rows: list[list[int]], R: int, L: int, cap: int) -> list[list[int]]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,8 @@ import numpy as np
 
 from treejax.checkpoint import decode_blob, encode_blob
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import CHAINS, OFF_POLICY, SYNCHRONOUS, VERIFIER
 from treejax.forest import NodeStatus, chain_forest
 from treejax.parallel import multihost
 from treejax.rl import scoring
@@ -53,11 +56,18 @@ PARTIAL_STREAM = 0xA971  # fold_in stream of the partial-rollout calls
 
 
 @dataclasses.dataclass(frozen=True)
-class PartialConfig:
+class PartialConfig(Stage):
     """Partial rollouts (module docstring): ``over_sample`` groups launched per call beyond
     ``RunConfig.prompts_per_step`` (APRIL's over-provisioning, ``N' - N`` in groups)."""
 
     over_sample: int = 4
+
+    role: ClassVar[str] = "planner"  # it launches, carries and resumes its own groups
+    requires: ClassVar[tuple] = (VERIFIER, CHAINS, OFF_POLICY, SYNCHRONOUS)
+    dynamic_sampling: ClassVar[bool] = True
+
+    def build(self, inner, ctx):
+        return PartialRollouts(ctx.task_rollouts(), self)
 
     def __post_init__(self):
         if self.over_sample < 1:

@@ -30,16 +30,19 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import TRAIN_SPLIT, VERIFIER
 
 PROMPT_GDRO_STREAM = 0x6D40  # the sampler's random stream (with the run's seed and the step)
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptGDROConfig:
+class PromptGDROConfig(Stage):
     """Prompt-GDRO's bucket sampler (module docstring): ``pool`` candidate batches per step, the pass-rate
     ``edges``, the pass@k window ``history``, the score EMA ``ema``, the weights' ``eta`` and exploration
     ``gamma``."""
@@ -66,6 +69,15 @@ class PromptGDROConfig:
         lo = (0.0,) + self.edges
         hi = self.edges + (1.0,)
         return [f"{a:g}-{b:g}" for a, b in zip(lo, hi)] + ["unseen"]
+
+    role: ClassVar[str] = "planner"  # it draws a pool and rolls out the prompts it picks
+    requires: ClassVar[tuple] = (VERIFIER, TRAIN_SPLIT)
+    provides: ClassVar[frozenset[str]] = frozenset({"replayable_rows"})
+    supplies: ClassVar[frozenset[str]] = frozenset({"answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"})
+
+    def build(self, inner, ctx):
+        base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i in self.supplies))
+        return self.make_source(base, ctx.cfg.prompts_per_step, ctx.seed)
 
     def make_source(self, base, prompts_per_step: int, seed: int):
         return PromptGDRORollouts(base, self, prompts_per_step, seed)
@@ -108,7 +120,8 @@ class PromptGDRORollouts:
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
-        from treejax.rl.rollouts import assemble_rows, prompt_stats, row_block
+        from treejax.rl.allocation.base import prompt_stats
+        from treejax.rl.rollouts import assemble_rows, row_block
 
         cfg, b = self.config, self.base
         drawn = [b.draw() for _ in range(cfg.pool)]
@@ -133,7 +146,7 @@ class PromptGDRORollouts:
             self.scores[str(bk)] = loss if old is None else (1.0 - cfg.ema) * old + cfg.ema * loss
             metrics[f"prompt_gdro/picked_{names[bk]}"] = int(np.sum(buckets[idx] == bk))
         metrics.update({f"prompt_gdro/loss_{names[int(k)]}": v for k, v in self.scores.items()})
-        return assemble_rows([row_block(out, np.arange(self.P))], out[6], extra_metrics=metrics)
+        return assemble_rows([row_block(out, np.arange(self.P))], out.counters, extra_metrics=metrics)
 
     def checkpoint_state(self) -> dict:
         return {**self.base.checkpoint_state(),

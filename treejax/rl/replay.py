@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,12 @@ import numpy as np
 
 from treejax.checkpoint import decode_blob, encode_blob
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import OFF_POLICY, VERIFIER
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplayConfig:
+class ReplayConfig(Stage):
     """Rollout replay (module docstring): ``rows`` replayed prompt rows per step, a FIFO of ``capacity`` rows,
     none older than ``max_age`` steps, only informative rows with ``informative_only``."""
 
@@ -42,6 +45,18 @@ class ReplayConfig:
     capacity: int = 32
     max_age: int = 4
     informative_only: bool = True
+
+    role: ClassVar[str] = "wrapper"  # stores the rows of the source before it and trains some again
+    requires: ClassVar[tuple] = (VERIFIER, OFF_POLICY)
+    needs: ClassVar[frozenset[str]] = frozenset({"replayable_rows"})
+    keeps: ClassVar[frozenset[str]] = frozenset()
+    passes_inputs: ClassVar[bool] = False  # a replayed row keeps no estimator inputs
+
+    def added_rows(self) -> int:
+        return self.rows
+
+    def build(self, inner, ctx):
+        return ReplayRollouts(inner, self)
 
     def __post_init__(self):
         if self.rows < 1 or self.capacity < self.rows or self.max_age < 1:

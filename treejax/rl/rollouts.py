@@ -20,7 +20,6 @@ Several processes: every process draws the same prompts, all-gathers the leaves'
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Any, Protocol
@@ -41,7 +40,6 @@ from treejax.sampling.strategies import Greedy
 from treejax.sampling.tree_state import RolloutInfo
 
 #: Host counters of the sampler's :class:`RolloutInfo` (scalars; summed over a step's rollout calls).
-ALLOCATION_STREAM = 0xA110C  # fold_in stream of the extra rollout calls of prompt-level allocation
 
 SAMPLER_COUNTERS = ("decoded_tokens", "prefilled_tokens", "forks", "fallbacks", "fallback_from_root", "root_restarts",
                     "segments", "complete", "continuation_tokens")
@@ -153,6 +151,25 @@ class Rollouts:
         return None if s is None else np.asarray(s) >= 1.0
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoredRows:
+    """One sampler call's prompt rows, rolled out and scored (:meth:`TaskRollouts.roll_and_score`): the forest of
+    ``R`` rows, the shaped ``rewards [R, W]`` the estimator sees, the verifier's ``scores [R, W]``, the rows'
+    ``examples``, right-padded ``prompts [R, Lp]`` and ``lengths [R]``, the call's ``counters``, ``label_leaf
+    [R]`` (pseudo-label rewards: a leaf carrying each row's majority answer; ``None`` with verifier rewards) and the
+    per-leaf ``leaf_inputs`` (``reward_scores`` and the estimator inputs computed per leaf)."""
+
+    forest: Forest
+    rewards: np.ndarray
+    scores: np.ndarray
+    examples: list
+    prompts: np.ndarray
+    lengths: np.ndarray
+    counters: RolloutCounters
+    label_leaf: np.ndarray | None
+    leaf_inputs: dict
+
+
 class RolloutSource(Protocol):
     def sample(self, params: Any, key: jax.Array, step: int) -> Rollouts:
         """Rollouts of ``P`` prompts from the sampler's ``params``, with the estimator inputs it was built for."""
@@ -173,7 +190,7 @@ class TaskRollouts:
     continuations at each leaf's cut points (SPO-chain, :func:`treejax.rl.scoring.continuation_rewards`)."""
 
     def __init__(self, cfg, rollout, sampler_fns, tokenizer, task, pipeline, prompt_width: int, pad_id: int,
-                 estimator_inputs: tuple[str, ...] = (), allocation=None):
+                 estimator_inputs: tuple[str, ...] = ()):
         check_inputs(estimator_inputs, ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"),
                      "TaskRollouts")
         if "cut_value_PxWxB" in estimator_inputs and getattr(rollout, "continuations", None) is None:
@@ -182,16 +199,13 @@ class TaskRollouts:
         self.cfg, self.rollout, self.sampler_fns = cfg, rollout, sampler_fns
         self.tokenizer, self.task, self.pipeline = tokenizer, task, pipeline
         self.prompt_width, self.pad_id, self.estimator_inputs = prompt_width, pad_id, tuple(estimator_inputs)
-        self.allocation = allocation  # AllocationConfig or None (treejax.rl.allocation)
-        self.allocation_state = allocation.allocator.init_state() if allocation is not None else None
 
     def checkpoint_state(self) -> dict:
-        """The source's state a checkpoint saves: the allocator's (a deep copy), with allocation."""
-        return {} if self.allocation is None else {"allocation": copy.deepcopy(self.allocation_state)}
+        """The task service keeps no state of its own (the prompt pipeline's is saved by the loop)."""
+        return {}
 
     def restore_state(self, data_state: dict) -> None:
-        if self.allocation is not None:
-            self.allocation_state = data_state.get("allocation", self.allocation.allocator.init_state())
+        pass
 
     def rewards(self, scores: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         cfg = self.cfg
@@ -207,9 +221,8 @@ class TaskRollouts:
         prompts, lens = pad_token_lists(toks, self.prompt_width, self.pad_id)
         return examples, prompts, lens
 
-    def roll_and_score(self, params, examples, prompts, lens, key, step):
-        """``prompts`` rolled out and scored: (forest, rewards, scores, examples, prompts, lengths, counters, label
-        leaves or None, per-leaf estimator inputs). The rewards come from the verifier's scores, or with
+    def roll_and_score(self, params, examples, prompts, lens, key, step) -> ScoredRows:
+        """``prompts`` rolled out and scored (:class:`ScoredRows`). The rewards come from the verifier's scores, or with
         ``reward_source = "majority"`` from the prompts' majority answers (the verifier's scores then only measure)."""
         forest, info = self.rollout(params, prompts, lens, key, step)
         check_sampled_ids(forest, self.sampler_fns.sampling_vocab_size, step)
@@ -232,89 +245,37 @@ class TaskRollouts:
             leaf_inputs["cut_value_PxWxB"] = scoring.continuation_rewards(self.tokenizer, self.task, examples, tokens,
                                                                           cont, self.rewards)
         counters = RolloutCounters.from_sampler(info, scoring_s=time.perf_counter() - t)
-        return (forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
-                label_leaf, leaf_inputs)
+        return ScoredRows(forest, self.rewards(reward_scores, leaf_lengths), scores, examples, prompts, lens, counters,
+                          label_leaf, leaf_inputs)
 
     def _one_call(self, params, key, step):
         """One batch of prompts, drawn, rolled out and scored (:meth:`roll_and_score`)."""
         return self.roll_and_score(params, *self.draw(), key, step)
 
     def sample(self, params, key, step) -> Rollouts:
-        if self.allocation is not None:
-            return self._allocated_sample(params, key, step)
         cfg, P = self.cfg, self.cfg.prompts_per_step
         kept: list[tuple] = []
         counters, out = None, None
         for attempt in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
             out = self._one_call(params, jax.random.fold_in(key, attempt), step)
-            counters = out[6] if counters is None else counters + out[6]
-            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(out[1]))) if cfg.dynamic_sampling
+            counters = out.counters if counters is None else counters + out.counters
+            keep = (np.asarray(rewards_lib.dynamic_sampling_keep(jnp.asarray(out.rewards))) if cfg.dynamic_sampling
                     else np.ones(P, bool))
-            have = sum(len(k[1]) for k in kept)
+            have = sum(len(k.rewards) for k in kept)
             idx = np.nonzero(keep)[0][: P - have]
             kept.append(row_block(out, idx))
             if have + len(idx) >= P:
                 break
-        missing = P - sum(len(k[1]) for k in kept)
+        missing = P - sum(len(k.rewards) for k in kept)
         if missing:
             # Not enough informative prompts after the refills: fill the remaining slots with the last rollout's
             # first prompts, masked out of the loss (they carry no gradient and no whitening weight).
             kept.append(row_block(out, np.arange(missing), train=False))
         counters = dataclasses.replace(counters, rollout_calls=attempt + 1, filler_prompts=missing)
         ro = assemble_rows(kept, counters, label_leaves=cfg.reward_source == "majority")
-        return self._with_greedy(params, ro)
+        return self.with_greedy(params, ro)
 
-    def _allocated_sample(self, params, key, step) -> Rollouts:
-        """Prompt-level allocation (:mod:`treejax.rl.allocation`): the pre-rollout of ``P`` prompts, the
-        allocator's extra chunks (rows of ``W`` leaves) decoded in calls of ``call_prompts`` rows, and the step's
-        ``P + extra_rows`` rows with each prompt's group (``Rollouts.groups_PxC``); rows the budget left unused
-        are copies of row 0 that train on nothing."""
-        from treejax.rl import allocation as alloc
-
-        a, P, W = self.allocation, self.cfg.prompts_per_step, self.cfg.rollout.num_leaves
-        C, E = a.chunks_per_prompt(W), a.extra_rows
-        first = self.roll_and_score(params, *self.draw(), jax.random.fold_in(key, 0), step)
-        _, _, _, examples, prompts, lens, counters, _, _ = first
-        stats = prompt_stats(first, step)
-        extra, self.allocation_state = a.allocator.extra_rollouts(stats, self.allocation_state,
-                                                                  alloc.Budget(E * W, W, a.max_rollouts))
-        chunks = alloc.plan_chunks(extra, stats.accuracy_P, W, C - 1, E)
-        owner = np.repeat(np.arange(P), chunks)  # the prompt of each extra row
-        parts, calls, size = [row_block(first, np.arange(P))], 0, a.call_prompts or P
-        for start in range(0, len(owner), size):
-            idx = owner[start:start + size]
-            pad = np.concatenate([idx, np.full(size - len(idx), idx[-1])])  # a call's unused rows: copies
-            out = self.roll_and_score(params, [examples[i] for i in pad], prompts[pad], lens[pad],
-                                      jax.random.fold_in(jax.random.fold_in(key, ALLOCATION_STREAM), calls), step)
-            counters = counters + out[6]
-            calls += 1
-            parts.append(row_block(out, np.arange(len(idx))))
-        unused = E - len(owner)
-        if unused:  # the budget's unused rows: row 0's copies, masked out of the loss
-            parts.append(row_block(first, np.zeros(unused, np.int64), train=False))
-        groups = np.full((P, C), -1, np.int64)
-        groups[:, 0] = np.arange(P)
-        taken = np.zeros(P, np.int64)
-        for r, p in enumerate(owner):
-            taken[p] += 1
-            groups[p, taken[p]] = P + r
-        all_rewards = np.concatenate([np.asarray(p[1]) for p in parts])
-        dropped = np.zeros(P, bool)
-        if a.drop_equal_groups:  # DARS: a group whose rewards are all equal trains on nothing
-            for p in range(P):
-                merged = all_rewards[groups[p][groups[p] >= 0]].ravel()
-                dropped[p] = np.all(merged == merged[0])
-        counters = dataclasses.replace(counters, rollout_calls=1 + calls, filler_prompts=unused)
-        ro = assemble_rows(parts, counters, groups_PxC=groups,
-                           extra_metrics=alloc.allocation_metrics(chunks, W, dropped, unused))
-        if dropped.any():
-            rows = groups[dropped]
-            rows = rows[rows >= 0]
-            mask = ro.forest.loss_mask.at[jnp.asarray(rows)].set(0.0)
-            ro.forest = ro.forest.replace(loss_mask=mask)
-        return self._with_greedy(params, ro)
-
-    def _with_greedy(self, params, ro: Rollouts) -> Rollouts:
+    def with_greedy(self, params, ro: Rollouts) -> Rollouts:
         """``ro`` with ReMax's greedy baseline when the estimator reads it (its seconds count as scoring)."""
         if "greedy_reward_P" in self.estimator_inputs:
             t = time.perf_counter()
@@ -332,22 +293,36 @@ class TaskRollouts:
         return self.rewards(scores, lengths)
 
 
-def row_block(out: tuple, idx: np.ndarray, train: bool = True) -> tuple:
-    """Rows ``idx`` of one :meth:`TaskRollouts.roll_and_score` result, as a block :func:`assemble_rows` joins:
-    ``(forest, rewards, scores, examples, prompts, lengths, label leaves, per-leaf inputs)``. ``train=False``: the
-    rows are fillers, masked out of the loss (no gradient, no whitening weight)."""
-    forest, rewards, scores, examples, prompts, lens, _, labels, leaf_inputs = out
-    rows = RowSource(forest, np.asarray(idx, np.int64), train)
-    labels = np.full(len(rewards), -1, np.int64) if labels is None else labels
-    return (rows, rewards[idx], scores[idx], [examples[i] for i in idx], prompts[idx], lens[idx], labels[idx],
-            {k: v[idx] for k, v in leaf_inputs.items()})
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowBlock:
+    """Rows of one :class:`ScoredRows` (:func:`row_block`), to be joined in order by :func:`assemble_rows`."""
+
+    rows: "RowSource"
+    rewards: np.ndarray
+    scores: np.ndarray
+    examples: list
+    prompts: np.ndarray
+    lengths: np.ndarray
+    label_leaf: np.ndarray
+    leaf_inputs: dict
 
 
-def assemble_rows(blocks: list[tuple], counters: RolloutCounters, label_leaves: bool = False, **fields) -> Rollouts:
+def row_block(out: ScoredRows, idx: np.ndarray, train: bool = True) -> RowBlock:
+    """Rows ``idx`` of one :meth:`TaskRollouts.roll_and_score` result, as a block :func:`assemble_rows` joins.
+    ``train=False``: the rows are fillers, masked out of the loss (no gradient, no whitening weight)."""
+    rows = RowSource(out.forest, np.asarray(idx, np.int64), train)
+    labels = np.full(len(out.rewards), -1, np.int64) if out.label_leaf is None else out.label_leaf
+    return RowBlock(rows, out.rewards[idx], out.scores[idx], [out.examples[i] for i in idx], out.prompts[idx],
+                    out.lengths[idx], labels[idx], {k: v[idx] for k, v in out.leaf_inputs.items()})
+
+
+def assemble_rows(blocks: list[RowBlock], counters: RolloutCounters, label_leaves: bool = False, **fields) -> Rollouts:
     """One :class:`Rollouts` of row blocks (:func:`row_block`) in order; ``label_leaves``: keep the pseudo-label
     leaves (``reward_source = "majority"``); ``fields``: more :class:`Rollouts` fields (``groups_PxC``, ...).
     Rewards, prompts and lengths are host values equal on every process: jit takes them as replicated inputs."""
-    sources, rewards, scores, examples, prompts, lens, labels, leaf_inputs = zip(*blocks)
+    sources, rewards, scores = [b.rows for b in blocks], [b.rewards for b in blocks], [b.scores for b in blocks]
+    examples, prompts, lens = [b.examples for b in blocks], [b.prompts for b in blocks], [b.lengths for b in blocks]
+    labels, leaf_inputs = [b.label_leaf for b in blocks], [b.leaf_inputs for b in blocks]
     return Rollouts(forest=gather_rows(list(sources)), rewards_PxW=jnp.asarray(np.concatenate(rewards)),
                     scores_PxW=np.concatenate(scores), prompts_PxLp=np.concatenate(prompts),
                     lengths_P=np.concatenate(lens), counters=counters, examples=[e for ex in examples for e in ex],
@@ -355,17 +330,6 @@ def assemble_rows(blocks: list[tuple], counters: RolloutCounters, label_leaves: 
                     estimator_inputs={k: jnp.asarray(np.concatenate([d[k] for d in leaf_inputs]))
                                       for k in leaf_inputs[0] if k != "reward_scores"},
                     reward_scores_PxW=np.concatenate([d["reward_scores"] for d in leaf_inputs]), **fields)
-
-
-def prompt_stats(out: tuple, step: int):
-    """The allocators' and DOTS's per-prompt statistics of one :meth:`TaskRollouts.roll_and_score` result
-    (:class:`treejax.rl.allocation.PromptStats`: leaf-weighted accuracy from the reward scores, one host read)."""
-    from treejax.rl.allocation import PromptStats, prompt_key
-
-    forest, rewards, _, examples, _, _, _, _, leaf_inputs = out
-    weights = np.asarray(multihost.host_tree(forest.leaf_weights()))
-    return PromptStats.from_leaves(np.asarray(leaf_inputs["reward_scores"]) >= 1.0, rewards, weights,
-                                   keys=[prompt_key(e) for e in examples], step=step)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -417,6 +381,6 @@ def first_prompt(forest: Forest) -> Forest:
     return multihost.host_tree(jax.tree.map(lambda x: x[:1], forest))
 
 
-__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "RowSource", "TaskRollouts", "assemble_rows",
-           "concat_forests", "gather_rows", "prompt_stats", "row_block",
+__all__ = ["Rollouts", "RolloutCounters", "RolloutSource", "RowBlock", "RowSource", "ScoredRows", "TaskRollouts", "assemble_rows",
+           "concat_forests", "gather_rows", "row_block",
            "first_prompt", "check_inputs"]

@@ -31,15 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import ClassVar
 
 import jax
 import numpy as np
 
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import TRAIN_SPLIT, VERIFIER
 
 
 @dataclasses.dataclass(frozen=True)
-class DOTSConfig:
+class DOTSConfig(Stage):
     """DOTS's selection (module docstring): ``pool`` candidate batches per step, ``reference`` reference rows,
     the attention's ``temperature``, the ``target`` difficulty, the embedding's ``dim`` and whether measured
     difficulties are remembered (``history``)."""
@@ -56,8 +59,22 @@ class DOTSConfig:
             raise ConfigError(f"DOTSConfig: pool >= 1, reference >= 1, temperature > 0, 0 <= target <= 1 and "
                               f"dim >= 8 required, got {self}")
 
+    role: ClassVar[str] = "planner"  # it draws a pool and rolls out the prompts it selects
+    requires: ClassVar[tuple] = (VERIFIER, TRAIN_SPLIT)
+    provides: ClassVar[frozenset[str]] = frozenset({"replayable_rows"})
+    supplies: ClassVar[frozenset[str]] = frozenset({"answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB"})
+
+    def check(self, facts) -> None:
+        if self.reference >= facts.prompts_per_step:
+            raise ConfigError(f"DOTSConfig.reference = {self.reference} leaves no selected row of prompts_per_step = "
+                              f"{facts.prompts_per_step}; fix: DOTSConfig.reference < RunConfig.prompts_per_step")
+
+    def build(self, inner, ctx):
+        base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i in self.supplies))
+        return self.make_source(base, ctx.cfg.prompts_per_step, ctx.seed)
+
     def make_source(self, base, prompts_per_step: int, seed: int = 0):
-        """The loop's source with this selection (``RunConfig.selection``)."""
+        """This selection's source around the task's rollout service ``base``."""
         return DOTSRollouts(base, self, prompts_per_step)
 
 
@@ -101,7 +118,8 @@ class DOTSRollouts:
 
     def sample(self, params, key, step):
         from treejax.rl import allocation as alloc
-        from treejax.rl.rollouts import assemble_rows, prompt_stats, row_block
+        from treejax.rl.allocation.base import prompt_stats
+        from treejax.rl.rollouts import assemble_rows, row_block
 
         cfg, b, R = self.config, self.base, self.config.reference
         drawn = [b.draw() for _ in range(cfg.pool)]
@@ -126,7 +144,7 @@ class DOTSRollouts:
         for i, d in zip(np.concatenate([ref_idx, rest[pick]]), np.concatenate([d_ref, d_sel])):
             self.difficulty[keys[i]] = float(d)
         blocks = [row_block(ref, np.arange(R)), row_block(sel, np.arange(self.P - R))]
-        return assemble_rows(blocks, dataclasses.replace(ref[6] + sel[6], rollout_calls=2), extra_metrics={
+        return assemble_rows(blocks, dataclasses.replace(ref.counters + sel.counters, rollout_calls=2), extra_metrics={
             "dots/reference_difficulty": float(np.mean(d_ref)),
             "dots/predicted_difficulty": float(np.mean(pred[pick])),
             "dots/measured_difficulty": float(np.mean(d_sel)),

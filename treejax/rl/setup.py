@@ -36,14 +36,9 @@ from treejax.rl import collect
 from treejax.rl.config import RunConfig, prompt_cap
 from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
-from treejax.rl.nudge import NudgeRollouts
-from treejax.rl.exemplars import ExemplarRollouts
-from treejax.rl.multiturn import MULTITURN_INPUTS, MultiTurnRollouts
-from treejax.rl.partial import PartialRollouts
-from treejax.rl.replay import ReplayRollouts
-from treejax.rl.spear import SpearRollouts
+from treejax.rl.sources import catalog  # noqa: F401  (registers every rollout stage)
 from treejax.rl.rollouts import TaskRollouts
-from treejax.rl.shape_search import ShapeSearchRollouts
+from treejax.rl.sources.base import RolloutSource, SourceContext, build_chain
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
@@ -69,7 +64,7 @@ class Run:
     tokenizer: Any
     task: Any
     sampler_fns: Any
-    source: TaskRollouts
+    source: RolloutSource
     learner: Learner
     state: Any
     ref_params: Any
@@ -176,30 +171,10 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)
     del params
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    rollout = make_tree_rollout(rollout_fns, cfg.rollout, continuations=cfg.continuation_config())
-    if cfg.nudge is None:
-        source = TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width, pad_id,
-                              estimator_inputs=tuple(i for i in learner.estimator_inputs if i not in MULTITURN_INPUTS),
-                              allocation=cfg.allocation)
-    else:  # NudgeRL: hinted and plain prompt rows per problem, and the plain-prompt distillation rows
-        source = NudgeRollouts(TaskRollouts(cfg, rollout, rollout_fns, tokenizer, task, pipeline, prompt_width,
-                                            pad_id), cfg.nudge, cfg.seed, learner.estimator_inputs)
-    if cfg.shape_search is not None:  # the slot tree's k chosen by calibration (treejax.rl.shape_search)
-        source = ShapeSearchRollouts(source, cfg.shape_search, lambda tc: make_tree_rollout(
-            rollout_fns, tc, continuations=cfg.continuation_config()))
-    if cfg.selection is not None:  # DOTS (treejax.rl.selection) or Prompt-GDRO (treejax.rl.prompt_gdro)
-        source = cfg.selection.make_source(source, cfg.prompts_per_step, cfg.seed)
-    if cfg.exemplars is not None:  # XRPO: failed prompts re-rolled with solved exemplars (treejax.rl.exemplars)
-        source = ExemplarRollouts(source, cfg.exemplars)
-    if cfg.replay is not None:  # recent rows trained again (treejax.rl.replay)
-        source = ReplayRollouts(source, cfg.replay)
-    if cfg.multiturn is not None:  # code-tool episodes (treejax.rl.multiturn)
-        source = MultiTurnRollouts(source, cfg.multiturn, estimator_inputs=learner.estimator_inputs,
-                                   model_config=model_config, pad_id=pad_id)
-    if cfg.spear is not None:  # SPEAR: tool-call bonus and self-imitation rows (treejax.rl.spear)
-        source = SpearRollouts(source, cfg.spear)
-    if cfg.partial is not None:  # APRIL: stop early, carry unfinished responses (treejax.rl.partial)
-        source = PartialRollouts(source, cfg.partial)
+    make_rollout = lambda tc: make_tree_rollout(rollout_fns, tc, continuations=cfg.continuation_config())  # noqa: E731
+    source = build_chain(cfg.rollouts, SourceContext(
+        cfg, tokenizer, task, pipeline, make_rollout(cfg.rollout), make_rollout, rollout_fns, model_config,
+        prompt_width, pad_id, learner.estimator_inputs, task_rollouts))
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)
               if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files
@@ -209,7 +184,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         pipeline.set_state(data_state["pipeline"])
-        if hasattr(source, "restore_state"):  # the allocator's state, the replay buffer, DOTS's difficulties, APRIL's carry
+        if hasattr(source, "restore_state"):  # the rollout chain's own state (its stages')
             source.restore_state(data_state)
         log.info("resumed from step %d", int(data_state["rl_step"]))
     else:
@@ -217,6 +192,12 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     return Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, learner, state, ref_params,
                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
                mesh, sampler_mesh)
+
+
+def task_rollouts(ctx: SourceContext, estimator_inputs: tuple[str, ...]) -> TaskRollouts:
+    """The task's rollout service of a chain's planner (:meth:`treejax.rl.sources.base.SourceContext.task_rollouts`)."""
+    return TaskRollouts(ctx.cfg, ctx.rollout, ctx.sampler_fns, ctx.tokenizer, ctx.task, ctx.pipeline,
+                        ctx.prompt_width, ctx.pad_id, estimator_inputs=estimator_inputs)
 
 
 def make_collector(r: Run, key: jax.Array):

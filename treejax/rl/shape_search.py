@@ -36,12 +36,13 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
 from treejax.rl import tree_stats
 
 log = logging.getLogger("treejax.rl.loop")
@@ -51,7 +52,7 @@ SEARCH_STREAM = 0x5A9E
 
 
 @dataclasses.dataclass(frozen=True)
-class ShapeSearchConfig:
+class ShapeSearchConfig(Stage):
     """``candidates``: root-path counts ``k`` to try (``W``, independent sampling, is always tried too);
     ``objective``: ``"ess_per_token"`` or ``"ess_per_second"``; ``calibration_batches``: batches of
     ``prompts_per_step`` prompts each candidate samples (``>= 2`` for ``"ess_per_second"``: the first call of a
@@ -61,6 +62,18 @@ class ShapeSearchConfig:
     objective: str = "ess_per_token"
     calibration_batches: int = 2
     every: int = 0
+
+    role: ClassVar[str] = "wrapper"  # swaps the task source's slot tree for the calibrated one
+    needs: ClassVar[frozenset[str]] = frozenset({"task_tree"})
+
+    def check(self, facts) -> None:
+        if not facts.tree.slots:
+            raise ConfigError("RunConfig.rollouts: ShapeSearchConfig chooses a slot tree's root paths k; fix: "
+                              "TreeConfig.allocation = 'slots'")
+        self.shapes(facts.tree.num_leaves)  # a candidate above W is an error now
+
+    def build(self, inner, ctx):
+        return ShapeSearchRollouts(inner, self, ctx.make_rollout)
 
     def __post_init__(self):
         object.__setattr__(self, "candidates", tuple(int(k) for k in self.candidates))
@@ -184,7 +197,8 @@ class ShapeSearchRollouts:
                 for b, draw in enumerate(draws):
                     bkey = jax.random.fold_in(jax.random.fold_in(key, SEARCH_STREAM), b)
                     t0 = time.perf_counter()
-                    forest, rewards, *_, counters, _, _ = self.base.roll_and_score(params, *draw, bkey, step)
+                    out = self.base.roll_and_score(params, *draw, bkey, step)
+                    forest, rewards, counters = out.forest, out.rewards, out.counters
                     seconds = time.perf_counter() - t0 - counters.scoring_s
                     batches[k].append({"path": np.asarray(forest.leaf_path), "reward": np.asarray(rewards),
                                        "weight": np.asarray(forest.leaf_weights(), np.float64),

@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -63,13 +64,15 @@ import numpy as np
 
 from treejax.checkpoint import decode_blob, encode_blob
 from treejax.errors import ConfigError
+from treejax.rl.sources.base import Stage
+from treejax.rl.sources.requirements import EXPANDED, OFF_POLICY
 
 #: fold_in stream of the SIL rows' draw
 SPEAR_STREAM = 0x5BEA2
 
 
 @dataclasses.dataclass(frozen=True)
-class SpearConfig:
+class SpearConfig(Stage):
     """SPEAR's knobs (module docstring). Defaults and their sources:
 
     * ``bonus_per_call = 0.1``, ``bonus_cap = 1.0``, ``bonus_steps = 200``: the official code's tool-call reward
@@ -96,6 +99,17 @@ class SpearConfig:
     sil_coef: float = 1.0
     sil_warmup_steps: int = 100
     min_score: float = 1.0
+
+    role: ClassVar[str] = "wrapper"  # tool-call bonus and self-imitation rows on multi-turn episodes
+    requires: ClassVar[tuple] = (OFF_POLICY, EXPANDED)
+    needs: ClassVar[frozenset[str]] = frozenset({"turn_forest"})
+    keeps: ClassVar[frozenset[str]] = frozenset()
+
+    def added_rows(self) -> int:
+        return self.sil_rows
+
+    def build(self, inner, ctx):
+        return SpearRollouts(inner, self)
 
     def __post_init__(self):
         if self.sil_rows < 1 or self.capacity < self.sil_rows or self.max_age < 1 or self.baseline_window < 1:

@@ -163,7 +163,7 @@ class Learner:
     place: Callable[[Batch], Batch]
     sampler_params: Callable[[Any], Any]
     stats: Callable | None = None
-    grouped_estimator: Callable | None = None  # (forest, rewards, inputs, rows_PxC) -> Advantages (allocation)
+    grouped_estimator: Callable | None = None  # (forest, rewards, inputs, rows_PxC) -> Advantages (row groups)
     update_fn: Callable | None = None  # the update as given (``sharded_update``'s has ``precompile``)
 
     @property
@@ -205,7 +205,7 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
 
 def grouped_advantages(fn: Callable, options: Any, forest: Forest, rewards_RxW: jax.Array, inputs: dict,
                        rows_PxC: jax.Array) -> Advantages:
-    """The estimator over each prompt's whole group of rows (prompt-level allocation): the rows merged into
+    """The estimator over each prompt's whole group of rows (``Rollouts.groups_PxC``, a source that gives a prompt several rows): the rows merged into
     ``[P, C * W]`` groups with unused slots (:func:`treejax.rl.allocation.group_forest`), the estimator run
     there (it must honour unused slots: ``EstimatorSpec.ragged``), its per-leaf outputs put back in the rows'
     layout (rows in no group get 0 and a zero loss mask). Per-leaf inputs ``[R, W, ...]`` are grouped like the
@@ -237,22 +237,7 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     numerics parts (:func:`with_logprobs`; one more forward)."""
     cfg, layout = learner.config, learner.layout
     t0 = time.perf_counter()
-    missing = [name for name in learner.estimator_inputs if name not in ro.estimator_inputs]
-    if missing:
-        raise ValueError(f"estimator {cfg.estimator!r} needs inputs {missing} that the rollout source did not supply "
-                         f"(Rollouts.estimator_inputs has {sorted(ro.estimator_inputs)})")
-    inputs = {name: ro.estimator_inputs[name] for name in learner.estimator_inputs}
-    if ro.groups_PxC is None:
-        adv = learner.estimator(ro.forest, ro.rewards_PxW, inputs)
-    else:  # prompt-level allocation: each prompt's advantages over all of its rows
-        if not estimator_spec(cfg.estimator).ragged:
-            raise ValueError(f"estimator {cfg.estimator!r} does not honour unused leaf slots, so it cannot take "
-                             "prompt-level allocation's groups (EstimatorSpec.ragged)")
-        adv = learner.grouped_estimator(ro.forest, ro.rewards_PxW, inputs, jnp.asarray(ro.groups_PxC, jnp.int32))
-    if ro.fixed_advantage_PxW is not None:  # SPEAR's self-imitation rows: the source's advantage, not the estimator's
-        adv = with_fixed_advantages(adv, ro.forest, ro.fixed_advantage_PxW)
-    if cfg.leaf_weighting == "mass":
-        adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
+    adv = step_advantages(learner, ro)
     P, W = ro.rewards_PxW.shape
     eps_scale = (jnp.ones((P, W), jnp.float32) if cfg.clip_scale_fn is None
                  else jnp.asarray(cfg.clip_scale_fn(ro.forest, ro.rewards_PxW), jnp.float32))
@@ -262,57 +247,22 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     if pool.units % cfg.mini_batches:
         raise ValueError(f"{pool.units} mini-batch units (rows, or prompts with the packed update) do not split "
                          f"into mini_batches={cfg.mini_batches}")
-    per_mini = pool.units // cfg.mini_batches
     perms = [jax.random.permutation(jax.random.fold_in(jax.random.fold_in(key, SHUFFLE_STREAM), e), pool.units)
              for e in range(cfg.epochs)]
-    chunks = lambda perm: [perm[m * per_mini: (m + 1) * per_mini] for m in range(cfg.mini_batches)]  # noqa: E731
-    first = [layout.plan(pool, units) for units in chunks(perms[0])]
-
-    def pool_logprobs(params):
-        parts = [learner.logprobs(params, learner.place(layout.assemble(pool, plan))) for plan in first]
-        return layout.scatter(jnp.zeros_like(pool.batch.sampler_logp), first, parts)
-
-    def pool_stats(params, with_entropy, top_k, with_hidden):
-        parts = [learner.stats(params, learner.place(layout.assemble(pool, plan)), with_entropy, top_k, with_hidden)
-                 for plan in first]
-        pair_dims = parts[0]["logp"].ndim  # trailing dims past the pairs (top-k) are kept
-        zeros = lambda v: jnp.zeros(pool.batch.sampler_logp.shape + v.shape[pair_dims:], v.dtype)  # noqa: E731
-        return {k: layout.scatter(zeros(parts[0][k]), first, [p[k] for p in parts]) for k in parts[0]}
-
-    stat_names, top_k = needed_stats(cfg.shapers)
-    if "ref_logp" in stat_names and ref_params is None:
-        raise ValueError(f"shapers {[s.name for s in cfg.shapers if 'ref_logp' in s.needs]} read the reference "
-                         "policy's log-probs: pass ref_params=initial_reference(params, loss, shapers)")
-    stats = (pool_stats(state.params, "entropy" in stat_names, top_k, "hidden" in stat_names) if cfg.shapers
-             else {})
-    if cfg.old_logp == "sampler":
-        old = None
-    elif cfg.old_logp == "ewma":  # PPO-EWMA: the ratio against the parameters' moving average
-        old = pool_logprobs(proximal_params(state.opt_state))
-    else:
-        old = stats["logp"] if stats else pool_logprobs(state.params)
-    ref = pool_logprobs(ref_params) if cfg.loss.kl_coef > 0 or "ref_logp" in stat_names else None
-    behaviour = pool_logprobs(behaviour_params) if behaviour_params is not None and old is not None else None
-    b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
-    if cfg.shapers:
-        x = shaping_inputs(layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"))
-        shaped_adv, shaped_eps, shaping_metrics, aux = apply_shapers(cfg.shapers, x, state.aux)
-        # the shapers' new state keeps the old one's placement (replicated on a mesh; the update is jitted with it)
-        state = state.replace(aux=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), aux, state.aux))
-        b = b.replace(advantages=layout.from_response(shaped_adv, ro.lengths_P, b.advantages), eps_scale=shaped_eps)
-        mismatch = {**mismatch, **shaping_metrics}
+    first = [layout.plan(pool, units) for units in _mini_batches(perms[0], pool.units, cfg.mini_batches)]
+    state, b, mismatch, logp_used = _pass_logprobs(learner, state, ro, pool, first, ref_params, behaviour_params)
     logp_pool = pool
     pool = dataclasses.replace(pool, batch=b)
     t_logp = _wait(b.old_logp) if timed else None
     all_metrics = []
     for e, perm in enumerate(perms):
-        for m, units in enumerate(chunks(perm)):
+        for m, units in enumerate(_mini_batches(perm, pool.units, cfg.mini_batches)):
             plan = first[m] if e == 0 else layout.plan(pool, units)
             state, metrics = learner.update(state, layout.assemble(pool, plan))
             all_metrics.append(metrics)
     if _ladder_wanted(learner):  # once per run, after this step's programs are compiled (no CPU contention with
         # them): the packed layout's other row counts, compiled on a background thread
-        start_ladder(learner, state, logp_pool, pool, first[0], logp_used=old is not None or ref is not None)
+        start_ladder(learner, state, logp_pool, pool, first[0], logp_used=logp_used)
     device_metrics = {f"update/{k}": v for k, v in mean_metrics(all_metrics).items()}
     device_metrics["update/first_ratio_min"] = all_metrics[0]["ratio_min"]
     device_metrics["update/first_ratio_max"] = all_metrics[0]["ratio_max"]
@@ -321,6 +271,92 @@ def learn(learner: Learner, state, ro: Rollouts, key: jax.Array, ref_params: Any
     if timed:
         info.update({"time/logp_s": t_logp - t0, "time/update_s": _wait(state.step) - t_logp})
     return state, device_metrics, info
+
+
+def step_advantages(learner: Learner, ro: Rollouts) -> Advantages:
+    """The estimator's advantages of ``ro`` (over each prompt's group of rows when the source groups rows), with
+    the source's fixed advantages where it sets them (``Rollouts.fixed_advantage_PxW``) and, with ``leaf_weighting = "mass"``, each leaf's
+    tokens times its ``Forest.leaf_weight``. Raises when the source did not supply an input the estimator reads."""
+    cfg = learner.config
+    missing = [name for name in learner.estimator_inputs if name not in ro.estimator_inputs]
+    if missing:
+        raise ValueError(f"estimator {cfg.estimator!r} needs inputs {missing} that the rollout source did not supply "
+                         f"(Rollouts.estimator_inputs has {sorted(ro.estimator_inputs)})")
+    inputs = {name: ro.estimator_inputs[name] for name in learner.estimator_inputs}
+    if ro.groups_PxC is None:
+        adv = learner.estimator(ro.forest, ro.rewards_PxW, inputs)
+    else:  # the source's row groups: each prompt's advantages over all of its rows
+        if not estimator_spec(cfg.estimator).ragged:
+            raise ValueError(f"estimator {cfg.estimator!r} does not honour unused leaf slots, so it cannot take "
+                             "a source's row groups (EstimatorSpec.ragged)")
+        adv = learner.grouped_estimator(ro.forest, ro.rewards_PxW, inputs, jnp.asarray(ro.groups_PxC, jnp.int32))
+    if ro.fixed_advantage_PxW is not None:  # rows whose advantage the source fixed, not the estimator's
+        adv = with_fixed_advantages(adv, ro.forest, ro.fixed_advantage_PxW)
+    if cfg.leaf_weighting == "mass":
+        adv = adv.replace(tokens=adv.tokens * ro.forest.leaf_weights()[:, :, None])
+    return adv
+
+
+def _mini_batches(perm: jax.Array, units: int, mini_batches: int) -> list[jax.Array]:
+    """The ``mini_batches`` consecutive slices of a shuffle ``perm`` of the pool's ``units``."""
+    per_mini = units // mini_batches
+    return [perm[m * per_mini: (m + 1) * per_mini] for m in range(mini_batches)]
+
+
+def _pool_logprobs(learner: Learner, pool, first: list, params) -> jax.Array:
+    """The trainer's log-probs of every pair of ``pool`` under ``params``, computed on the first epoch's
+    mini-batches (``first``: the update's exact rows and programs) and scattered back into the pool."""
+    layout = learner.layout
+    parts = [learner.logprobs(params, learner.place(layout.assemble(pool, plan))) for plan in first]
+    return layout.scatter(jnp.zeros_like(pool.batch.sampler_logp), first, parts)
+
+
+def _pool_stats(learner: Learner, pool, first: list, params, with_entropy: bool, top_k: int,
+                with_hidden: bool) -> dict:
+    """The shapers' trainer pass (``logp`` and the statistics they read), per pair of ``pool``, as
+    :func:`_pool_logprobs`; trailing dims past the pairs (top-k) are kept."""
+    layout = learner.layout
+    parts = [learner.stats(params, learner.place(layout.assemble(pool, plan)), with_entropy, top_k, with_hidden)
+             for plan in first]
+    pair_dims = parts[0]["logp"].ndim  # trailing dims past the pairs (top-k) are kept
+    zeros = lambda v: jnp.zeros(pool.batch.sampler_logp.shape + v.shape[pair_dims:], v.dtype)  # noqa: E731
+    return {k: layout.scatter(zeros(parts[0][k]), first, [p[k] for p in parts]) for k in parts[0]}
+
+
+def _pass_logprobs(learner: Learner, state, ro: Rollouts, pool, first: list, ref_params: Any,
+                   behaviour_params: Any) -> tuple[Any, Batch, dict, bool]:
+    """The forwards before the updates: the shapers' statistics (when there are shapers), pi_old's log-probs
+    (``old_logp``: the sampler's, the moving average's or the trainer's, which the shapers' pass gives when it
+    ran), the reference's (KL or a shaper reads them) and the behaviour policy's (asynchronous rollouts); then the
+    shapers. Returns ``(state, the pool's batch with them, the off-policy and shaping metrics, whether a log-prob
+    pass ran)``."""
+    cfg = learner.config
+    stat_names, top_k = needed_stats(cfg.shapers)
+    if "ref_logp" in stat_names and ref_params is None:
+        raise ValueError(f"shapers {[s.name for s in cfg.shapers if 'ref_logp' in s.needs]} read the reference "
+                         "policy's log-probs: pass ref_params=initial_reference(params, loss, shapers)")
+    stats = (_pool_stats(learner, pool, first, state.params, "entropy" in stat_names, top_k, "hidden" in stat_names)
+             if cfg.shapers else {})
+    if cfg.old_logp == "sampler":
+        old = None
+    elif cfg.old_logp == "ewma":  # PPO-EWMA: the ratio against the parameters' moving average
+        old = _pool_logprobs(learner, pool, first, proximal_params(state.opt_state))
+    else:
+        old = stats["logp"] if stats else _pool_logprobs(learner, pool, first, state.params)
+    ref = (_pool_logprobs(learner, pool, first, ref_params) if cfg.loss.kl_coef > 0 or "ref_logp" in stat_names
+           else None)
+    behaviour = (_pool_logprobs(learner, pool, first, behaviour_params)
+                 if behaviour_params is not None and old is not None else None)
+    b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
+    if cfg.shapers:
+        x = shaping_inputs(learner.layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"))
+        shaped_adv, shaped_eps, shaping_metrics, aux = apply_shapers(cfg.shapers, x, state.aux)
+        # the shapers' new state keeps the old one's placement (replicated on a mesh; the update is jitted with it)
+        state = state.replace(aux=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), aux, state.aux))
+        b = b.replace(advantages=learner.layout.from_response(shaped_adv, ro.lengths_P, b.advantages),
+                      eps_scale=shaped_eps)
+        mismatch = {**mismatch, **shaping_metrics}
+    return state, b, mismatch, old is not None or ref is not None
 
 
 def _ladder_wanted(learner: Learner) -> bool:
@@ -397,11 +433,11 @@ def rl_step(learner: Learner, state, source: RolloutSource, key: jax.Array, step
 
 def rollout_metrics(ro: Rollouts) -> dict:
     """The host metrics of one step's rollouts: ``time/scoring_s``, ``reward/mean``, ``reward/accuracy`` (over the
-    pre-rollout's rows with prompt-level allocation, whose ``alloc/...`` metrics come along; with
+    main rows when the source groups rows (``Rollouts.main_rows``), whose own metrics come along; with
     verifier scores; with pseudo-label rewards also ``reward/label_accuracy``; with DECS's prefix hook
     ``rollout/redundant_token_frac``, the correct leaves' tokens after their answer step), the rollout counters
     and the tree's shape (:func:`tree_metrics`)."""
-    main = ro.main_rows  # with allocation: the pre-rollout, the step's uniform sample of the policy
+    main = ro.main_rows  # the step's uniform sample of the policy (a grouping source's first rows)
     host = {"time/scoring_s": ro.counters.scoring_s,
             "reward/mean": float(np.asarray(ro.rewards_PxW)[:main].mean()), **ro.counters.metrics(),
             **tree_metrics(ro.forest, ro.rewards_PxW), **(ro.extra_metrics or {})}

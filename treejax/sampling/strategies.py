@@ -25,6 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from treejax.registry import Registry
+
 NEG_INF = -jnp.inf
 
 
@@ -146,14 +148,17 @@ class MinP(Strategy):
         return jnp.where(z - zmax >= jnp.log(self.p), z, NEG_INF)
 
 
-_REGISTRY = {"greedy": Greedy, "temperature": Temperature, "top_k": TopK, "top_p": TopP, "min_p": MinP}
+#: Every strategy class by name (gin knows each by its class name: ``TreeConfig.strategy = @TopP()``).
+STRATEGIES: Registry[type] = Registry("sampling strategy", base=Strategy)
+for _name, _cls in (("greedy", Greedy), ("temperature", Temperature), ("top_k", TopK), ("top_p", TopP),
+                    ("min_p", MinP)):
+    STRATEGIES.add(_name, _cls)
+del _name, _cls
 
 
 def get_strategy(name: str, **kwargs) -> Strategy:
     """Builds a strategy by name (``greedy``, ``temperature``, ``top_k``, ``top_p``, ``min_p``)."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown sampling strategy {name!r}; valid: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    return STRATEGIES.get(name)(**kwargs)
 
 
 def inverse_cdf_sample(keys_B: jax.Array, logits_BxV: jax.Array, block: int = 128) -> jax.Array:

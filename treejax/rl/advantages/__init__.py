@@ -33,6 +33,7 @@ from treejax.rl.advantages.flat import (
     rloo,
 )
 from treejax.rl.advantages.registry import (
+    ESTIMATORS,
     Advantages,
     EstimatorSpec,
     estimator_spec,
@@ -46,7 +47,8 @@ from treejax.rl.advantages.spo_chain import SPOChainOptions, spo_chain
 from treejax.rl.advantages.tree import TreePOOptions, TreePOSegmentOptions, treepo, treepo_segment
 
 __all__ = [
-    "Advantages", "EstimatorSpec", "estimator_spec", "get_estimator", "list_estimators", "register_estimator",
+    "ESTIMATORS", "Advantages", "EstimatorSpec", "estimator_spec", "get_estimator", "list_estimators",
+    "register_estimator",
     "masked_whiten", "spo_probability_mask",
     "grpo", "rloo", "reinforce_pp_baseline", "mc_grpo", "remax", "decs", "treepo", "treepo_segment", "spo_tree",
     "spo_chain", "SPOChainOptions", "nudge", "NudgeOptions",

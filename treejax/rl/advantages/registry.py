@@ -19,6 +19,8 @@ from typing import Any, Callable
 import jax
 from flax import struct
 
+from treejax.registry import Registry
+
 
 @struct.dataclass
 class Advantages:
@@ -59,7 +61,9 @@ class EstimatorSpec:
         return self.options_cls(**overrides)
 
 
-_REGISTRY: dict[str, EstimatorSpec] = {}
+#: Every estimator by name (``get`` raises a ``KeyError`` listing the valid names, closest first).
+ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator", identity=lambda spec: spec.fn)
+_REGISTRY = ESTIMATORS  # the name tests and notebooks use to undo a registration (``_REGISTRY.pop(name)``)
 
 
 def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (), *, ragged: bool = False,
@@ -76,11 +80,8 @@ def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (
         raise TypeError(f"options for estimator {name!r} must be a frozen dataclass, got {options_cls!r}")
 
     def decorator(fn):
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn and not overwrite:
-            raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name].fn!r}); pass "
-                             "overwrite=True to replace it (e.g. when a notebook cell runs again)")
-        _REGISTRY[name] = EstimatorSpec(name=name, fn=fn, options_cls=options_cls, inputs=tuple(inputs),
-                                        ragged=ragged)
+        ESTIMATORS.add(name, EstimatorSpec(name=name, fn=fn, options_cls=options_cls, inputs=tuple(inputs),
+                                           ragged=ragged), overwrite=overwrite)
         return fn
 
     return decorator
@@ -88,10 +89,7 @@ def register_estimator(name: str, options_cls: type, inputs: tuple[str, ...] = (
 
 def estimator_spec(name: str) -> EstimatorSpec:
     """The :class:`EstimatorSpec` registered under ``name``; unknown names raise a ``KeyError`` listing valid ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown advantage estimator {name!r}; valid names: {sorted(_REGISTRY)}") from None
+    return ESTIMATORS.get(name)
 
 
 def get_estimator(name: str) -> Callable[..., Advantages]:
@@ -100,4 +98,4 @@ def get_estimator(name: str) -> Callable[..., Advantages]:
 
 
 def list_estimators() -> list[str]:
-    return sorted(_REGISTRY)
+    return ESTIMATORS.names()

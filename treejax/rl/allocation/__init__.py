@@ -7,14 +7,15 @@ that lets a prompt's rollouts span several rows. Interface: :mod:`treejax.rl.all
   ``rollout_gdro`` :class:`RolloutGDRO`   Rollout-GDRO: pass-rate bins, square-root rule under a mean budget.
 """
 
-from treejax.rl.allocation.base import (AllocationConfig, allocation_metrics, Allocator, Budget, PromptStats, allocator_classes, example_text, get_allocator,
+from treejax.rl.allocation.base import (ALLOCATORS, allocation_metrics, Allocator, Budget, PromptStats, allocator_classes, example_text, get_allocator,
                                         plan_chunks, prompt_key, register)
 from treejax.rl.allocation.dars import DARS, dars_extra
 from treejax.rl.allocation.gdro import RolloutGDRO, sqrt_rule
 from treejax.rl.allocation.groups import group_forest, group_leaves, ungroup
 from treejax.rl.allocation.uniform import Uniform
 from treejax.rl.allocation.xrpo import XRPOAllocator, ci_half_width, xrpo_extra
+from treejax.rl.allocation.source import AllocatedRollouts, AllocationConfig  # the planner stage (last: it reads base)
 
-__all__ = ["AllocationConfig", "allocation_metrics", "Allocator", "Budget", "DARS", "PromptStats", "RolloutGDRO", "Uniform", "XRPOAllocator",
+__all__ = ["ALLOCATORS", "AllocatedRollouts", "AllocationConfig", "allocation_metrics", "Allocator", "Budget", "DARS", "PromptStats", "RolloutGDRO", "Uniform", "XRPOAllocator",
            "allocator_classes", "ci_half_width", "example_text", "dars_extra", "get_allocator", "group_forest", "group_leaves",
            "plan_chunks", "prompt_key", "register", "sqrt_rule", "ungroup", "xrpo_extra"]

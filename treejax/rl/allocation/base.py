@@ -1,6 +1,6 @@
 """The prompt-level allocator interface, its registry, and the planner that turns requests into rollout rows.
 
-A step with allocation (:class:`AllocationConfig`) rolls out in two rounds:
+A step with allocation (:class:`~treejax.rl.allocation.source.AllocationConfig`) rolls out in two rounds:
 
 1. the *pre-rollout*: ``P`` prompts x ``W`` leaves, the usual sampler call;
 2. the allocator reads each prompt's statistics of round 1 (:class:`PromptStats`: rollouts, leaf-weighted
@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from treejax.errors import ConfigError
+from treejax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,17 @@ def prompt_key(example: Any) -> str:
     return hashlib.sha1(example_text(example).encode()).hexdigest()[:16]
 
 
+def prompt_stats(out, step: int) -> PromptStats:
+    """The allocators' and the prompt selectors' per-prompt statistics of one ``ScoredRows``
+    (:meth:`treejax.rl.rollouts.TaskRollouts.roll_and_score`): leaf-weighted accuracy from the reward scores, one
+    host read."""
+    from treejax.parallel import multihost
+
+    weights = np.asarray(multihost.host_tree(out.forest.leaf_weights()))
+    return PromptStats.from_leaves(np.asarray(out.leaf_inputs["reward_scores"]) >= 1.0, out.rewards, weights,
+                                   keys=[prompt_key(e) for e in out.examples], step=step)
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """What one step may spend: ``extra`` rollouts at most (``extra_rows * W``), in ``chunk``s of ``W``, at most
@@ -106,67 +118,22 @@ class Allocator:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type] = {}
+#: Every allocator class by name (gin knows each by its class name).
+ALLOCATORS: Registry[type] = Registry("allocator", base=Allocator, name_attrs=("name",))
 
 
 def register(name: str, *, overwrite: bool = False):
     """Class decorator: registers a frozen-dataclass :class:`Allocator` under ``name``."""
-
-    def decorator(cls):
-        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, Allocator)):
-            raise TypeError(f"allocator {name!r} must be a frozen dataclass subclassing Allocator")
-        if name in _REGISTRY and _REGISTRY[name] is not cls and not overwrite:
-            raise ValueError(f"an allocator named {name!r} is already registered ({_REGISTRY[name]!r}); pass "
-                             "overwrite=True to replace it")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorator
+    return ALLOCATORS.register(name, overwrite=overwrite)
 
 
 def allocator_classes() -> dict[str, type]:
     """``{registered name: class}`` (gin registers the classes by their class names)."""
-    return dict(_REGISTRY)
+    return ALLOCATORS.classes()
 
 
 def get_allocator(name: str, **kwargs) -> Allocator:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown allocator {name!r}; valid: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class AllocationConfig:
-    """Prompt-level rollout allocation (module docstring). ``allocator``: an :class:`Allocator` (gin:
-    ``@DARS()``, ``@XRPOAllocator()``, ``@RolloutGDRO()``, ``@Uniform()``); ``max_rollouts``: rollouts per
-    prompt at most (a multiple of ``W``: its group then holds ``max_rollouts / W`` rows); ``extra_rows``: the
-    extra prompt rows of ``W`` leaves one step may sample (its row budget: ``extra_rows * W`` extra rollouts);
-    ``call_prompts``: prompt rows per extra sampler call (0: ``prompts_per_step``; a call's unused rows decode
-    copies that train on nothing, so smaller calls waste less, at one compile per distinct size);
-    ``drop_equal_groups``: a prompt whose merged group's rewards are all equal trains on nothing (DARS's filter
-    after the second round; its tokens otherwise count in a token-mean loss's denominator)."""
-
-    allocator: Allocator | None = None
-    max_rollouts: int = 32
-    extra_rows: int = 8
-    call_prompts: int = 0
-    drop_equal_groups: bool = False
-
-    def check(self, num_leaves: int, prompts_per_step: int) -> None:
-        if self.allocator is None:
-            raise ConfigError("AllocationConfig.allocator is not set; fix: AllocationConfig.allocator = @DARS() "
-                              f"(allocators: {sorted(_REGISTRY)})")
-        if self.max_rollouts < num_leaves or self.max_rollouts % num_leaves:
-            raise ConfigError(f"AllocationConfig.max_rollouts = {self.max_rollouts} must be a multiple of "
-                              f"TreeConfig.num_leaves = {num_leaves} (a prompt's rows hold W leaves each); fix: "
-                              f"AllocationConfig.max_rollouts = {max(1, self.max_rollouts // num_leaves) * num_leaves}")
-        if self.extra_rows < 0 or self.call_prompts < 0:
-            raise ConfigError("AllocationConfig.extra_rows and call_prompts must be >= 0")
-
-    def chunks_per_prompt(self, num_leaves: int) -> int:
-        """``C``: rows per prompt group, the pre-rollout's included."""
-        return self.max_rollouts // num_leaves
+    return ALLOCATORS.get(name)(**kwargs)
 
 
 def plan_chunks(extra_P: np.ndarray, accuracy_P: np.ndarray, num_leaves: int, max_chunks: int,
@@ -207,5 +174,5 @@ def allocation_metrics(chunks_P: np.ndarray, num_leaves: int, dropped_P: np.ndar
     return out
 
 
-__all__ = ["allocation_metrics", "example_text", "Allocator", "AllocationConfig", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
+__all__ = ["ALLOCATORS", "allocation_metrics", "example_text", "Allocator", "Budget", "PromptStats", "allocator_classes", "get_allocator", "plan_chunks",
            "prompt_key", "register"]

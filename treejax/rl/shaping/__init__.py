@@ -13,8 +13,8 @@ frozen dataclass subclassing :class:`Shaper` plus its import line below (gin the
                                                        the ``arrol`` pruning rule).
 """
 
-from treejax.rl.shaping.base import (STATS, Shaped, Shaper, ShapingInputs, check_shapers, init_states, needed_stats,
-                                     probes, register, shaper_classes)
+from treejax.rl.shaping.base import (SHAPERS, STATS, Shaped, Shaper, ShapingInputs, check_shapers, init_states,
+                                     needed_stats, probes, register, shaper_classes)
 from treejax.rl.shaping.echo import EchoShaping
 from treejax.rl.shaping.entropy import EntropyAdvantageReshaping
 from treejax.rl.shaping.length import RoseLengthPenalty
@@ -23,6 +23,7 @@ from treejax.rl.shaping.effrank import EffectiveRankBonus
 from treejax.rl.shaping.quality import QualityHead
 from treejax.rl.shaping.apply import apply_shapers, shaping_inputs
 
-__all__ = ["STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "init_states", "needed_stats", "probes",
+__all__ = ["SHAPERS", "STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "init_states", "needed_stats",
+           "probes",
            "register", "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty",
            "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "apply_shapers", "shaping_inputs"]

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from treejax.registry import Registry
+
 #: Per-pair statistics a shaper may ask for (``Shaper.needs``), from the trainer's forward under the pre-update
 #: weights (the pass that gives ``old_logp``): ``entropy``: ``H_t = -sum_v p_v log p_v`` of the next-token
 #: distribution that produced the pair's token; ``topk``: its ``k`` largest log-probs ``log p_(1) >= ... >= log
@@ -128,30 +130,25 @@ class Shaper:
         return None
 
 
-_REGISTRY: dict[str, type] = {}
+def _check_needs(name: str, cls) -> None:
+    bad = [s for s in cls.needs if s not in STATS]
+    if bad:
+        raise ValueError(f"shaper {name!r} needs unknown statistics {bad}; known: {STATS}")
 
 
-def register(name: str):
-    """Class decorator registering a :class:`Shaper` subclass under ``name``."""
+#: Every shaper class by name (gin knows each by its class name).
+SHAPERS: Registry[type] = Registry("shaper", base=Shaper, name_attrs=("name",), check=_check_needs)
 
-    def decorator(cls):
-        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, Shaper)):
-            raise TypeError(f"shaper {name!r} must be a frozen dataclass subclassing Shaper, got {cls!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"a shaper named {name!r} is already registered ({_REGISTRY[name]!r})")
-        bad = [s for s in cls.needs if s not in STATS]
-        if bad:
-            raise ValueError(f"shaper {name!r} needs unknown statistics {bad}; known: {STATS}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
 
-    return decorator
+def register(name: str, overwrite: bool = False):
+    """Class decorator registering a :class:`Shaper` subclass (a frozen dataclass) under ``name`` (a second class
+    under a taken name is an error unless ``overwrite=True``)."""
+    return SHAPERS.register(name, overwrite=overwrite)
 
 
 def shaper_classes() -> dict[str, type]:
     """``{name: class}`` of every registered shaper."""
-    return dict(_REGISTRY)
+    return SHAPERS.classes()
 
 
 def check_shapers(shapers) -> tuple:
@@ -159,7 +156,8 @@ def check_shapers(shapers) -> tuple:
     out = tuple(shapers)
     for s in out:
         if not isinstance(s, Shaper):
-            raise ValueError(f"RunConfig.shapers takes Shaper instances (one of {sorted(c.__name__ for c in _REGISTRY.values())}, "
+            classes = sorted(c.__name__ for c in SHAPERS.classes().values())
+            raise ValueError(f"RunConfig.shapers takes Shaper instances (one of {classes}, "
                              f"e.g. [@EchoShaping()]), got {s!r}")
     names = [s.name for s in out if s.stateful]
     if len(names) != len(set(names)):
@@ -215,6 +213,6 @@ def correct(x: ShapingInputs) -> jax.Array:
     return x.scores >= 1.0
 
 
-__all__ = ["STATS", "ShapingInputs", "Shaped", "Shaper", "register", "shaper_classes", "check_shapers", "init_states",
+__all__ = ["SHAPERS", "STATS", "ShapingInputs", "Shaped", "Shaper", "register", "shaper_classes", "check_shapers", "init_states",
            "probes",
            "needed_stats", "masked_mean", "whiten", "group_mean", "correct"]

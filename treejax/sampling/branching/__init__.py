@@ -13,7 +13,7 @@ its class name, e.g. ``TreeConfig.branching = @EntropyGuided()``).
   ``rose``           :class:`RoseBranching`    ROSE: branch where likely next tokens are uncertain and dissimilar.
 """
 
-from treejax.sampling.branching.base import (BranchingRule, PathStats, capped_allocation, get_rule, register,
+from treejax.sampling.branching.base import (RULES, BranchingRule, PathStats, capped_allocation, get_rule, register,
                                              rule_classes, windowed_mean)
 from treejax.sampling.branching.treepo import FixedAverage, LogProbWeighted
 from treejax.sampling.branching.entropy import EntropyGuided
@@ -22,6 +22,6 @@ from treejax.sampling.branching.echo import ECHO
 from treejax.sampling.branching.arrol import QualityPrune
 from treejax.sampling.branching.rose import RoseBranching
 
-__all__ = ["BranchingRule", "ECHO", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
+__all__ = ["RULES", "BranchingRule", "ECHO", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
            "QualityPrune", "RoseBranching", "capped_allocation", "get_rule", "register", "rule_classes",
            "windowed_mean"]

@@ -30,13 +30,13 @@ import line in ``treejax/sampling/branching/__init__.py`` (README, "Adding a bra
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from treejax.registry import Registry
 from treejax.sampling import kernels
 
 
@@ -132,9 +132,11 @@ class BranchingRule:
     computes them only when asked; ``token_stats`` from :mod:`treejax.sampling.token_stats`). ``prunes``: whether :meth:`prune` can return True (static; ``False`` skips the pruning stage).
     ``splits_slots``: whether the rule implements :meth:`slot_children` (slot trees, ``TreeConfig.allocation =
     "slots"``, accept only such rules). ``restarts``: whether :meth:`root_restarts` can turn new children into
-    fresh root paths (static; ``False`` skips the stage).
+    fresh root paths (static; ``False`` skips the stage). ``name``: the name the rule is registered under (set by
+    :func:`register`, as is its alias ``rule_name``).
     """
 
+    name: ClassVar[str] = ""
     needs_entropy: ClassVar[bool] = False
     top_k: ClassVar[int] = 0
     token_stats: ClassVar[tuple[str, ...]] = ()
@@ -167,36 +169,26 @@ class BranchingRule:
         return jnp.where(stats.live_PxW, jnp.clip(slots_PxW, 1, b), 0).astype(jnp.int32)
 
 
-_REGISTRY: dict[str, type] = {}
+#: Every branching rule class by name (gin knows each by its class name). Registration sets ``cls.name`` and,
+#: as an alias kept for existing code, ``cls.rule_name``.
+RULES: Registry[type] = Registry("branching rule", base=BranchingRule, name_attrs=("name", "rule_name"))
+_REGISTRY = RULES  # the name tests and notebooks use to undo a registration (``_REGISTRY.pop(name)``)
 
 
 def register(name: str, *, overwrite: bool = False):
     """Class decorator: registers a frozen-dataclass :class:`BranchingRule` under ``name`` (the gin-facing name;
     a second class under the same name is an error unless ``overwrite=True``, e.g. a notebook cell run twice)."""
-
-    def decorator(cls):
-        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and issubclass(cls, BranchingRule)):
-            raise TypeError(f"branching rule {name!r} must be a frozen dataclass subclassing BranchingRule")
-        if name in _REGISTRY and _REGISTRY[name] is not cls and not overwrite:
-            raise ValueError(f"a branching rule named {name!r} is already registered ({_REGISTRY[name]!r}); pass "
-                             "overwrite=True to replace it (e.g. when a notebook cell runs again)")
-        _REGISTRY[name] = cls
-        cls.rule_name = name
-        return cls
-
-    return decorator
+    return RULES.register(name, overwrite=overwrite)
 
 
 def get_rule(name: str, **kwargs) -> BranchingRule:
     """Builds the rule registered under ``name`` (``KeyError`` listing the valid names otherwise)."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown branching rule {name!r}; valid: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    return RULES.get(name)(**kwargs)
 
 
 def rule_classes() -> dict[str, type]:
     """``{registered name: class}`` (e.g. for gin registration)."""
-    return dict(_REGISTRY)
+    return RULES.classes()
 
 
 # ----------------------------------------------------------------------------------------------- shared kernels

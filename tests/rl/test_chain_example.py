@@ -9,7 +9,6 @@ and the learner take it as they take the shipped stages (gin registers it from t
 import dataclasses
 from typing import ClassVar
 
-import jax
 import numpy as np
 import pytest
 
@@ -82,4 +81,3 @@ def test_a_new_planner_runs_through_the_whole_loop(tiny_checkpoint, tmp_path):
     rows = summary["history"]
     assert [r["step"] for r in rows] == [1, 2] and all("one_problem/accuracy" in r for r in rows)
     assert all(np.isfinite(r["update/loss"]) for r in rows)
-    del jax

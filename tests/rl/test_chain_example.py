@@ -66,6 +66,17 @@ def test_the_chain_checks_a_new_planner_from_its_declarations():
         RunConfig(rollouts=[OneProblemConfig(), catalog.DOTSConfig()])
 
 
+def test_gin_knows_a_new_stage_from_the_stage_registry():
+    import os
+
+    from treejax.gin_surface import parse
+
+    gin_file = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.gin")
+    cfg = parse([gin_file], ["RunConfig.rollouts = [@OneProblemConfig(), @ReplayConfig()]", "ReplayConfig.rows = 2",
+                             "LossConfig.tis_cap = 2.0"], check_mesh=False)
+    assert [type(s).__name__ for s in cfg.rollouts] == ["OneProblemConfig", "ReplayConfig"]
+
+
 @pytest.mark.slow  # two steps of the whole loop on the tiny model (~40 s)
 def test_a_new_planner_runs_through_the_whole_loop(tiny_checkpoint, tmp_path):
     from treejax.rl.config import RunConfig

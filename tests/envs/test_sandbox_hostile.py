@@ -116,6 +116,9 @@ def hostile(canary, listener):
 
     def run(code: str, config: SandboxConfig = CONFIG, unseal: bool = True, ignore=()):
         before = _snapshot(canary)
+        # what lived before the call is not the call's: e.g. a worker process an earlier test in this process left
+        # (the grain pipeline's, tests/data/test_pipeline.py), which would otherwise fail whichever test runs next
+        ignore = set(ignore) | {int(p.split()[0]) for p in _sandbox_processes()}
         filled = code.format(canary=canary, port=udp.getsockname()[1], marker=marker, pid=os.getpid(),
                              addresses=_local_addresses(), secret_name="TREEJAX_TEST_SECRET")
         t = time.perf_counter()

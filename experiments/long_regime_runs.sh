@@ -4,7 +4,8 @@
 #   bash experiments/long_regime_runs.sh benches        # random weights: rollout seconds vs tokens (P = 8 on GPU 0,
 #                                                       # P = 64 on GPU 1), decode profile at 8 / 128 rows (GPU 2),
 #                                                       # the decode step with XLA command buffers for loops (GPU 3)
-#   bash experiments/long_regime_runs.sh front GGUF     # 7 arms x seeds 0-2, 12 steps, 2 runs per GPU (GPU 3: 1);
+#   bash experiments/long_regime_runs.sh front GGUF     # 7 arms x seeds 0-2, 12 steps, one run per GPU at 90% of
+#                                                       # its memory (two per GPU at 45% ran out of memory);
 #                                                       # PARALLEL, DEVICES, SEEDS, MEM_FRACTION override
 #   bash experiments/long_regime_runs.sh front_mt GGUF  # the same front plus multi-turn code tool, independent
 #                                                       # episodes vs trees of turns (3 seeds each, 12 steps)
@@ -36,8 +37,8 @@ case "$1" in
     MT=""
     [ "$1" = front_mt ] && MT="configs/multiturn_code_tool_qwen15.gin configs/multiturn_code_tool_tree_qwen15.gin"
     M="RunConfig.model='$2'"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
-    setsid nohup python experiments/efficacy.py run --seeds ${SEEDS:-0 1 2} --out "$RUNS/front" --parallel "${PARALLEL:-7}" \
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9}
+    setsid nohup python experiments/efficacy.py run --seeds ${SEEDS:-0 1 2} --out "$RUNS/front" --parallel "${PARALLEL:-4}" \
       --devices ${DEVICES:-0 1 2 3} \
       --stop_after "${STOP_AFTER:-420}" --gin_param="$M" --gin_param=RunConfig.num_steps=12 \
       --gin_param=OptimizerConfig.total_steps=12 --gin_param=RunConfig.eval_every=6 \

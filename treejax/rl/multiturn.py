@@ -138,7 +138,6 @@ class MultiTurnConfig(Stage):
 
 
 #: ``MultiTurnConfig.environment`` values.
-ENVIRONMENTS = tuple(env_names())
 #: ``MultiTurnConfig.fork_rule`` values.
 FORK_RULES = ("uniform", "trace")
 
@@ -389,5 +388,5 @@ def tool_success(trees, num_nodes: int) -> np.ndarray:
     return out
 
 
-__all__ = ["ENVIRONMENTS", "FORK_RULES", "MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "answered",
+__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "answered",
            "episode_score", "episode_status", "state_clusters", "tool_success"]

@@ -129,11 +129,6 @@ class TaskSource(Stage):
         return ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i in self.supplies))
 
 
-def stage_classes() -> dict[str, type]:
-    """Every stage class imported so far, by name (import :mod:`treejax.rl.sources.catalog` for all of them)."""
-    return STAGES.classes()
-
-
 def normalize_chain(stages) -> tuple[Stage, ...]:
     """``stages`` as a tuple with its planner: ``()`` is ``(TaskSource(),)``; a chain that starts with a wrapper
     gets ``TaskSource()`` in front."""
@@ -166,8 +161,6 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
     if len(planners) > 1:
         raise ConfigError(f"RunConfig.rollouts: {' and '.join(planners)} each decide a step's rows; one planner per "
                           f"run (first), then wrappers (chain: {names})")
-    if stages[0].role != "planner":
-        raise ConfigError(f"RunConfig.rollouts: the first stage must be a planner, got {names[0]}")
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"RunConfig.rollouts: {dup} appear more than once (chain: {names})")

@@ -49,23 +49,14 @@ class Requirement:
         return f"RunConfig.rollouts: {stage} needs {self.what}; fix: {fix}"
 
 
-def _chains(facts: RunFacts) -> bool:
-    from treejax.sampling.partial import check_chains
-
-    try:
-        check_chains(facts.tree)
-    except ValueError:
-        return False
-    return True
-
-
-def _chains_fix(facts: RunFacts) -> str:
+def _chains_problem(facts: RunFacts) -> str:
+    """Why ``facts.tree`` is not independent chains (:func:`treejax.sampling.partial.check_chains`), or ``""``."""
     from treejax.sampling.partial import check_chains
 
     try:
         check_chains(facts.tree)
     except ValueError as e:
-        return f"{e}"
+        return str(e)
     return ""
 
 
@@ -90,7 +81,8 @@ SINGLE_CHAIN = Requirement(
     "one chain per prompt row",
     lambda f: f.tree.num_leaves == 1 and f.tree.branch_factor == 1,
     "TreeConfig.num_leaves = 1 and TreeConfig.branch_factor = 1 (its rollouts per problem are its own rows)")
-CHAINS = Requirement("independent chains (it resumes or forks rows of its own)", _chains, _chains_fix)
+CHAINS = Requirement("independent chains (it resumes or forks rows of its own)", lambda f: not _chains_problem(f),
+                     _chains_problem)
 
 
 def ESTIMATOR(name: str) -> Requirement:  # noqa: N802  (a requirement constant with a parameter)

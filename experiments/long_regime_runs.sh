@@ -9,8 +9,9 @@
 #                                                       # PARALLEL, DEVICES, SEEDS, MEM_FRACTION override
 #   bash experiments/long_regime_runs.sh front_mt GGUF  # the same front plus multi-turn code tool, independent
 #                                                       # episodes vs trees of turns (3 seeds each, 12 steps)
-#   bash experiments/long_regime_runs.sh fill GGUF NAME:SEED ...  # one front run per GPU (0, 1, ...), 90% of its
-#                                                       # memory each (a 1.5B update does not fit two per H200)
+#   bash experiments/long_regime_runs.sh fill GGUF NAME:SEED ...  # front runs round-robin over the GPUs, one at a
+#                                                       # time per GPU at 90% of its memory (a 1.5B update does
+#                                                       # not fit two per H200); NGPU overrides the GPU count
 #   bash experiments/long_regime_runs.sh extra GGUF     # GPU 3: the task screen, then the 1.5B code-tool check
 #   bash experiments/long_regime_runs.sh collect DIR    # the report and one archive of logs and summaries in DIR
 set -uo pipefail
@@ -48,15 +49,20 @@ case "$1" in
       > "$LR/front.log" 2>&1 < /dev/null &
     ;;
   fill)
-    gguf=$2; shift 2; gpu=0
+    # Round-robin over the host's GPUs (NGPU overrides); each GPU runs its share one after another, sharing one
+    # persistent compilation cache so that the later runs skip most of the first step's compiles.
+    gguf=$2; shift 2; ngpu=${NGPU:-$(nvidia-smi -L | wc -l)}; i=0
+    declare -a queue
     for item in "$@"; do
       name=${item%%:*}; seed=${item##*:}; dir="$RUNS/front/$name/seed$seed"; mkdir -p "$(dirname "$dir")"
-      bg $gpu "fill_${name}_$seed.log" "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m treejax.train configs/$name.gin \
+      g=$((i % ngpu)); i=$((i + 1))
+      queue[$g]="${queue[$g]:-true}; XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 JAX_COMPILATION_CACHE_DIR=$HOME/jax_cache \
+        python -m treejax.train configs/$name.gin \
         --gin_param=\"RunConfig.model='$gguf'\" --gin_param=RunConfig.num_steps=12 --gin_param=OptimizerConfig.total_steps=12 \
         --gin_param=RunConfig.eval_every=6 --gin_param=RunConfig.save_final=False --gin_param=RunConfig.seed=$seed \
         --gin_param=\"RunConfig.log_dir='$dir'\" > $dir.log 2>&1"
-      gpu=$((gpu + 1))
     done
+    for g in "${!queue[@]}"; do bg "$g" "fill_gpu$g.log" "${queue[$g]}"; done
     ;;
   extra)
     M="RunConfig.model='$2'"

@@ -25,6 +25,7 @@ from treejax import metrics as metrics_lib
 from treejax.data import get_task, make_prompt_pipeline
 from treejax.data.prompts import encode_examples, encode_prompts
 from treejax.errors import DataError
+from treejax.memory_plan import log_run_plan
 from treejax.models import transformer
 from treejax.models.registry import load_model, load_tokenizer
 from treejax.parallel import multihost
@@ -148,6 +149,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     task, train_records, eval_examples = load_task_data(cfg)
     tokenizer = load_tokenizer(cfg.model)
     train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
+    if multihost.is_primary():  # what the config will need per device, before the weights load (treejax-plan)
+        log_run_plan(cfg, prompt_width, log)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,

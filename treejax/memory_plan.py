@@ -19,8 +19,8 @@ Learner, per device (:func:`learner_memory`):
   accumulator and one micro-batch's gradient); the optimizer's update temporaries ``2 x 4 N`` (AdamW's update
   and the non-finite guard's selected copies; calibrated against ``memory_analysis()``, see the tests);
 * saved activations of one micro-batch of ``n`` tokens (rows x row length; the expanded row is ``Lp + T``, the
-  prompt bucket plus the response bound; the packed row the bucketed tree bound,
-  :func:`treejax.rl.packing.startup_layout`), stacked over the layer scan (:func:`saved_bytes_per_token_layer`,
+  prompt bucket plus the response bound; packed, one row per micro-batch and device of the bucketed tree bound,
+  the start-up layout of :func:`treejax.rl.packing.startup_layout`, which the table says it may grow from), stacked over the layer scan (:func:`saved_bytes_per_token_layer`,
   read off ``jax.ad_checkpoint.print_saved_residuals`` of :func:`treejax.models.transformer.forward`)::
 
       remat 'none':  4 (4E + 4) + b_c (2E + 2QH + 2KH + 3F)    (rms-norm inputs/outputs in fp32; h, q, k, v,
@@ -86,7 +86,9 @@ _GIB = 2**30
 class PlanShape:
     """The sizes the plan is computed from (everything else is the model's config).
 
-    ``rows_mb``: rows of one update micro-batch on one device, ``row_length`` their tokens (expanded: ``Lp + T``;
+    ``prompt_width``: the run's prompt bucket (held-out prompts); ``rollout_width``: the training rollouts'
+    (wider where a rollout stage adds to the prompt: :func:`stage_prompt_width`). ``rows_mb``: rows of one update
+    micro-batch on one device, ``row_length`` their tokens (expanded: ``Lp + T``;
     packed: the tree bound); ``sampler_rows`` / ``cache_slots``: the tree rollout's KV rows and slots per row
     (``prefix_prompts`` x ``prefix_slots`` more for a shared-prefix cache); ``eval_rows`` / ``eval_slots``: the
     held-out decode's."""
@@ -94,6 +96,7 @@ class PlanShape:
     mesh: tuple[int, int, int]
     sampler_mesh: tuple[int, int, int]
     prompt_width: int
+    rollout_width: int
     rows_mb: int
     row_length: int
     packed: bool
@@ -103,6 +106,7 @@ class PlanShape:
     prefix_slots: int
     eval_rows: int
     eval_slots: int
+    growth_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,11 +277,14 @@ def sampler_memory(model, dtypes: dict[str, str], shape: PlanShape, fused: bool)
 
 
 def eval_memory(model, dtypes: dict[str, str], shape: PlanShape) -> int:
-    """The held-out decode on the learner's devices: its KV cache (``EvalConfig.batch_size`` rows) and logits."""
+    """The held-out decode on the learner's devices (:func:`treejax.sampling.decode.generate`, linear: no forks):
+    its KV cache (``EvalConfig.batch_size`` rows of the run's prompt bucket plus ``max_new_tokens``), the fused
+    layer weights, the sampler's weight copy and the logits."""
     kv = kv_bytes(model, shape.eval_rows, shape.eval_slots, dtypes["cache"], shape.mesh)
+    fused = param_elements(model, shape.mesh, layers_only=True) * _DTYPE_BYTES[dtypes["sampler"]]
     copy = param_elements(model, shape.mesh) * _DTYPE_BYTES[dtypes["sampler"]] \
         if dtypes["sampler"] != dtypes["param"] else 0
-    return 2 * kv + copy + 2 * 4 * shape.eval_rows * model.vocab_size
+    return kv + fused + copy + 2 * 4 * shape.eval_rows * model.vocab_size
 
 
 # ----------------------------------------------------------------------------------------------- shapes
@@ -309,8 +316,9 @@ def meshes(cfg, devices: int) -> tuple[tuple[int, int, int], tuple[int, int, int
 def update_rows(cfg, prompt_width: int, mesh: tuple[int, int, int]) -> tuple[int, int]:
     """``(rows of one micro-batch on one device, row length)`` of the update (module docstring). Expanded: the
     step's rollout rows / mini-batches / micro-batches / (data x fsdp), rows of ``Lp + T``. Packed: the sticky
-    layout's row length (:func:`treejax.rl.packing.startup_layout`) and the ladder's top, one tree per row (the
-    rows a mini-batch can grow to), split the same way."""
+    start-up layout (:func:`treejax.rl.packing.startup_layout`): ``R = micro-batches x (data x fsdp)`` rows of the
+    bucketed tree bound, so one row per micro-batch and device whatever ``micro_batches`` is (a packed row holds
+    whole trees); a mini-batch whose trees do not fit grows ``R`` (:func:`packed_growth_rows`)."""
     from treejax.rl.packing import startup_layout
     from treejax.rl.sources.base import chain_rows
 
@@ -324,18 +332,33 @@ def update_rows(cfg, prompt_width: int, mesh: tuple[int, int, int]) -> tuple[int
     _, length, _ = startup_layout(cfg.packing, prompt_width=prompt_width, num_leaves=tc.num_leaves,
                                   response_length=tc.max_length, num_nodes=tc.num_nodes,
                                   node_length=tc.segment_length, trees=trees, row_multiple=multiple)
-    top = -(-trees // multiple) * multiple
-    return top // multiple, length
+    return 1, length
+
+
+def packed_growth_rows(cfg, mesh: tuple[int, int, int]) -> int:
+    """Rows per micro-batch and device at the top of the packed layout's ladder (one tree per row,
+    :meth:`treejax.rl.packing.LayoutFloor.ladder`): what a mini-batch of trees each near the bound grows to."""
+    from treejax.rl.sources.base import chain_rows
+
+    trees = chain_rows(cfg.rollouts, cfg.prompts_per_step, cfg.rollout.num_leaves)[0] // cfg.mini_batches
+    multiple = cfg.micro_batches * mesh[0] * mesh[1]
+    return -(-trees // multiple)
 
 
 def sampler_layout(cfg, model, prompt_width: int, backend: str, dtypes: dict[str, str], sampler_devices: int):
     """``(rows, slots per row, prefix prompts, prefix slots, fused)`` of the tree rollout's KV cache
-    (:func:`treejax.sampling.tree._rollout_core`: the ``prefix_cache`` choice, ``round_256`` slot counts)."""
+    (:func:`treejax.sampling.tree._rollout_core`: the ``prefix_cache`` choice, ``round_256`` slot counts). The rows
+    are the step's rollout rows, sampled in one call (an upper bound for stages that sample in several), less
+    NudgeRL's distillation rows, which are scored, not sampled."""
     from treejax.rl.sources.base import chain_rows
     from treejax.sampling import attention as attention_lib
 
+    from treejax.rl.nudge import NudgeConfig
+
     tc = cfg.rollout
     prompt_rows, rows = chain_rows(cfg.rollouts, cfg.prompts_per_step, tc.num_leaves)
+    if any(isinstance(s, NudgeConfig) and s.distill for s in cfg.chain()):
+        rows //= 2  # NudgeRL's distillation rows are scored under the plain prompt, not sampled
     impl = attention_lib.resolve_impl("auto", head_dim=model.head_dim, cache_dtype=dtypes["cache"], block_size=_BLOCK,
                                       backend=backend)
     cascade = "pallas" if impl == "pallas" and sampler_devices == 1 else "xla"
@@ -346,16 +369,18 @@ def sampler_layout(cfg, model, prompt_width: int, backend: str, dtypes: dict[str
     return rows, rnd(prompt_width + tc.response_capacity), 0, 0, fused
 
 
-def plan_shape(cfg, model, prompt_width: int, devices: int, backend: str, dtypes: dict[str, str]):
+def plan_shape(cfg, model, prompt_width: int, rollout_width: int, devices: int, backend: str,
+               dtypes: dict[str, str]):
     """The :class:`PlanShape` of ``cfg`` on ``devices`` devices, and whether the decode copy is fused."""
     mesh, sampler_mesh, split = meshes(cfg, devices)
-    rows_mb, length = update_rows(cfg, prompt_width, mesh)
-    s_rows, slots, p_rows, p_slots, fused = sampler_layout(cfg, model, prompt_width, backend, dtypes,
+    rows_mb, length = update_rows(cfg, rollout_width, mesh)
+    s_rows, slots, p_rows, p_slots, fused = sampler_layout(cfg, model, rollout_width, backend, dtypes,
                                                             math.prod(sampler_mesh))
     ev = cfg.eval
-    shape = PlanShape(mesh, sampler_mesh, prompt_width, rows_mb, length, cfg.packed_update, s_rows, slots, p_rows,
+    shape = PlanShape(mesh, sampler_mesh, prompt_width, rollout_width, rows_mb, length, cfg.packed_update, s_rows, slots, p_rows,
                       p_slots, ev.batch_size,
-                      -(-(prompt_width + ev.max_new_tokens) // _BLOCK) * _BLOCK)
+                      -(-(prompt_width + ev.max_new_tokens) // _BLOCK) * _BLOCK,
+                      packed_growth_rows(cfg, mesh) if cfg.packed_update else 0)
     return shape, split, fused
 
 
@@ -384,14 +409,17 @@ def peaks(cfg, learner: dict[str, int], sampler: dict[str, int], eval_bytes: int
     return state + max(update, rollout, eval_bytes), 0
 
 
-def plan_memory(cfg, model, *, devices: int = 1, prompt_width: int, backend: str = "cpu",
+def plan_memory(cfg, model, *, devices: int = 1, prompt_width: int, rollout_width: int | None = None,
+                backend: str = "cpu",
                 device_memory: int | None = None, device_memory_source: str = "", model_name: str | None = None,
                 fix: bool = True) -> MemoryPlan:
     """The :class:`MemoryPlan` of run config ``cfg`` for model config ``model`` on ``devices`` devices of
-    ``backend``, prompts padded to ``prompt_width`` (the run's power-of-two bucket of its longest prompt). With
+    ``backend``, prompts padded to ``prompt_width`` (the run's power-of-two bucket of its longest prompt), the
+    training rollouts' to ``rollout_width`` (default the same; :func:`stage_prompt_width`). With
     ``device_memory`` (bytes) the verdict, and with ``fix`` the smallest change that fits (:func:`suggest_fix`)."""
     dtypes = resolve_dtypes(cfg, backend)
-    shape, split, fused = plan_shape(cfg, model, prompt_width, devices, backend, dtypes)
+    rollout_width = prompt_width if rollout_width is None else rollout_width
+    shape, split, fused = plan_shape(cfg, model, prompt_width, rollout_width, devices, backend, dtypes)
     learner = learner_memory(model, cfg, dtypes, shape, dense_update_attention(cfg, backend, dtypes))
     sampler = sampler_memory(model, dtypes, shape, fused)
     eval_bytes = eval_memory(model, dtypes, shape)
@@ -424,12 +452,27 @@ def _candidates(cfg, devices: int):
             yield f"--devices {d} (MeshConfig.fsdp = -1)", dict(mesh=_fsdp_mesh()), d
     w = cfg.rollout.num_leaves // 2
     while w >= 1:
-        yield f"TreeConfig.num_leaves = {w}", dict(rollout=dataclasses.replace(cfg.rollout, num_leaves=w)), devices
+        tree = _smaller_tree(cfg.rollout, w)
+        if tree is not None:
+            yield (f"TreeConfig.num_leaves = {w}" + (f" (init_divergence {tree.init_divergence})"
+                                                     if tree.init_divergence != cfg.rollout.init_divergence else ""),
+                   dict(rollout=tree), devices)
         w //= 2
     p = cfg.prompts_per_step // 2
     while p >= 1:
         yield f"RunConfig.prompts_per_step = {p}", dict(prompts_per_step=p), devices
         p //= 2
+
+
+def _smaller_tree(tc, leaves: int):
+    """``tc`` with ``leaves`` leaves (branch factor and initial divergence capped at it), or ``None`` when the
+    tree config refuses it."""
+    cap = lambda v: v if v is None else min(v, leaves)  # noqa: E731
+    try:
+        return dataclasses.replace(tc, num_leaves=leaves, branch_factor=min(tc.branch_factor, leaves),
+                                   init_divergence=cap(tc.init_divergence))
+    except (ValueError, UserError):
+        return None
 
 
 def _fsdp_mesh():
@@ -438,23 +481,50 @@ def _fsdp_mesh():
     return MeshConfig(data=1, fsdp=-1, tensor=1)
 
 
-def suggest_fix(cfg, model, plan: MemoryPlan) -> str:
-    """The first change of :func:`_candidates` whose re-plan fits ``plan.device_memory`` (micro-batches first,
-    then remat, more devices, smaller trees), as ``"<binding or flag> (peak X GiB)"``; else a sentence saying that
-    none of them fits."""
+def _replan(cfg, model, plan: MemoryPlan, changes: dict, devices: int) -> MemoryPlan | None:
+    """``plan`` again with ``changes`` to the config on ``devices`` devices (no fix search); ``None`` when the
+    ``RunConfig`` checks refuse the changed config."""
     import warnings
 
-    for text, changes, devices in _candidates(cfg, plan.devices):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                new = dataclasses.replace(cfg, **changes)
-            p = plan_memory(new, model, devices=devices, prompt_width=plan.shape.prompt_width,
-                            backend=plan.backend, device_memory=plan.device_memory, fix=False)
-        except (ValueError, UserError):
-            continue
-        if p.fits:
-            return f"{text} (peak {p.peak / _GIB:.1f} GiB)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            new = dataclasses.replace(cfg, **changes)
+        return plan_memory(new, model, devices=devices, prompt_width=plan.shape.prompt_width,
+                           rollout_width=plan.shape.rollout_width, backend=plan.backend,
+                           device_memory=plan.device_memory, fix=False)
+    except (ValueError, UserError):
+        return None
+
+
+def _eval_fix(cfg, model, plan: MemoryPlan) -> tuple[Any, str]:
+    """``(config, binding)``: the largest ``EvalConfig.batch_size`` (halving) whose held-out decode fits beside the
+    state, when the current one does not (``(cfg, "")`` when it does or nothing smaller fits)."""
+    state = plan.learner["params"] + plan.learner["optimizer"] + plan.learner["reference"]
+    size = cfg.eval.batch_size
+    if state + plan.sampler["eval_decode"] <= plan.device_memory:
+        return cfg, ""
+    while size > 1:
+        size //= 2
+        new = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, batch_size=size))
+        p = _replan(new, model, plan, {}, plan.devices)
+        if p is not None and state + p.sampler["eval_decode"] <= plan.device_memory:
+            return new, f"EvalConfig.batch_size = {size}"
+    return cfg, ""
+
+
+def suggest_fix(cfg, model, plan: MemoryPlan) -> str:
+    """The smallest change that fits ``plan.device_memory``, as ``"<bindings or flag> (peak X GiB)"``: the
+    held-out decode's batch first when it alone does not fit (:func:`_eval_fix`), then the first change of
+    :func:`_candidates` (micro-batches, remat, more devices, smaller trees) whose re-plan fits; else a sentence
+    saying that none of them fits."""
+    cfg, eval_text = _eval_fix(cfg, model, plan)
+    tries = [("", {}, plan.devices)] if eval_text else []
+    for text, changes, devices in tries + list(_candidates(cfg, plan.devices)):
+        p = _replan(cfg, model, plan, changes, devices)
+        if p is not None and p.fits:
+            both = " and ".join(t for t in (eval_text, text) if t)
+            return f"{both} (peak {p.peak / _GIB:.1f} GiB)"
     return "none of micro-batches, remat='full', up to 64 devices or smaller trees fits: a smaller model"
 
 
@@ -480,9 +550,19 @@ def host_available_bytes() -> int | None:
     return int(psutil.virtual_memory().available)
 
 
+def jax_memory_fraction() -> float:
+    """The share of an accelerator's memory JAX's allocator may use: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` when set,
+    else JAX's default 0.75 (what a run without the variable gets)."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75
+
+
 def device_memory_bytes(spec: str | None, backend: str) -> tuple[int | None, str]:
-    """``(bytes, where it came from)`` of ``--device-memory``: a size (``80GiB``, ``141GB``, ``24e9``), a card
-    name (:data:`CARDS`), or ``None``: the host's available RAM on CPU, else unknown. A malformed value is a
+    """``(bytes, where it came from)`` of ``--device-memory``: a size (``80GiB``, ``141GB``, ``24e9``) taken as
+    the memory a run may use, a card name (:data:`CARDS`: its memory times :func:`jax_memory_fraction`), or
+    ``None``: the host's available RAM on CPU, else unknown. A malformed value is a
     :class:`~treejax.errors.ConfigError`."""
     if spec is None:
         if backend == "cpu":
@@ -491,7 +571,8 @@ def device_memory_bytes(spec: str | None, backend: str) -> tuple[int | None, str
         return None, "unknown (pass --device-memory)"
     name = spec.strip().lower()
     if name in CARDS:
-        return CARDS[name], name.upper()
+        fraction = jax_memory_fraction()
+        return int(CARDS[name] * fraction), f"{name.upper()} x {fraction:g}, JAX's memory fraction"
     m = _SIZE.match(name)
     if not m:
         raise ConfigError(f"--device-memory {spec!r} is neither a size (e.g. 80GiB, 141GB) nor a card "
@@ -540,9 +621,31 @@ def model_config_of(name: str, param_dtype: str = "float32", compute_dtype: str 
     return config_from_gguf(open_gguf(path), path, param_dtype, compute_dtype)
 
 
-def measured_prompt_width(cfg) -> int:
-    """The run's prompt bucket, measured as ``treejax-train`` does before the weights load (the task's data and
-    the model's tokenizer: :func:`treejax.rl.setup.filter_prompts`)."""
+def stage_prompt_width(cfg, width: int, tokenizer=None, task=None, records=()) -> int:
+    """The widest prompt the rollout stages pad to, from the run's prompt bucket ``width``: XRPO's exemplars
+    (``ExemplarConfig.prompt_width``, 0: twice the run's), NudgeRL's hinted prompts (the bucket of the longest
+    hinted prompt of ``records``, measured with ``tokenizer`` as :class:`treejax.rl.nudge.NudgeRollouts` does;
+    without them the run's width)."""
+    from treejax.data.prompts import encode_examples
+    from treejax.rl.exemplars import ExemplarConfig
+    from treejax.rl.nudge import NudgeConfig, hinted_example, problem_hints
+    from treejax.sampling.decode import bucket_length
+
+    out = width
+    for stage in cfg.chain():
+        if isinstance(stage, ExemplarConfig):
+            out = max(out, stage.prompt_width or 2 * width)
+        elif isinstance(stage, NudgeConfig) and tokenizer is not None and records:
+            examples = [hinted_example(task.make_example(r), h, stage) for r in records for h in
+                        problem_hints(r, stage)]
+            toks = encode_examples(tokenizer, examples, cfg.system_prompt, cfg.instruction)
+            out = max(out, bucket_length(max(len(t) for t in toks)))
+    return out
+
+
+def measured_prompt_width(cfg) -> tuple[int, int]:
+    """``(the run's prompt bucket, the rollouts')``, measured as ``treejax-train`` does before the weights load
+    (the task's data and the model's tokenizer: :func:`treejax.rl.setup.filter_prompts`; :func:`stage_prompt_width`)."""
     import logging
 
     from treejax.models.registry import load_tokenizer
@@ -554,9 +657,10 @@ def measured_prompt_width(cfg) -> int:
     level = logger.level
     logger.setLevel(logging.ERROR)  # the over-long prompt count is treejax-train's to report
     try:
-        return filter_prompts(tokenizer, task, train_records, eval_examples, cfg)[2]
+        train_records, _, width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     finally:
         logger.setLevel(level)
+    return width, stage_prompt_width(cfg, width, tokenizer, task, train_records)
 
 
 # ----------------------------------------------------------------------------------------------- compiled truth
@@ -607,7 +711,7 @@ def _abstract_batch(cfg, model, shape: PlanShape):
     ref = sds(pair, f32) if cfg.loss.kl_coef > 0 else None
     return Batch(inputs, sds(pair, f32), sds(pair, f32), sds(pair, f32), sampler_logp=sds(pair, f32), ref_logp=ref,
                  eps_scale=sds(pair[:-1], f32), num_sequences=B * (cfg.rollout.num_leaves if shape.packed else 1),
-                 sequence_length=shape.prompt_width + cfg.rollout.max_length)
+                 sequence_length=shape.rollout_width + cfg.rollout.max_length)
 
 
 def compiled_update(cfg, model, shape: PlanShape) -> dict[str, int]:
@@ -685,7 +789,10 @@ def format_plan(plan: MemoryPlan, compiled: dict | None = None) -> str:
              f"{plan.dtypes['sampler']}, KV cache {plan.dtypes['cache']}; remat '{plan.remat}', micro_batches "
              f"{plan.micro_batches}",
              f"  update micro-batch per device: {s.rows_mb} {'packed' if s.packed else 'expanded'} rows x "
-             f"{s.row_length} tokens (prompt bucket {s.prompt_width})",
+             f"{s.row_length} tokens (prompt bucket {s.prompt_width}"
+             + (f", rollouts' {s.rollout_width})" if s.rollout_width != s.prompt_width else ")")
+             + (f"; the layout grows to {s.growth_rows} rows if its trees do not share rows"
+                if s.packed and s.growth_rows > s.rows_mb else ""),
              f"  sampler KV: {s.sampler_rows} rows x {s.cache_slots} slots"
              + (f" + {s.prefix_prompts} shared prompts x {s.prefix_slots} slots" if s.prefix_prompts else "")
              + f"; eval decode {s.eval_rows} rows x {s.eval_slots} slots", "  learner (per device):"]
@@ -718,17 +825,19 @@ def accelerator_memory() -> tuple[int | None, str]:
     return (int(limit), f"{device.device_kind} bytes_limit") if limit else (None, "unknown")
 
 
-def log_run_plan(cfg, prompt_width: int, log) -> MemoryPlan | None:
+def log_run_plan(cfg, prompt_width: int, log, tokenizer=None, task=None, records=()) -> MemoryPlan | None:
     """``treejax-train``'s first memory line, before the weights load: the analytic plan on the run's devices
     (:func:`verdict_line`: INFO when it fits, a WARNING naming the fix when it does not; the run goes on either
-    way, the estimate can be wrong). A planning failure is one INFO line; it never stops the run."""
+    way, the estimate can be wrong). ``tokenizer``, ``task``, ``records``: the run's, for the rollout stages'
+    prompt widths (:func:`stage_prompt_width`). A planning failure is one INFO line; it never stops the run."""
     try:
         import jax
 
         prec = cfg.precision.resolve()
         model = model_config_of(cfg.model, prec.param_dtype, prec.compute_dtype)
         memory, source = accelerator_memory()
-        plan = plan_memory(cfg, model, devices=jax.device_count(), prompt_width=prompt_width,
+        width = stage_prompt_width(cfg, prompt_width, tokenizer, task, records)
+        plan = plan_memory(cfg, model, devices=jax.device_count(), prompt_width=prompt_width, rollout_width=width,
                            backend=jax.default_backend(), device_memory=memory, device_memory_source=source)
     except Exception as e:  # noqa: BLE001  (an estimate must never stop a run)
         log.info("memory plan: not available (%s: %s)", type(e).__name__, " ".join(str(e).split())[:200])
@@ -793,8 +902,9 @@ def main(argv: list[str] | None = None) -> MemoryPlan:
     memory, source = device_memory_bytes(args.device_memory, backend)
     dtypes = resolve_dtypes(cfg, backend)
     model = model_config_of(cfg.model, dtypes["param"], dtypes["compute"])
-    width = args.prompt_width if args.prompt_width else measured_prompt_width(cfg)
-    plan = plan_memory(cfg, model, devices=args.devices, prompt_width=width, backend=backend,
+    width, rollout_width = (args.prompt_width, None) if args.prompt_width else measured_prompt_width(cfg)
+    plan = plan_memory(cfg, model, devices=args.devices, prompt_width=width, rollout_width=rollout_width,
+                       backend=backend,
                        device_memory=memory, device_memory_source=source)
     compiled = compiled_memory(cfg, model, plan) if args.compile else None
     print(format_plan(plan, compiled))

@@ -150,7 +150,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     tokenizer = load_tokenizer(cfg.model)
     train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
     if multihost.is_primary():  # what the config will need per device, before the weights load (treejax-plan)
-        log_run_plan(cfg, prompt_width, log)
+        log_run_plan(cfg, prompt_width, log, tokenizer, task, train_records)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,

@@ -604,7 +604,7 @@ def model_config_of(name: str, param_dtype: str = "float32", compute_dtype: str 
     an HF folder's ``config.json``, a parted model's assembled header or its preset. A name that is none of these
     is a :class:`~treejax.errors.ModelFileError`."""
     from treejax.models import parts, presets, registry
-    from treejax.models.gguf_checkpoint import config_from_gguf, open_gguf
+    from treejax.models.gguf_checkpoint import config_from_gguf, read_gguf_header
     from treejax.models.hf_checkpoint import load_hf_config
 
     compute_dtype = compute_dtype or param_dtype
@@ -618,7 +618,7 @@ def model_config_of(name: str, param_dtype: str = "float32", compute_dtype: str 
         path = registry._resolve(name)
     if os.path.isdir(path):
         return load_hf_config(path, param_dtype, compute_dtype)
-    return config_from_gguf(open_gguf(path), path, param_dtype, compute_dtype)
+    return config_from_gguf(read_gguf_header(path), path, param_dtype, compute_dtype)
 
 
 def stage_prompt_width(cfg, width: int, tokenizer=None, task=None, records=()) -> int:

@@ -67,6 +67,85 @@ def open_gguf(path: str):
         raise CheckpointError(f"{path}: cannot read GGUF file, it is truncated or corrupt ({e!r})") from None
 
 
+class _HeaderField:
+    """A GGUF metadata value read by :func:`read_gguf_header`: ``contents()`` like ``gguf``'s ``ReaderField``
+    (scalars and strings; an array's elements are skipped and ``data`` is only sized like it)."""
+
+    def __init__(self, value, count: int = 1):
+        self.value, self.data = value, range(count)
+
+    def contents(self):
+        return self.value
+
+
+class _HeaderTensor:
+    def __init__(self, name: str):
+        self.name = name
+
+
+class GGUFHeader:
+    """``fields`` and ``tensors`` (names only) of a GGUF file, read by :func:`read_gguf_header` without building
+    the tokenizer's arrays or mapping tensor data: enough for :func:`config_from_gguf`."""
+
+    def __init__(self, fields: dict, tensors: list):
+        self.fields, self.tensors = fields, tensors
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _read_value(f, vtype: int):
+    """One GGUF value from file ``f``: a scalar, a string, or ``(None, count)`` for an array (skipped)."""
+    import struct
+
+    if vtype in _SCALARS:
+        fmt = _SCALARS[vtype]
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+    if vtype == 8:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode("utf-8", errors="replace")
+    if vtype == 9:
+        etype, count = struct.unpack("<IQ", f.read(12))
+        if etype in _SCALARS:
+            f.seek(count * struct.calcsize(_SCALARS[etype]), 1)
+        else:
+            for _ in range(count):
+                _read_value(f, etype)
+        return _HeaderField(None, count)
+    raise CheckpointError(f"unknown GGUF value type {vtype}")
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    """The metadata and tensor names of GGUF file ``path`` (format v2/v3: magic, version, tensor and key counts,
+    the key/value pairs, then each tensor's name, dimensions, type and offset), without the tokenizer's arrays:
+    ~0.1 s where ``gguf.GGUFReader`` takes seconds on a 49k-token vocabulary. Errors name the path."""
+    import struct
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing file {path}")
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{path}: not a GGUF file")
+            version, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+            if version < 2:
+                raise CheckpointError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+            fields = {}
+            for _ in range(n_kv):
+                key = _read_value(f, 8)
+                value = _read_value(f, struct.unpack("<I", f.read(4))[0])
+                fields[key] = value if isinstance(value, _HeaderField) else _HeaderField(value)
+            tensors = []
+            for _ in range(n_tensors):
+                name = _read_value(f, 8)
+                (dims,) = struct.unpack("<I", f.read(4))
+                f.seek(8 * dims + 4 + 8, 1)
+                tensors.append(_HeaderTensor(name))
+    except (struct.error, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the GGUF header, the file is truncated or corrupt ({e})") from None
+    return GGUFHeader(fields, tensors)
+
+
 def field_value(reader, key: str, default=None):
     """Python value of a GGUF metadata field (strings decoded, 1-element scalars unwrapped)."""
     field = reader.fields.get(key)

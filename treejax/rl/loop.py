@@ -52,6 +52,7 @@ from treejax import metrics as metrics_lib
 from treejax.compile_cache import compile_clock, enable_compilation_cache
 from treejax.errors import DivergenceError, record_failure
 from treejax.log import show_progress
+from treejax.memory_plan import log_run_plan
 from treejax.models.export import export_hf
 from treejax.parallel import multihost
 from treejax.parallel.mesh import mesh_context
@@ -80,7 +81,7 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
         log.info("compilation cache: %s (RunConfig.compilation_cache = 'off' or TREEJAX_COMPILATION_CACHE=off "
                  "turns it off)", cache_dir)
     with claim_log_dir(cfg.log_dir, cfg.log_dir_mode):
-        r = build_run(cfg, operative_config)
+        r = build_run(cfg, operative_config, before_load=plan_before_load)
         try:
             with r.precision.matmul_context(), mesh_context(r.mesh):
                 preempted_at = train(r)
@@ -92,6 +93,14 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             except OSError:  # the disk that made the run fail (full, read-only) cannot take the record either
                 pass
             raise
+
+
+def plan_before_load(cfg: RunConfig, prompt_width: int, tokenizer, task, train_records) -> None:
+    """The run's first memory line, before the weights load (:func:`treejax.memory_plan.log_run_plan`: the
+    analytic plan on this run's devices, a WARNING naming the fix when it predicts the run will not fit); process
+    0 only."""
+    if multihost.is_primary():
+        log_run_plan(cfg, prompt_width, log, tokenizer, task, train_records)
 
 
 def train(r: Run) -> int | None:

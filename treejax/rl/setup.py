@@ -25,7 +25,6 @@ from treejax import metrics as metrics_lib
 from treejax.data import get_task, make_prompt_pipeline
 from treejax.data.prompts import encode_examples, encode_prompts
 from treejax.errors import DataError
-from treejax.memory_plan import log_run_plan
 from treejax.models import transformer
 from treejax.models.registry import load_model, load_tokenizer
 from treejax.parallel import multihost
@@ -136,8 +135,10 @@ def filter_prompts(tokenizer, task, train_records, eval_examples, cfg):
     return train_records, eval_examples, bucket_length(max(kept))
 
 
-def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
-    """Everything the step loop needs (module docstring); restores the newest checkpoint of ``cfg.log_dir``."""
+def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=None) -> Run:
+    """Everything the step loop needs (module docstring); restores the newest checkpoint of ``cfg.log_dir``.
+    ``before_load(cfg, prompt_width, tokenizer, task, train_records)``: called once the task's prompts are
+    measured, before the weights load."""
     t_start = time.perf_counter()
     prec = cfg.precision.resolve()
     os.makedirs(cfg.log_dir, exist_ok=True)
@@ -149,8 +150,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None) -> Run:
     task, train_records, eval_examples = load_task_data(cfg)
     tokenizer = load_tokenizer(cfg.model)
     train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
-    if multihost.is_primary():  # what the config will need per device, before the weights load (treejax-plan)
-        log_run_plan(cfg, prompt_width, log, tokenizer, task, train_records)
+    if before_load is not None:  # e.g. the memory plan's verdict (treejax.rl.loop.run), before the weights load
+        before_load(cfg, prompt_width, tokenizer, task, train_records)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,

@@ -65,6 +65,8 @@ def test_mesh_and_dtypes_divide_what_they_shard():
     assert two.learner["params"] == ((90_688 - 576) // 2 + 576) * 4
     assert two.shape.rows_mb == one.shape.rows_mb // 2  # rows over data x fsdp
     assert two.sampler["kv_cache"] == one.sampler["kv_cache"] // 2
+    cpu = mp.plan_memory(cfg, TINY, devices=2, prompt_width=16, backend="cpu", device_memory=10**12)
+    assert cpu.need == 2 * cpu.peak and cpu.fits  # CPU devices share the host's RAM: the verdict sums them
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])

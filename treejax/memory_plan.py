@@ -11,28 +11,36 @@ fp32 everywhere on CPU, bf16 compute / sampler / cache on GPU and TPU). The mesh
 
 Learner, per device (:func:`learner_memory`):
 
-* parameters ``N b_p``; optimizer state (optax AdamW, :func:`treejax.rl.optimizer.make_optimizer`): the two
-  moments ``N (b_m + b_p)`` (``b_m``: ``OptimizerConfig.moments_dtype``, default the param dtype), plus ``N b_p``
-  for PPO-EWMA's parameter average (``OptimizerConfig.proximal_ewma``); the frozen reference ``N b_p`` when the
-  KL term or a shaper reads it (:func:`treejax.rl.step.initial_reference`); all sharded like the params;
-* gradients: ``4 N`` (fp32, :func:`treejax.rl.update.make_grad_fn`), ``8 N`` with micro-batches (the scan's
-  accumulator and one micro-batch's gradient); the optimizer's update temporaries ``2 x 4 N`` (AdamW's update
-  and the non-finite guard's selected copies; calibrated against ``memory_analysis()``, see the tests);
-* saved activations of one micro-batch of ``n`` tokens (rows x row length; the expanded row is ``Lp + T``, the
-  prompt bucket plus the response bound; packed, one row per micro-batch and device of the bucketed tree bound,
-  the start-up layout of :func:`treejax.rl.packing.startup_layout`, which the table says it may grow from), stacked over the layer scan (:func:`saved_bytes_per_token_layer`,
-  read off ``jax.ad_checkpoint.print_saved_residuals`` of :func:`treejax.models.transformer.forward`)::
+* resident state: parameters ``N b_p``; optimizer state (optax AdamW, :func:`treejax.rl.optimizer.make_optimizer`):
+  the two moments ``N (b_m + b_p)`` (``b_m``: ``OptimizerConfig.moments_dtype``, default the param dtype), plus
+  ``N b_p`` for PPO-EWMA's parameter average (``OptimizerConfig.proximal_ewma``); the frozen reference ``N b_p``
+  when the KL term or a shaper reads it (:func:`treejax.rl.step.initial_reference`); all sharded like the params;
+* the update's backward phase: fp32 gradients ``4 N`` (``8 N`` with micro-batches: the scan's accumulator and one
+  micro-batch's gradient, :func:`treejax.rl.update.make_grad_fn`); the log-prob head's chunked copy of the output
+  weights and its gradient ``(b_c + 4) V E``; the activations one micro-batch of ``n`` tokens saves (rows x row
+  length; the expanded row is ``Lp + T``, the prompt bucket plus the response bound; packed, one row per
+  micro-batch and device of the bucketed tree bound, the start-up layout of
+  :func:`treejax.rl.packing.startup_layout`, which the table says it may grow from), stacked over the layer scan
+  (:func:`saved_bytes_per_token_layer`, read off ``jax.ad_checkpoint.print_saved_residuals`` of
+  :func:`treejax.models.transformer.forward`)::
 
       remat 'none':  4 (4E + 4) + b_c (2E + 2QH + 2KH + 3F)    (rms-norm inputs/outputs in fp32; h, q, k, v,
                                                                attention output, gate, up, silu(gate) up)
       remat 'dots':  b_c (2E + QH + 2KH + 2F)                  (the projection matmuls' outputs)
       remat 'full':  b_c E                                     (each layer's input)
 
-  times ``Ly n``; plus the working set of one layer's backward (:func:`backward_working_bytes`): the recomputed
-  attention scores and probabilities and their cotangents ``4 x 4 rows Q L^2`` (dense XLA attention; the cuDNN /
-  Pallas kernels do not materialise them: 0) and the ``[rows, L, L]`` mask, one layer's residual set again under
-  'full' remat, and the log-prob head's vocabulary chunk (``3 x 4 n C``, ``C = min(chunk, V)``,
-  :func:`treejax.models.transformer.token_logprobs`).
+  times ``Ly n``; and the backward's working set (:func:`backward_working_bytes`): one layer's recomputed
+  attention scores and probabilities and their cotangents ``4 x 4 rows Q L^2`` with the ``[rows, L, L]`` mask
+  (dense XLA attention; the cuDNN / Pallas kernels materialise none: 0), the cotangents of the layer being
+  differentiated (one 'none' residual set; two under 'full' remat, which recomputes it), and the head's vocabulary
+  chunk ``5 x 4 n C`` (``C = min(chunk, V)``, :func:`treejax.models.transformer.token_logprobs`);
+* the optimizer phase: ``3 x 4 N`` (the gradients and AdamW's update temporaries).
+
+The activations are freed before the optimizer step, so the update needs the larger phase, not their sum
+(:func:`update_phases`). The constants (4 score copies, 5 head-chunk copies, ``3 x 4 N``) are calibrated against
+``memory_analysis()`` of the compiled update on SmolLM2-135M (fp32, CPU): within 5% for remat none / dots / full
+and 1 or 2 micro-batches (docs/memory-plan.md); a 64-wide test model keeps fewer copies, so there the plan
+over-counts (``tests/test_memory_plan.py``).
 
 Sampler, per device (:func:`sampler_memory`): the weight copy in the sampler dtype (``N b_s``, none when it
 equals the master dtype: the cast is the identity; on a mesh gathered over ``fsdp``), the decode program's fused
@@ -49,9 +57,12 @@ shared device: both threads' programs at once)::
       state + max(update, sampler, eval)        state + update + sampler (async, shared device)
 
 and on a split asynchronous mesh the sampler's devices hold only the sampler. The verdict compares the peak with
-the device memory (``--device-memory``, a card name, or the host's available RAM on CPU) and, when it does not
-fit, re-plans the smallest change from an ordered list (:func:`suggest_fix`): more micro-batches (up to one row
-each), ``remat='full'``, more devices (``fsdp``), fewer leaves, fewer prompts per step.
+the device memory (``--device-memory``: a size, or a card's memory times JAX's memory fraction, 0.75 unless
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise; on CPU the host's available RAM, against the sum over the
+devices, which share it) and, when it does not fit, re-plans the smallest change from an ordered list
+(:func:`suggest_fix`): a smaller held-out decode batch when that alone does not fit, then more micro-batches (up
+to one row each), ``remat='full'`` (alone, then with micro-batches), more devices (``fsdp``), fewer leaves,
+fewer prompts per step.
 
 ``--compile`` (:func:`compiled_memory`) lowers and compiles the real update step (:func:`treejax.rl.update.
 make_update_fn` on the run's layout, optimizer and loss) and one decode step (:func:`treejax.sampling.decode.
@@ -134,6 +145,16 @@ class MemoryPlan:
     @property
     def peak(self) -> int:
         return max(self.peak_learner, self.peak_sampler)
+
+    @property
+    def need(self) -> int:
+        """What the verdict compares with ``device_memory``: the peak per device, or on CPU, whose devices share
+        the host's RAM, the sum over the devices (learner devices at the learner's peak, sampler devices at the
+        sampler's)."""
+        if self.backend != "cpu":
+            return self.peak
+        learners = math.prod(self.shape.mesh)
+        return self.peak_learner * learners + self.peak_sampler * (self.devices - learners)
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -425,11 +446,12 @@ def plan_memory(cfg, model, *, devices: int = 1, prompt_width: int, rollout_widt
     sampler = sampler_memory(model, dtypes, shape, fused)
     eval_bytes = eval_memory(model, dtypes, shape)
     peak_l, peak_s = peaks(cfg, learner, sampler, eval_bytes, split)
-    fits = None if device_memory is None else max(peak_l, peak_s) <= device_memory
     plan = MemoryPlan(model_name or cfg.model, backend, devices, split, shape, dtypes, remat_name(cfg.remat),
                       cfg.micro_batches, learner, dict(sampler, eval_decode=eval_bytes), peak_l, peak_s,
-                      device_memory, device_memory_source, fits)
-    if fits is False and fix:
+                      device_memory, device_memory_source, None)
+    if device_memory is not None:
+        plan = dataclasses.replace(plan, fits=plan.need <= device_memory)
+    if plan.fits is False and fix:
         plan = dataclasses.replace(plan, fix=suggest_fix(cfg, model, plan))
     return plan
 
@@ -525,7 +547,7 @@ def suggest_fix(cfg, model, plan: MemoryPlan) -> str:
         p = _replan(cfg, model, plan, changes, devices)
         if p is not None and p.fits:
             both = " and ".join(t for t in (eval_text, text) if t)
-            return f"{both} (peak {p.peak / _GIB:.1f} GiB)"
+            return f"{both} (peak {_human(p.peak)})"
     return "none of micro-batches, remat='full', up to 64 devices or smaller trees fits: a smaller model"
 
 
@@ -782,13 +804,20 @@ def _gib(n: int) -> str:
     return f"{n / _GIB:8.2f} GiB"
 
 
+def _human(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB" if n >= _GIB // 10 else f"{n / 2**20:.1f} MiB"
+
+
 def verdict_line(plan: MemoryPlan) -> str:
-    """One line: the peak per device against the device memory, and the fix when it does not fit."""
+    """One line: the peak per device (on CPU, the devices' sum: they share the host's RAM) against the device
+    memory, and the fix when it does not fit."""
     where = f"{plan.devices} {plan.backend} device{'s' if plan.devices > 1 else ''}"
-    peak = f"peak {plan.peak / _GIB:.1f} GiB per device on {where}"
+    peak = f"peak {_human(plan.peak)} per device on {where}"
+    if plan.backend == "cpu" and plan.devices > 1:
+        peak += f", {_human(plan.need)} together in the host's RAM"
     if plan.fits is None:
         return f"memory plan: {peak} (device memory unknown: pass --device-memory)"
-    cap = f"{plan.device_memory / _GIB:.1f} GiB ({plan.device_memory_source})"
+    cap = f"{_human(plan.device_memory)} ({plan.device_memory_source})"
     if plan.fits:
         return f"memory plan: fits: {peak} of {cap}"
     return f"memory plan: does not fit: {peak} > {cap}; smallest change that fits: {plan.fix}"

@@ -646,9 +646,9 @@ def model_config_of(name: str, param_dtype: str = "float32", compute_dtype: str 
 
 def stage_prompt_width(cfg, width: int, tokenizer=None, task=None, records=()) -> int:
     """The widest prompt the rollout stages pad to, from the run's prompt bucket ``width``: XRPO's exemplars
-    (``ExemplarConfig.prompt_width``, 0: twice the run's), NudgeRL's hinted prompts (the bucket of the longest
-    hinted prompt of ``records``, measured with ``tokenizer`` as :class:`treejax.rl.nudge.NudgeRollouts` does;
-    without them the run's width)."""
+    (``ExemplarConfig.prompt_width``, 0: twice the run's), NudgeRL's hinted prompts (the power-of-two bucket of
+    the longest hinted prompt, measured with ``tokenizer`` as :class:`treejax.rl.nudge.NudgeRollouts` does on the
+    32 longest ``records`` by text, so the check stays well under a second; without them the run's width)."""
     from treejax.data.prompts import encode_examples
     from treejax.rl.exemplars import ExemplarConfig
     from treejax.rl.nudge import NudgeConfig, hinted_example, problem_hints
@@ -659,7 +659,8 @@ def stage_prompt_width(cfg, width: int, tokenizer=None, task=None, records=()) -
         if isinstance(stage, ExemplarConfig):
             out = max(out, stage.prompt_width or 2 * width)
         elif isinstance(stage, NudgeConfig) and tokenizer is not None and records:
-            examples = [hinted_example(task.make_example(r), h, stage) for r in records for h in
+            longest = sorted(records, key=lambda r: len(str(r)), reverse=True)[:32]  # tokenizing all takes ~1 s
+            examples = [hinted_example(task.make_example(r), h, stage) for r in longest for h in
                         problem_hints(r, stage)]
             toks = encode_examples(tokenizer, examples, cfg.system_prompt, cfg.instruction)
             out = max(out, bucket_length(max(len(t) for t in toks)))

@@ -131,7 +131,7 @@ def test_analytic_update_bounds_the_compiled_update():
     assert compiled["temp"] <= analytic <= 1.6 * compiled["temp"], (analytic, compiled)
 
 
-@pytest.mark.slow(reason="two SmolLM2-135M update compiles (~60 s); test_analytic_update_bounds_the_compiled_update "
+@pytest.mark.slow(reason="two SmolLM2-135M update compiles (~20 s together); test_analytic_update_bounds_the_compiled_update "
                          "covers the same comparison on the tiny model")
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_analytic_update_within_5_percent_on_smollm2(remat):

@@ -399,9 +399,9 @@ def plan_shape(cfg, model, prompt_width: int, rollout_width: int, devices: int, 
     s_rows, slots, p_rows, p_slots, fused = sampler_layout(cfg, model, rollout_width, backend, dtypes,
                                                             math.prod(sampler_mesh))
     ev = cfg.eval
-    shape = PlanShape(mesh, sampler_mesh, prompt_width, rollout_width, rows_mb, length, cfg.packed_update, s_rows, slots, p_rows,
-                      p_slots, ev.batch_size,
-                      -(-(prompt_width + ev.max_new_tokens) // _BLOCK) * _BLOCK,
+    eval_slots = -(-(prompt_width + ev.max_new_tokens) // _BLOCK) * _BLOCK
+    shape = PlanShape(mesh, sampler_mesh, prompt_width, rollout_width, rows_mb, length, cfg.packed_update, s_rows,
+                      slots, p_rows, p_slots, ev.batch_size, eval_slots,
                       packed_growth_rows(cfg, mesh) if cfg.packed_update else 0)
     return shape, split, fused
 

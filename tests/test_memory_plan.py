@@ -69,6 +69,20 @@ def test_mesh_and_dtypes_divide_what_they_shard():
     assert cpu.need == 2 * cpu.peak and cpu.fits  # CPU devices share the host's RAM: the verdict sums them
 
 
+def test_packed_rows_and_the_stages_prompt_widths():
+    from treejax.rl.exemplars import ExemplarConfig
+
+    cfg = _cfg(prompts_per_step=4, packed_update=True, mini_batches=2)
+    plan = mp.plan_memory(cfg, TINY, prompt_width=16)
+    # tree bound: Lp 16 + min(W T = 64, (N - 1) S = 8 x 8) = 80 tokens -> granule 128 x bucket_units(1) = 128; one
+    # row per micro-batch and device (the sticky start-up layout), growing to one tree per row: 4 / 2 = 2 trees
+    assert (plan.shape.rows_mb, plan.shape.row_length, plan.shape.growth_rows) == (1, 128, 2)
+    assert plan.learner["activations"] == 2 * 128 * 3_856
+    assert mp.stage_prompt_width(_cfg(rollouts=[ExemplarConfig()]), 64) == 128  # twice the run's by default
+    assert mp.stage_prompt_width(_cfg(rollouts=[ExemplarConfig(prompt_width=300)]), 64) == 300
+    assert mp.stage_prompt_width(_cfg(), 64) == 64
+
+
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
 def test_saved_residual_table_matches_jax(capsys, remat):
     """:func:`saved_bytes_per_token_layer` is what ``print_saved_residuals`` lists stacked over the layer scan."""

@@ -68,7 +68,9 @@ fewer prompts per step.
 make_update_fn` on the run's layout, optimizer and loss) and one decode step (:func:`treejax.sampling.decode.
 make_model_fns`) with abstract inputs (``jax.ShapeDtypeStruct``) and reports ``compiled.memory_analysis()``:
 one device's program with the per-device batch share (parameters unsharded), so on CPU it checks the analytic
-plan.
+plan. The decode step is not the whole tree-rollout loop (its forks' gather copy and the row buckets are
+planned, not compiled); a packed run's update is compiled at one tree per row (``W`` leaf slots). On the CPU the
+programs compile for analysis only (:data:`_ANALYSIS_ONLY_CPU`).
 """
 
 from __future__ import annotations

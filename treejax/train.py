@@ -59,6 +59,7 @@ examples:
   treejax-train configs/treepo_smollm2.gin --gin_param="RunConfig.num_steps=10"
   treejax-train --list estimators
   treejax-train --resume                          # continue runs/quickstart (e.g. with more steps)
+  treejax-plan configs/treepo_smollm2.gin --device-memory h200   # memory per device, fits or not (no run)
 
 Ctrl-C (or SIGTERM) during training finishes the current step, saves a checkpoint and stops; rerun the
 command to resume. A second Ctrl-C, or one before the first step starts, stops at once. README.md has the rest.

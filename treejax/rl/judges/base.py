@@ -12,9 +12,10 @@ rest at run time:
               PRM's per-line step scores, treejax.scorers.prm)
     rewards = stage.shape(rewards, verifier correct, judge, RunConfig.reward_style)
 
-The scorer loads on the first step (``ScorerConfig.model``; ``"policy"``: ``RunConfig.model`` again, the policy's
-initial weights). Metrics: ``judge/scored`` (leaves judged), ``judge/mean`` (their mean score), ``judge/agreement``
-(judged leaves where ``score >= 0.5`` equals the verifier's verdict), ``judge/seconds``, and the stage's own.
+The scorer loads when a first leaf is to be judged (``ScorerConfig.model``; ``"policy"``: ``RunConfig.model``
+again, the policy's initial weights). Metrics: ``judge/scored`` (leaves judged), ``judge/mean`` (their mean
+score), ``judge/agreement`` (judged leaves where ``score >= 0.5`` equals the verifier's verdict),
+``judge/seconds``, and the stage's own.
 
 Order of effects: the planner's dynamic sampling filters groups by the verifier's rewards before the judge runs
 (an all-correct group is dropped even when the judge would tell its leaves apart); estimator inputs computed
@@ -110,8 +111,6 @@ class JudgedRollouts:
         from treejax.rl.scoring import leaf_texts
         from treejax.scorers.model import load_scorer
 
-        if self.scorer is None:
-            self.scorer = load_scorer(self.stage.scorer, self.policy_model)
         if ro.forest.node_span is not None:
             raise ValueError(f"{type(self.stage).__name__} judges single-turn responses; this chain's rows are "
                              "multi-turn episodes (turn forests)")
@@ -121,6 +120,8 @@ class JudgedRollouts:
         where = np.argwhere(need)
         out = np.full(need.shape, np.nan, np.float32)
         if len(where):
+            if self.scorer is None:  # loaded when there is a first leaf to judge
+                self.scorer = load_scorer(self.stage.scorer, self.policy_model)
             out[need] = score_leaves(self.scorer, getattr(self.stage, "scope", "verdict"),
                                      [questions[p] for p, _ in where], [texts[p][w] for p, w in where],
                                      [answers[p] for p, _ in where])

@@ -15,7 +15,7 @@ rest at run time:
 The scorer loads when a first leaf is to be judged (``ScorerConfig.model``; ``"policy"``: ``RunConfig.model``
 again, the policy's initial weights). Metrics: ``judge/scored`` (leaves judged), ``judge/mean`` (their mean
 score), ``judge/agreement`` (judged leaves where ``score >= 0.5`` equals the verifier's verdict),
-``judge/seconds``, and the stage's own.
+``time/judge_s``, and the stage's own.
 
 Order of effects: the planner's dynamic sampling filters groups by the verifier's rewards before the judge runs
 (an all-correct group is dropped even when the judge would tell its leaves apart); estimator inputs computed
@@ -136,7 +136,7 @@ class JudgedRollouts:
         new, metrics = self.stage.shape(rewards, correct, judge, self.style)
         ro.rewards_PxW = jnp.asarray(new, jnp.float32)
         ro.extra_metrics = {**(ro.extra_metrics or {}), **judge_metrics(judge, correct),
-                            **metrics, "judge/seconds": time.perf_counter() - t0}
+                            **metrics, "time/judge_s": time.perf_counter() - t0}
         return ro
 
 

@@ -10,9 +10,9 @@ next-token distribution ``p`` at the last position, and
 Decode mode: the same input, greedy decoding of ``max_new_tokens`` with the sampler
 (:func:`treejax.sampling.decode.generate`), and :func:`treejax.scorers.verdicts.parse_verdict` of the text.
 
-Rows are right-padded to a length bucket (a multiple of 64) and grouped in batches of ``batch_size`` (the last one
-padded), so one program is compiled per bucket. A row longer than ``max_length`` keeps its last ``max_length``
-tokens (the end of the response and the verdict question)."""
+Rows are right-padded to a length bucket (64 times a power of two) and grouped in batches of ``batch_size`` (the
+last one padded), so one program is compiled per bucket. A row longer than ``max_length`` keeps its last
+``max_length`` tokens (the end of the response and the verdict question)."""
 
 from __future__ import annotations
 
@@ -50,10 +50,11 @@ def judge_rows(scorer: Scorer, questions, responses, answers=None) -> list[list[
 
 
 def pad_rows(rows: list[list[int]], batch: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens [batch, L], lengths [batch])``: rows right-padded to a multiple of :data:`BUCKET`; missing rows
-    are one pad token (their outputs are dropped)."""
-    width = max(len(r) for r in rows)
-    width = -(-width // BUCKET) * BUCKET
+    """``(tokens [batch, L], lengths [batch])``: rows right-padded to :data:`BUCKET` times a power of two (few
+    length buckets: one compiled program each); missing rows are one pad token (their outputs are dropped)."""
+    width = BUCKET
+    while width < max(len(r) for r in rows):
+        width *= 2
     tokens = np.full((batch, width), pad_id, np.int32)
     lengths = np.ones((batch,), np.int32)
     for i, r in enumerate(rows):

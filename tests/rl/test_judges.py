@@ -148,3 +148,16 @@ def test_one_loop_step_with_the_judge_on(name, tiny_checkpoint, tmp_path):
         assert row["judge/scored"] == 8 and "ssl/tier_mean" in row
     else:  # only the correct leaves are
         assert "fapo/flawed_rate" in row and row["judge/scored"] <= 8
+
+
+def test_scope_steps_is_the_least_prm_step_score(tiny_checkpoint):
+    from treejax.rl.judges.base import score_leaves
+    from treejax.scorers.model import load_scorer
+    from treejax.scorers.prm import line_steps, step_scores
+
+    scorer = load_scorer(ScorerConfig(model=tiny_checkpoint, batch_size=4))
+    texts = ["12 + 30 = 42\nAnswer: 42", "Answer: 7", "\n\n"]
+    got = score_leaves(scorer, "steps", ["What is 12 + 30?"] * 3, texts, ["42"] * 3)
+    steps = step_scores(scorer, ["What is 12 + 30?"] * 2, [line_steps(t) for t in texts[:2]])
+    np.testing.assert_allclose(got[:2], [np.nanmin(steps[0]), steps[1, 0]], rtol=1e-6)
+    assert np.isnan(got[2])  # no step: no score (FAPO: not flawed; SSL: the lowest bin)

@@ -31,12 +31,18 @@ def scorer(tiny_checkpoint):
     return load_scorer(ScorerConfig(model=tiny_checkpoint, batch_size=2))
 
 
-def _prefix_score(scorer, ids):
+def _prefix_score(scorer, ids, width=256):
+    """The verdict probability after the prefix ``ids``, from a forward of that prefix alone (right-padded to one
+    ``width`` so the loop compiles once; padding comes after the read position, which causal attention ignores)."""
     from treejax.models import transformer
 
-    h = transformer.forward(scorer.params, scorer.model_config, jnp.asarray([ids], jnp.int32),
-                            jnp.arange(len(ids), dtype=jnp.int32)[None])
-    logp = np.asarray(jax.nn.log_softmax(transformer.logits(scorer.params, scorer.model_config, h[:, -1]), -1))[0]
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : len(ids)] = ids
+    seg = (np.arange(width) < len(ids)).astype(np.int32)[None]
+    h = jax.jit(transformer.forward, static_argnums=1)(scorer.params, scorer.model_config, jnp.asarray(tokens),
+                                                       jnp.arange(width, dtype=jnp.int32)[None], jnp.asarray(seg))
+    last = h[:, len(ids) - 1]
+    logp = np.asarray(jax.nn.log_softmax(transformer.logits(scorer.params, scorer.model_config, last), -1))[0]
     py = sum(math.exp(logp[i]) for i in scorer.yes_ids)
     pn = sum(math.exp(logp[i]) for i in scorer.no_ids)
     return py / (py + pn)
@@ -44,10 +50,10 @@ def _prefix_score(scorer, ids):
 
 def test_step_scores_equal_a_per_step_loop(scorer):
     qs = ["What is 12 + 30?", "What is 5 + 5?", "What is 1 + 1?"]
-    texts = ["12 + 30 = 42\nso the sum is 42\nAnswer: 42", "5 + 5 = 11\nAnswer: 11", "Answer: 2"]
+    texts = ["12 + 30 = 42\nAnswer: 42", "5 + 5 = 11\nAnswer: 11", "Answer: 2"]  # 3 rows in batches of 2
     steps = [line_steps(t) for t in texts]
     got = step_scores(scorer, qs, steps)
-    assert got.shape == (3, 3)
+    assert got.shape == (3, 2)
     tag = scorer.tokenizer.encode(scorer.config.step_tag)
     for i, (q, ss) in enumerate(zip(qs, steps)):
         ids, ends = step_row(scorer, q, ss)

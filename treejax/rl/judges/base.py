@@ -53,7 +53,8 @@ class JudgeStage:
                               f"but estimator {facts.estimator!r} reads {bad}, computed from the rewards before it; "
                               "fix: an estimator without them (e.g. RunConfig.estimator = 'grpo')")
         if getattr(self, "scope", "verdict") not in SCOPES:
-            raise ConfigError(f"{type(self).__name__}.scope must be one of {SCOPES}, got {self.scope!r}")
+            raise ConfigError(f"{type(self).__name__}.scope must be one of {SCOPES}, got {self.scope!r}; fix: "
+                              f"{type(self).__name__}.scope = 'verdict'")
 
     def build(self, inner, ctx):
         return JudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.reward_style, ctx.cfg.model)
@@ -67,8 +68,9 @@ class JudgeStage:
 
 def example_fields(examples, prompts, lengths, tokenizer) -> tuple[list[str], list[str]]:
     """``(questions, answers)`` of the rows: the task's ``metadata["question"]`` and ground truth, or (a source
-    without examples) the decoded prompt and ``""``."""
-    if examples is not None and all(hasattr(e, "metadata") for e in examples):
+    without an example per row) the decoded prompt and ``""``."""
+    if (examples is not None and len(examples) == len(np.asarray(lengths))
+            and all(hasattr(e, "metadata") for e in examples)):
         return ([str(e.metadata.get("question", "")) for e in examples],
                 [str(getattr(e, "ground_truth", "")) for e in examples])
     p, n = np.asarray(prompts), np.asarray(lengths)

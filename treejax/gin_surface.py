@@ -51,12 +51,13 @@ def _core_configs() -> dict[str, type]:
     from treejax.rl.optimizer import OptimizerConfig
     from treejax.rl.packing import PackingConfig
     from treejax.sampling.tree import TreeConfig
+    from treejax.scorers.config import ScorerConfig
     from treejax.sft_config import OTRConfig, SFTConfig
 
     return {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig,
             "TreeConfig": TreeConfig, "LossConfig": LossConfig, "OptimizerConfig": OptimizerConfig,
             "MeshConfig": MeshConfig, "Precision": Precision, "PackingConfig": PackingConfig,
-            "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig}
+            "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig, "ScorerConfig": ScorerConfig}
 
 
 def _source_configs() -> dict[str, type]:

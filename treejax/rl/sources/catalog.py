@@ -12,3 +12,5 @@ from treejax.rl.multiturn import MultiTurnConfig  # noqa: F401
 from treejax.rl.shape_search import ShapeSearchConfig  # noqa: F401
 from treejax.rl.replay import ReplayConfig  # noqa: F401
 from treejax.rl.spear import SpearConfig  # noqa: F401
+from treejax.rl.judges.fapo import FAPOConfig  # noqa: F401
+from treejax.rl.judges.ssl import SSLConfig  # noqa: F401

@@ -24,6 +24,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # runs started by tests do not write into the user's compilation cache (~/.cache/treejax/jax); the cache itself is
 # tested with temporary folders (tests/test_compile_cache.py)
 os.environ.setdefault("TREEJAX_COMPILATION_CACHE", "off")
+# Instead, one persistent XLA cache for the whole CPU session, in a fresh folder that the first process (pytest, or
+# xdist's controller) makes and deletes at exit; xdist's workers and the processes tests start inherit it through
+# JAX's own variables. The tests run the same tiny runs many times (a run and its resume, a multi-process run and
+# its one-process reference, the CLI's cases): every program after the first is loaded, not compiled. Loading is
+# exact (the same executable); a test about the cache itself pops these variables.
+if TEST_DEVICE == "cpu" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="treejax-tests-xla-")
+    atexit.register(shutil.rmtree, _SESSION_CACHE, True)
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -241,8 +241,9 @@ _OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 133.85GiB wi
 
 def test_device_out_of_memory_becomes_an_error_that_names_the_fix():
     """XLA's out-of-memory error (the text of the real one a 14 x 512 packed update without remat raised on an
-    H200) becomes one DeviceMemoryError line: the allocation, the program, and the settings bounding its memory;
-    other errors are left alone."""
+    H200; XLA:CPU's, which names no program, as efficacy_nudge raised it on a 20 GB host) becomes one
+    DeviceMemoryError line: the allocation, the program, and the settings bounding its memory; other errors are
+    left alone."""
     packed = health.out_of_memory_error(RuntimeError(_OOM.format("jit_update")), remat=False, micro_batches=1,
                                         packed=True, row_length=131072)
     assert isinstance(packed, DeviceMemoryError) and isinstance(packed, UserError)
@@ -261,6 +262,12 @@ def test_device_out_of_memory_becomes_an_error_that_names_the_fix():
     sampler = health.out_of_memory_error(RuntimeError(_OOM.format("jit_decode")), remat=False, micro_batches=1)
     assert str(sampler).startswith("the device ran out of memory in jit_decode: Out of memory while trying")
     assert "RunConfig.prompts_per_step" in str(sampler)
+    cpu = health.out_of_memory_error(RuntimeError("INTERNAL: Error dispatching computation: Out of memory "
+                                                  "allocating 17614855432 bytes."), remat=False, micro_batches=2)
+    assert isinstance(cpu, DeviceMemoryError) and str(cpu) == (
+        "the run ran out of memory in a compiled program: Out of memory allocating 17614855432 bytes (16.4 GiB of "
+        "host memory); fixes: smaller RunConfig.prompts_per_step / TreeConfig.num_leaves / EvalConfig.batch_size; "
+        "or more RunConfig.micro_batches (now 2); or RunConfig.remat = 'full' (now False)")
     assert health.out_of_memory_error(RuntimeError("INTERNAL: something else"), remat=False, micro_batches=1) is None
     assert health.out_of_memory_error(ValueError(_OOM.format("jit_update")), remat=False, micro_batches=1) is None
 

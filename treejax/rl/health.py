@@ -88,7 +88,8 @@ def nonfinite_update_error(e: BaseException):
 def out_of_memory_error(e: BaseException, *, remat, micro_batches: int, packed: bool = False,
                         row_length: int | None = None):
     """The :class:`~treejax.errors.DeviceMemoryError` for a jax runtime error that says the device ran out of
-    memory (XLA's ``RESOURCE_EXHAUSTED: Out of memory ...``); ``None`` for any other error.
+    memory (XLA's ``RESOURCE_EXHAUSTED: Out of memory ...`` on a GPU or TPU, ``INTERNAL: ... Out of memory
+    allocating N bytes`` from XLA:CPU, which names no program); ``None`` for any other error.
 
     The message keeps XLA's line (the allocation and the program, ``executable_name``) and, when the program is
     the update, the settings that bound its activations: ``remat`` (``RunConfig.remat``), ``micro_batches`` and,
@@ -97,12 +98,21 @@ def out_of_memory_error(e: BaseException, *, remat, micro_batches: int, packed: 
     minimum whatever ``micro_batches`` is, so ``remat = 'full'`` (one layer's activations live at a time) is what
     bounds it."""
     text = str(e)
-    found = re.search(r"RESOURCE_EXHAUSTED: (Out of memory[^\n]*)", text)
+    found = (re.search(r"RESOURCE_EXHAUSTED: (Out of memory[^\n]*)", text)
+             or re.search(r"(Out of memory allocating (\d+) bytes)", text))
     if not isinstance(e, RuntimeError) or found is None:
         return None
     line = found.group(1).split(" [tf-allocator")[0].split(" [executable_name")[0].rstrip(". ")
+    if line.startswith("Out of memory allocating"):  # XLA:CPU: host memory, and no program named
+        line += f" ({int(found.group(2)) / 2 ** 30:.1f} GiB of host memory)"
     program = re.search(r"executable_name='([^']+)'", text)
-    program = program.group(1) if program else "an unnamed program"
+    if program is None:  # which program is unknown: the batch sizes and the update's settings both bound it
+        fixes = ["smaller RunConfig.prompts_per_step / TreeConfig.num_leaves / EvalConfig.batch_size",
+                 f"more RunConfig.micro_batches (now {micro_batches})"]
+        fixes += [] if remat in ("full", True) else [f"RunConfig.remat = 'full' (now {remat!r})"]
+        return DeviceMemoryError(f"the run ran out of memory in a compiled program: {line}; fixes: "
+                                 + "; or ".join(fixes))
+    program = program.group(1)
     if "update" not in program:
         return DeviceMemoryError(f"the device ran out of memory in {program}: {line}; the run's batch sizes bound "
                                  "its memory (RunConfig.prompts_per_step, TreeConfig.num_leaves, EvalConfig.batch_size)")

@@ -132,3 +132,12 @@ def test_launch_says_trainer_arguments_go_after_the_separator(capsys):
     assert err[-1] == ("python -m treejax.launch: error: unrecognized arguments: --gin_param "
                        "\"RunConfig.estimator='grpo'\"; the trainer's arguments go after --: python -m treejax.launch "
                        "-n 2 --devices_per_process 2 -- --gin_param \"RunConfig.estimator='grpo'\" --quiet")
+
+
+def test_train_model_folder_with_a_broken_tokenizer(capsys, tmp_path, tiny_checkpoint):
+    """An empty (or truncated) tokenizer.json: one line naming the file, not a ValueError traceback."""
+    folder = tmp_path / "broken_tok"
+    shutil.copytree(tiny_checkpoint, folder)
+    (folder / "tokenizer.json").write_text("")
+    msg = _train_model_error(capsys, tmp_path, str(folder))
+    assert msg.startswith(f"{folder / 'tokenizer.json'}: cannot parse tokenizer (") and "save_pretrained" in msg

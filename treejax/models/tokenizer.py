@@ -94,15 +94,21 @@ class TextTokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise ModelFileError(f"missing file {path} (only fast tokenizers / tokenizer.json are supported)")
+        from treejax.models.hf_checkpoint import CheckpointError  # a user's broken file: one line in the CLIs
+
         try:
             tok = Tokenizer.from_file(path)
         except Exception as e:
-            raise ValueError(f"{path}: cannot parse tokenizer ({e})") from None
+            raise CheckpointError(f"{path}: cannot parse tokenizer ({e}); the folder needs the tokenizer.json "
+                                  "that transformers' save_pretrained writes") from None
         cfg = {}
         cfg_path = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            try:
+                with open(cfg_path) as f:
+                    cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
         stm_path = os.path.join(folder, "special_tokens_map.json")
         specials = {}
         if os.path.isfile(stm_path):

@@ -34,6 +34,7 @@ import numpy as np
 
 from treejax.errors import ConfigError
 from treejax.rl.sources.requirements import VERIFIER
+from treejax.scorers.config import ScorerConfig
 
 #: estimator inputs computed from the planner's (un-judged) rewards
 REWARD_INPUTS = frozenset({"greedy_reward_P", "cut_value_PxWxB"})
@@ -55,6 +56,13 @@ class JudgeStage:
         if getattr(self, "scope", "verdict") not in SCOPES:
             raise ConfigError(f"{type(self).__name__}.scope must be one of {SCOPES}, got {self.scope!r}; fix: "
                               f"{type(self).__name__}.scope = 'verdict'")
+
+    def check_scorer(self) -> None:
+        """The stage's ``scorer`` is a :class:`ScorerConfig` (called from each stage's ``__post_init__``)."""
+        name = type(self).__name__
+        if not isinstance(self.scorer, ScorerConfig):
+            raise ConfigError(f"{name}.scorer must be a ScorerConfig, got {self.scorer!r}; fix: "
+                              f"{name}.scorer = @ScorerConfig()")
 
     def build(self, inner, ctx):
         return JudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.reward_style, ctx.cfg.model)

@@ -33,7 +33,6 @@ Metrics: ``fapo/flawed_rate`` (flawed among the correct leaves judged), ``fapo/f
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import numpy as np
 
@@ -78,8 +77,6 @@ class FAPOConfig(JudgeStage, Stage):
     threshold: float = 0.5
     scope: str = "verdict"
 
-    role: ClassVar[str] = "wrapper"
-
     def __post_init__(self):
         if not 0.0 < self.penalty <= 1.0:
             raise ConfigError(f"FAPOConfig.penalty must be in (0, 1] (a fraction of the gap between the correct and "
@@ -88,9 +85,7 @@ class FAPOConfig(JudgeStage, Stage):
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"FAPOConfig.threshold must be in (0, 1), got {self.threshold}; fix: "
                               "FAPOConfig.threshold = 0.5")
-        if not isinstance(self.scorer, ScorerConfig):
-            raise ConfigError(f"FAPOConfig.scorer must be a ScorerConfig, got {self.scorer!r}; fix: "
-                              "FAPOConfig.scorer = @ScorerConfig()")
+        self.check_scorer()
 
     def judged(self, correct_PxW):
         return np.asarray(correct_PxW, bool)  # the official code judges correct leaves only

@@ -24,7 +24,6 @@ Metrics: ``ssl/tier_mean`` (mean tier), ``ssl/top_tier`` (share of leaves in tie
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import numpy as np
 
@@ -78,8 +77,6 @@ class SSLConfig(JudgeStage, Stage):
     amplification: float = 2.0
     scope: str = "verdict"
 
-    role: ClassVar[str] = "wrapper"
-
     def __post_init__(self):
         if not 2 <= self.levels <= 16:
             raise ConfigError(f"SSLConfig.levels must be in [2, 16] (1 is the verifier's reward alone: the judge "
@@ -87,9 +84,7 @@ class SSLConfig(JudgeStage, Stage):
         if not 1.0 <= self.amplification <= 100.0:
             raise ConfigError(f"SSLConfig.amplification must be in [1, 100] (below 1 the upper tiers' gaps would "
                               f"shrink, not grow), got {self.amplification}; fix: SSLConfig.amplification = 2.0")
-        if not isinstance(self.scorer, ScorerConfig):
-            raise ConfigError(f"SSLConfig.scorer must be a ScorerConfig, got {self.scorer!r}; fix: "
-                              "SSLConfig.scorer = @ScorerConfig()")
+        self.check_scorer()
 
     def shape(self, rewards_PxW, correct_PxW, judge_PxW, style):
         out, tiers = ssl_rewards(rewards_PxW, correct_PxW, judge_PxW, style, self.levels, self.amplification)

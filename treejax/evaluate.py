@@ -193,7 +193,14 @@ def main(argv: list[str] | None = None) -> dict:
     if root is not None:
         from treejax.checkpoint import restore_params
 
-        params, step = restore_params(root, params, step)
+        if run_cfg.lora.enabled:  # a LoRA run's checkpoint holds its adapters: restored onto the frozen base
+            from treejax.models import lora
+
+            adapters, frozen = lora.split(lora.prepare(params, run_cfg.lora))
+            adapters, step = restore_params(root, adapters, step)
+            params = jax.jit(lora.merge)(lora.combine(adapters, frozen))
+        else:
+            params, step = restore_params(root, params, step)
         log.info("restored the params of step %d from %s", step, root)
     params = prec.sampler_params(jax.device_put(params))
     examples = []

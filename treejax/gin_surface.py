@@ -43,6 +43,7 @@ __all__ = ["add_gin_arguments", "check_config", "check_devices", "configurable_c
 # ----------------------------------------------------------------------------------------------- registration
 def _core_configs() -> dict[str, type]:
     """The configuration classes of the programs, in no registry (the order suggestions list them in)."""
+    from treejax.models.lora import LoRAConfig
     from treejax.parallel.mesh import MeshConfig
     from treejax.precision import Precision
     from treejax.rl.config import AsyncConfig, RunConfig
@@ -57,7 +58,8 @@ def _core_configs() -> dict[str, type]:
     return {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig,
             "TreeConfig": TreeConfig, "LossConfig": LossConfig, "OptimizerConfig": OptimizerConfig,
             "MeshConfig": MeshConfig, "Precision": Precision, "PackingConfig": PackingConfig,
-            "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig, "ScorerConfig": ScorerConfig}
+            "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig, "ScorerConfig": ScorerConfig,
+            "LoRAConfig": LoRAConfig}
 
 
 def _source_configs() -> dict[str, type]:

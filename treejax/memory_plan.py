@@ -194,12 +194,53 @@ def param_elements(model, mesh: tuple[int, int, int], rules=None, layers_only: b
     return sum(sharded_elements(s, _LOGICAL[k], mesh, rules) for k, s in leaves)
 
 
+def lora_elements(model, lcfg, mesh: tuple[int, int, int], rules=None) -> int:
+    """Adapter parameters on one device: ``Ly r (prod(in) + prod(out))`` per target, ``A`` sharded like its
+    weight's input axes and ``B`` like its output axes (:func:`treejax.models.lora.logical_axes`)."""
+    from treejax.models.lora import TARGETS
+    from treejax.models.transformer import _LOGICAL, param_shapes
+
+    shapes, n = param_shapes(model)["layers"], 0
+    for t in lcfg.targets:
+        shape, axes, k = shapes[t], _LOGICAL[t], TARGETS[t]
+        n += sharded_elements(shape[:1 + k] + (lcfg.rank,), axes[:1 + k] + (None,), mesh, rules)
+        n += sharded_elements((shape[0], lcfg.rank) + shape[1 + k:], (axes[0], None) + axes[1 + k:], mesh, rules)
+    return n
+
+
+def lora_base_bytes(model, lcfg, mesh: tuple[int, int, int], rules=None) -> int:
+    """The frozen base on one device (``LoRAConfig.base_dtype``): bf16 (or fp32) leaves; a quantized base's seven
+    projections at 1 byte (int8) or half a byte (nf4, int4) per weight plus a bf16 scale per output channel
+    (int8) or per ``block_size`` inputs (4-bit), the rest bf16."""
+    from treejax.models.lora import TARGETS
+    from treejax.models.transformer import _LOGICAL, param_shapes
+
+    shapes = param_shapes(model)
+    leaves = [(k, s) for k, s in shapes["layers"].items()] + [(k, s) for k, s in shapes.items() if k != "layers"]
+    quantized, total = lcfg.base_dtype in ("int8", "nf4", "int4"), 0.0
+    for k, shape in leaves:
+        n = sharded_elements(shape, _LOGICAL[k], mesh, rules)
+        if quantized and k in TARGETS:
+            per_scale = math.prod(shape[1:1 + TARGETS[k]]) if lcfg.base_dtype == "int8" else lcfg.block_size
+            total += n * (1.0 if lcfg.base_dtype == "int8" else 0.5) + 2 * n / per_scale
+        else:
+            total += n * (4 if lcfg.base_dtype == "float32" else 2)
+    return int(total)
+
+
 def state_bytes(model, cfg, dtypes: dict[str, str], mesh: tuple[int, int, int]) -> dict[str, int]:
-    """``{"params", "optimizer", "reference"}`` bytes on one learner device (module docstring)."""
+    """``{"params", "optimizer", "reference"}`` bytes on one learner device (module docstring). With LoRA the
+    params are the frozen base (:func:`lora_base_bytes`) and the fp32 adapters, the optimizer state covers the
+    adapters only and the reference is the base itself (no copy)."""
     from treejax.rl.shaping import needed_stats
 
     n, bp = param_elements(model, mesh), _DTYPE_BYTES[dtypes["param"]]
     opt = cfg.optimizer
+    if cfg.lora.enabled:
+        n_a = lora_elements(model, cfg.lora, mesh)
+        bm = _DTYPE_BYTES[opt.moments_dtype] if opt.moments_dtype else 4
+        return {"params": lora_base_bytes(model, cfg.lora, mesh) + 4 * n_a,
+                "optimizer": n_a * (bm + 4) + (4 * n_a if opt.proximal_ewma is not None else 0), "reference": 0}
     bm = _DTYPE_BYTES[opt.moments_dtype] if opt.moments_dtype else bp
     optimizer = n * (bm + bp) + (n * bp if opt.proximal_ewma is not None else 0)
     ref = cfg.loss.kl_coef > 0 or "ref_logp" in needed_stats(cfg.shapers)[0]
@@ -250,10 +291,12 @@ def learner_memory(model, cfg, dtypes: dict[str, str], shape: PlanShape, dense_a
     (``gradients``, ``head_weights``, ``activations``, ``backward_working``, ``batch``) and the optimizer step
     (``optimizer_step``: the ``4 N`` gradients and AdamW's temporaries, ``3 x 4 N`` in all)."""
     out = state_bytes(model, cfg, dtypes, shape.mesh)
-    n_params = param_elements(model, shape.mesh)
+    lora_on = cfg.lora.enabled
+    n_params = lora_elements(model, cfg.lora, shape.mesh) if lora_on else param_elements(model, shape.mesh)
     out["gradients"] = 4 * n_params * (2 if cfg.micro_batches > 1 else 1)
     head = sharded_elements((model.hidden_size, model.vocab_size), ("embed", "vocab"), shape.mesh)
-    out["head_weights"] = head * (4 + _DTYPE_BYTES[dtypes["compute"]])
+    # the head's chunked compute-dtype copy, and its fp32 gradient unless the head is frozen (LoRA)
+    out["head_weights"] = head * ((0 if lora_on else 4) + _DTYPE_BYTES[dtypes["compute"]])
     remat = remat_name(cfg.remat)
     tokens = shape.rows_mb * shape.row_length
     out["activations"] = model.num_layers * tokens * saved_bytes_per_token_layer(model, remat, dtypes["compute"])
@@ -283,14 +326,19 @@ def kv_bytes(model, rows: int, slots: int, cache_dtype: str, mesh: tuple[int, in
     return 2 * model.num_layers * per_layer * _DTYPE_BYTES[cache_dtype]
 
 
-def sampler_memory(model, dtypes: dict[str, str], shape: PlanShape, fused: bool) -> dict[str, int]:
+def sampler_memory(model, dtypes: dict[str, str], shape: PlanShape, fused: bool, lcfg=None) -> dict[str, int]:
     """Bytes of one sampler device during a tree rollout (module docstring): the weight copy, the fused layer
-    weights, the KV cache and the gather buffer of the same size."""
+    weights, the KV cache and the gather buffer of the same size. LoRA (``lcfg``): merged weights are always a
+    copy; unmerged ones copy only the adapters (cast) and keep their projections unfused."""
     from treejax.parallel.axis_rules import SAMPLER_RULES
 
     mesh, bs = shape.sampler_mesh, _DTYPE_BYTES[dtypes["sampler"]]
     copy = dtypes["sampler"] != dtypes["param"] or shape.sampler_mesh[1] > 1
     n = param_elements(model, mesh, SAMPLER_RULES)
+    if lcfg is not None and lcfg.enabled:
+        copy = True
+        if lcfg.sampler_weights == "unmerged":
+            n, fused = lora_elements(model, lcfg, mesh, SAMPLER_RULES), False
     kv = kv_bytes(model, shape.sampler_rows, shape.cache_slots, dtypes["cache"], mesh)
     if shape.prefix_prompts:
         kv += kv_bytes(model, shape.prefix_prompts, shape.prefix_slots, dtypes["cache"], mesh)
@@ -300,14 +348,14 @@ def sampler_memory(model, dtypes: dict[str, str], shape: PlanShape, fused: bool)
             "logits": 2 * 4 * -(-shape.sampler_rows // (mesh[0] * mesh[1])) * model.vocab_size}
 
 
-def eval_memory(model, dtypes: dict[str, str], shape: PlanShape) -> int:
+def eval_memory(model, dtypes: dict[str, str], shape: PlanShape, lora_on: bool = False) -> int:
     """The held-out decode on the learner's devices (:func:`treejax.sampling.decode.generate`, linear: no forks):
     its KV cache (``EvalConfig.batch_size`` rows of the run's prompt bucket plus ``max_new_tokens``), the fused
     layer weights, the sampler's weight copy and the logits."""
     kv = kv_bytes(model, shape.eval_rows, shape.eval_slots, dtypes["cache"], shape.mesh)
     fused = param_elements(model, shape.mesh, layers_only=True) * _DTYPE_BYTES[dtypes["sampler"]]
     copy = param_elements(model, shape.mesh) * _DTYPE_BYTES[dtypes["sampler"]] \
-        if dtypes["sampler"] != dtypes["param"] else 0
+        if dtypes["sampler"] != dtypes["param"] or lora_on else 0  # LoRA: the sampler's view is a new tree
     return kv + fused + copy + 2 * 4 * shape.eval_rows * model.vocab_size
 
 
@@ -445,8 +493,8 @@ def plan_memory(cfg, model, *, devices: int = 1, prompt_width: int, rollout_widt
     rollout_width = prompt_width if rollout_width is None else rollout_width
     shape, split, fused = plan_shape(cfg, model, prompt_width, rollout_width, devices, backend, dtypes)
     learner = learner_memory(model, cfg, dtypes, shape, dense_update_attention(cfg, backend, dtypes))
-    sampler = sampler_memory(model, dtypes, shape, fused)
-    eval_bytes = eval_memory(model, dtypes, shape)
+    sampler = sampler_memory(model, dtypes, shape, fused, cfg.lora)
+    eval_bytes = eval_memory(model, dtypes, shape, cfg.lora.enabled)
     peak_l, peak_s = peaks(cfg, learner, sampler, eval_bytes, split)
     plan = MemoryPlan(model_name or cfg.model, backend, devices, split, shape, dtypes, remat_name(cfg.remat),
                       cfg.micro_batches, learner, dict(sampler, eval_decode=eval_bytes), peak_l, peak_s,
@@ -728,6 +776,10 @@ def _abstract_state(cfg, model):
 
     optimizer = make_optimizer(cfg.optimizer)
     params = jax.eval_shape(lambda k: transformer.init_params(model, k), jax.random.key(0))
+    if cfg.lora.enabled:  # the LoRA run's tree: adapters on the frozen (quantized) base
+        from treejax.models import lora
+
+        params = jax.eval_shape(lambda p: lora.prepare(p, cfg.lora), params)
     return optimizer, jax.eval_shape(lambda p: TrainState.create(p, optimizer, {}), params)
 
 

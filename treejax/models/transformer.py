@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from treejax.models import tree_attention
+from treejax.models import lora, tree_attention
 from treejax.models.config import ModelConfig
 from treejax.models.dense_attention import attention, segment_mask, windowed_decode_attention
 from treejax.parallel.mesh import rows_and_heads
@@ -131,14 +131,14 @@ def _project_qkv(config: ModelConfig, lp: dict, h: jax.Array, positions: jax.Arr
     dt = h.dtype
     if "wqkv" in lp:  # fused layout of fuse_projections: one matmul, then split
         Q, K = config.num_heads, config.num_kv_heads
-        qkv = jnp.einsum("ble,ejh->bljh", h, lp["wqkv"].astype(dt))
+        qkv = jnp.einsum("ble,ejh->bljh", h, lora.weight(lp["wqkv"], dt))
         if config.qkv_bias:
             qkv = qkv + lp["bqkv"].astype(dt)[None, None]
         q, k, v = qkv[:, :, :Q], qkv[:, :, Q:Q + K], qkv[:, :, Q + K:]
     else:
-        q = jnp.einsum("ble,eqh->blqh", h, lp["wq"].astype(dt))
-        k = jnp.einsum("ble,ekh->blkh", h, lp["wk"].astype(dt))
-        v = jnp.einsum("ble,ekh->blkh", h, lp["wv"].astype(dt))
+        q = lora.dense(lp, "wq", h, "ble,eqh->blqh")
+        k = lora.dense(lp, "wk", h, "ble,ekh->blkh")
+        v = lora.dense(lp, "wv", h, "ble,ekh->blkh")
         if config.qkv_bias:
             q = q + lp["bq"].astype(dt)[None, None]
             k = k + lp["bk"].astype(dt)[None, None]
@@ -152,12 +152,12 @@ def _project_qkv(config: ModelConfig, lp: dict, h: jax.Array, positions: jax.Arr
 def _mlp(lp: dict, h: jax.Array) -> jax.Array:
     dt = h.dtype
     if "w_gate_up" in lp:  # fused layout of fuse_projections: [E, 2, F]
-        gate_up = jnp.einsum("ble,etf->bltf", h, lp["w_gate_up"].astype(dt))
+        gate_up = jnp.einsum("ble,etf->bltf", h, lora.weight(lp["w_gate_up"], dt))
         gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
     else:
-        gate = jnp.einsum("ble,ef->blf", h, lp["w_gate"].astype(dt))
-        up = jnp.einsum("ble,ef->blf", h, lp["w_up"].astype(dt))
-    return jnp.einsum("blf,fe->ble", _swiglu(gate, up), lp["w_down"].astype(dt))
+        gate = lora.dense(lp, "w_gate", h, "ble,ef->blf")
+        up = lora.dense(lp, "w_up", h, "ble,ef->blf")
+    return lora.dense(lp, "w_down", _swiglu(gate, up), "blf,fe->ble")
 
 
 @jax.checkpoint
@@ -173,7 +173,7 @@ def _block(config: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array, at
     h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
     q, k, v = _project_qkv(config, lp, h, positions)
     attn, aux = attend_fn(q, k, v)
-    x = x + jnp.einsum("blqh,qhe->ble", attn, lp["wo"].astype(x.dtype))
+    x = x + lora.dense(lp, "wo", attn, "blqh,qhe->ble")
     x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
     return x, aux
 
@@ -515,6 +515,13 @@ def unstack_layers(params: Params) -> Params:
     return dict(params, layers=tuple(jax.tree.map(lambda a, l=l: a[l], stacked) for l in range(n)))
 
 
+def _fusable(lp: dict, names: tuple[str, ...]) -> bool:
+    """Whether projections ``names`` of a layer can be concatenated: plain arrays without LoRA adapters (an
+    unmerged adapter or a quantized base weight keeps its own matmul)."""
+    adapters = lp.get("lora", {})
+    return not any(n in adapters or isinstance(lp[n], lora.QArray) for n in names)
+
+
 def fuse_projections(params: Params) -> Params:
     """Decode layout: :func:`unstack_layers`, then per layer ``wq|wk|wv -> wqkv [E, Q + 2K, H]`` (and
     ``bq|bk|bv -> bqkv``) and ``w_gate|w_up -> w_gate_up [E, 2, F]``.
@@ -528,11 +535,11 @@ def fuse_projections(params: Params) -> Params:
     fused = []
     for lp in params["layers"]:
         lp = dict(lp)
-        if "wq" in lp:
+        if "wq" in lp and _fusable(lp, ("wq", "wk", "wv")):
             lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=1)
             if "bq" in lp:
                 lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=0)
-        if "w_gate" in lp:
+        if "w_gate" in lp and _fusable(lp, ("w_gate", "w_up")):
             lp["w_gate_up"] = jnp.stack([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
         fused.append(lp)
     return dict(params, layers=tuple(fused))

@@ -160,8 +160,10 @@ def train_state_shardings(abstract_state: Any, param_shardings: Any, optimizer: 
                           mesh: Mesh) -> Any:
     """Shardings for a ``TrainState``: params as given, optimizer leaves that mirror params (Adam moments) like
     their param, every other leaf (counts, step, the shapers' ``aux`` state) replicated."""
+    from treejax.models import lora  # the optimizer state mirrors the trainable params (LoRA: the adapters)
+
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract_state.opt_state, param_shardings,
+        optimizer, lambda _, sharding: sharding, abstract_state.opt_state, lora.split(param_shardings)[0],
         transform_non_params=lambda _: replicated(mesh),
     )
     out = abstract_state.replace(params=param_shardings, opt_state=opt_shardings, step=replicated(mesh))

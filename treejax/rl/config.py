@@ -16,6 +16,7 @@ from treejax.choices import check_choice
 from treejax.config_types import check_types
 from treejax.data.defaults import DEFAULT_TASK_OPTIONS  # noqa: F401  (re-exported: its old home)
 from treejax.errors import ConfigError
+from treejax.models.lora import LoRAConfig
 from treejax.models.transformer import REMAT_POLICIES, TRAIN_ATTENTION_IMPLS
 from treejax.parallel.mesh import MeshConfig
 from treejax.precision import Precision
@@ -125,6 +126,7 @@ class RunConfig(LegacySourceFields):
     packed_update: bool = False  # tree-packed update: each shared prompt/segment token computed once
     packing: PackingConfig = PackingConfig()  # the packed batch's settings (used when packed_update is True)
     remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
+    lora: LoRAConfig = LoRAConfig()  # rank > 0: train low-rank adapters on a frozen (optionally quantized) base
     eval: EvalConfig = EvalConfig(num_problems=32, max_new_tokens=48)
     eval_every: int = 0
     max_prompt_length: int = 1024  # prompts longer than this (tokens, chat template included) are filtered

@@ -53,6 +53,7 @@ from treejax.compile_cache import compile_clock, enable_compilation_cache
 from treejax.errors import DivergenceError, record_failure
 from treejax.log import show_progress
 from treejax.memory_plan import log_run_plan
+from treejax.models import lora
 from treejax.models.export import export_hf
 from treejax.parallel import multihost
 from treejax.parallel.mesh import mesh_context
@@ -183,7 +184,7 @@ def memory_error(r: Run, e: BaseException):
 def save(r: Run, collector, step: int, force: bool = False) -> None:
     """A checkpoint of the state and the data state, with the collector's pipeline state and queued rollouts."""
     record_collector(r, collector)
-    r.checkpointer.save(step, r.state, r.data_state, force=force)
+    r.checkpointer.save(step, lora.checkpoint_state(r.state), r.data_state, force=force)
 
 
 def record_collector(r: Run, collector) -> None:
@@ -307,7 +308,7 @@ def finish(r: Run) -> dict:
     if evals[-1]["step"] != cfg.num_steps:
         evals.append(evaluate_now(r, cfg.num_steps))
     if cfg.save_final and r.checkpointer.latest_step() != cfg.num_steps:
-        r.checkpointer.save(cfg.num_steps, r.state, r.data_state, force=True)
+        r.checkpointer.save(cfg.num_steps, lora.checkpoint_state(r.state), r.data_state, force=True)
     r.checkpointer.wait()
     diverged = r.data_state.get("divergence", [])
     if diverged:
@@ -317,7 +318,8 @@ def finish(r: Run) -> dict:
     export_dir = None
     if cfg.export_hf:
         export_dir = os.path.join(cfg.log_dir, "hf_export")
-        params = multihost.host_tree(r.state.params)  # all-gathered: every process takes part
+        # all-gathered: every process takes part; LoRA: the merged W + s A B (the base dequantized)
+        params = multihost.host_tree(jax.jit(lora.merge)(r.state.params))
         if multihost.is_primary():
             export_hf(params, r.model_config, export_dir, r.tokenizer)
         del params

@@ -25,7 +25,7 @@ from treejax import metrics as metrics_lib
 from treejax.data import get_task, make_prompt_pipeline
 from treejax.data.prompts import encode_examples, encode_prompts
 from treejax.errors import DataError
-from treejax.models import transformer
+from treejax.models import lora, transformer
 from treejax.models.registry import load_model, load_tokenizer
 from treejax.parallel import multihost
 from treejax.parallel.axis_rules import SAMPLER_RULES
@@ -186,7 +186,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
                                          max_to_keep=cfg.keep_checkpoints)
     data_state: dict = {"rl_step": 0}
     if checkpointer.latest_step() is not None:
-        state, data_state = checkpointer.restore(state)
+        restored, data_state = checkpointer.restore(lora.checkpoint_state(state))  # LoRA: adapters only
+        state = lora.restored_state(state, restored)
         pipeline.set_state(data_state["pipeline"])
         if hasattr(source, "restore_state"):  # the rollout chain's own state (its stages')
             source.restore_state(data_state)
@@ -243,6 +244,14 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
     jitted with the state's shardings and donates it."""
     optimizer = make_optimizer(cfg.optimizer)
     axes = transformer.param_logical_axes(model_config)
+    plain_axes = axes
+    if cfg.lora.enabled:  # adapters on a frozen base (bf16 or quantized); only they train and are checkpointed
+        params = lora.prepare(params, cfg.lora)
+        axes = lora.logical_axes(axes, params)
+        trainable, frozen = lora.param_bytes(params)
+        log.info("LoRA rank %d on %s (alpha %g): %.1f M trainable parameters (%.2f GB fp32), frozen %s base %.2f GB",
+                 cfg.lora.rank, ",".join(cfg.lora.targets), cfg.lora.alpha, trainable / 4e6, trainable / 1e9,
+                 cfg.lora.base_dtype, frozen / 1e9)
     aux = lambda: init_states(cfg.shapers, model_config.hidden_size)  # noqa: E731  the stateful shapers' state
     state, state_sh = place_train_state(params, axes, lambda p: TrainState.create(p, optimizer, aux()), optimizer,
                                         mesh)
@@ -253,9 +262,21 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
                                nonfinite=cfg.nonfinite, learning_rate_fn=learning_rate_schedule(cfg.optimizer),
                                remat=cfg.remat)
     update = sharded_update(update_fn, state_sh, mesh)  # jitted per mini-batch layout (packed shapes bucket)
+    sampler_view = sampler_weights_fn(cfg.lora, prec.sampler_dtype)
     sampler_sh = None  # on a mesh the sampler's copy is gathered over fsdp once per step (SAMPLER_RULES)
     if mesh.size > 1:
-        sampler_sh = logical_to_sharding(axes, mesh, SAMPLER_RULES, state.params)
+        view = jax.eval_shape(sampler_view, state.params)
+        view_axes = lora.logical_axes(plain_axes, view) if lora.has_adapters(view) else plain_axes
+        sampler_sh = logical_to_sharding(view_axes, mesh, SAMPLER_RULES, view)
     learner = make_learner(model_config, step_cfg, prec, update, layout, batch_sharding=batch_placer(mesh),
-                           sampler_shardings=sampler_sh)
+                           sampler_shardings=sampler_sh, sampler_view=sampler_view)
     return learner, state, initial_reference(state.params, cfg.loss, cfg.shapers)
+
+
+def sampler_weights_fn(config: lora.LoRAConfig, dtype):
+    """The params -> the weights the sampler decodes with, before its cast: the params themselves, or with LoRA
+    (``LoRAConfig.sampler_weights``) the merged ``W + s A B`` (summed in fp32, stored in the sampler's ``dtype``)
+    or the unmerged base + adapters."""
+    if config.enabled and config.sampler_weights == "merged":
+        return lambda p: lora.merge(p, dtype)  # noqa: E731
+    return lambda p: p  # noqa: E731

@@ -58,6 +58,7 @@ from treejax.rl.advantages.registry import Advantages
 from treejax.rl.allocation.groups import group_forest, group_leaves, ungroup
 from treejax.rl.batch import Batch
 from treejax.rl.config import StepConfig
+from treejax.models import lora
 from treejax.rl.optimizer import proximal_params
 from treejax.rl.precompile import AheadOfTime, abstract, precompile_ladder
 from treejax.rl.layouts import Layout, make_layout
@@ -174,7 +175,7 @@ class Learner:
 
 def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision, update: Callable,
                  layout: Layout | None = None, batch_sharding: Callable | None = None,
-                 sampler_shardings: Any = None) -> Learner:
+                 sampler_shardings: Any = None, sampler_view: Callable | None = None) -> Learner:
     """Builds the :class:`Learner`. ``update`` is the jitted ``update(state, batch)`` of ``layout`` (default:
     :func:`~treejax.rl.layouts.make_layout` of ``cfg``; pass the one the update was built with).
     ``batch_sharding(batch)`` (optional) places each mini-batch before the update and the old / reference passes
@@ -182,7 +183,9 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
     mini-batch gather gives, which on a mesh can be replicated, so every device computes every row).
     ``sampler_shardings`` (optional, a pytree of shardings like the params): where the sampler's weight copy
     lives (e.g. ``treejax.parallel.axis_rules.SAMPLER_RULES``: gathered over ``fsdp`` once per step); the cast is
-    then jitted with these output shardings even when the dtype does not change."""
+    then jitted with these output shardings even when the dtype does not change. ``sampler_view(params)``
+    (optional): the weights the sampler decodes with, before the cast (LoRA's merged ``W + s A B``:
+    :func:`treejax.rl.setup.sampler_weights_fn`)."""
     if layout is None:
         layout = make_layout(model_config, cfg.packing, pad_id=cfg.pad_id, attention_impl=cfg.attention_impl,
                              row_multiple=cfg.row_multiple, chunk_size=cfg.logprob_chunk_size)
@@ -191,12 +194,16 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
     estimator = jax.jit(lambda f, r, inputs: spec.fn(f, r, options, **inputs))
     grouped = jax.jit(lambda f, r, inputs, rows: grouped_advantages(spec.fn, options, f, r, inputs, rows))
     place = batch_sharding or (lambda b: b)
+    cast = precision.sampler_params if sampler_view is None else (
+        lambda p: precision.sampler_params(sampler_view(p)))
     if sampler_shardings is not None:  # cast (and gather) once per step
-        sampler_params = jax.jit(precision.sampler_params, out_shardings=sampler_shardings)
+        sampler_params = jax.jit(cast, out_shardings=sampler_shardings)
+    elif sampler_view is not None:
+        sampler_params = jax.jit(cast)  # the view (e.g. LoRA's merge) and the cast, once per step
     elif precision.sampler_dtype == precision.param_dtype:
         sampler_params = lambda p: p  # noqa: E731
     else:
-        sampler_params = jax.jit(precision.sampler_params)  # cast once per step
+        sampler_params = jax.jit(cast)  # cast once per step
     return Learner(cfg, precision, layout, estimator,
                    AheadOfTime(jax.jit(make_logprob_fn(layout, cfg.micro_batches))),
                    lambda state, batch: update(state, place(batch)), place, sampler_params,
@@ -340,11 +347,11 @@ def _pass_logprobs(learner: Learner, state, ro: Rollouts, pool, first: list, ref
     if cfg.old_logp == "sampler":
         old = None
     elif cfg.old_logp == "ewma":  # PPO-EWMA: the ratio against the parameters' moving average
-        old = _pool_logprobs(learner, pool, first, proximal_params(state.opt_state))
+        old = _pool_logprobs(learner, pool, first, lora.with_trainable(state.params, proximal_params(state.opt_state)))
     else:
         old = stats["logp"] if stats else _pool_logprobs(learner, pool, first, state.params)
-    ref = (_pool_logprobs(learner, pool, first, ref_params) if cfg.loss.kl_coef > 0 or "ref_logp" in stat_names
-           else None)
+    ref = (_pool_logprobs(learner, pool, first, lora.resolve_reference(ref_params, state.params))
+           if cfg.loss.kl_coef > 0 or "ref_logp" in stat_names else None)
     behaviour = (_pool_logprobs(learner, pool, first, behaviour_params)
                  if behaviour_params is not None and old is not None else None)
     b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
@@ -486,9 +493,12 @@ def mean_metrics(metrics: list[dict]) -> dict:
 
 def initial_reference(params: Any, loss: LossConfig, shapers: tuple = ()) -> Any:
     """The frozen reference policy for the KL term and the shapers that read it: a copy of the initial weights
-    (``None`` when neither needs it)."""
+    (``None`` when neither needs it); with LoRA adapters, the base with the adapters off
+    (:data:`treejax.models.lora.BASE_REFERENCE`, resolved against the current params when used: no copy)."""
     if loss.kl_coef <= 0 and "ref_logp" not in needed_stats(shapers)[0]:
         return None
+    if lora.has_adapters(params):
+        return lora.BASE_REFERENCE
     return jax.tree.map(jnp.copy, params)
 
 

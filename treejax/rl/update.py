@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from treejax.models import lora
 from treejax.rl import losses
 from treejax.rl.batch import Batch
 from treejax.rl.config import NONFINITE_POLICIES
@@ -93,14 +94,17 @@ def make_grad_fn(
     num_micro_batches: int = 1,
     remat: bool | str = False,
 ) -> Callable[[Any, Batch], tuple[jax.Array, dict[str, jax.Array], Any]]:
-    """``grads(params, batch) -> (loss, metrics, grads)``: the policy loss of a mini-batch and its fp32 gradient,
-    accumulated over ``num_micro_batches`` strided groups of rows (module docstring)."""
+    """``grads(params, batch, frozen=None) -> (loss, metrics, grads)``: the policy loss of a mini-batch and its fp32
+    gradient with respect to ``params``, accumulated over ``num_micro_batches`` strided groups of rows (module
+    docstring). ``frozen``: the rest of the model when ``params`` are LoRA adapters (:func:`treejax.models.lora.split`;
+    the model runs on ``lora.combine(params, frozen)``, and no gradient of the frozen part is computed)."""
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
 
-    def micro_loss(params, mb: Batch, denominator):
+    def micro_loss(params, mb: Batch, denominator, frozen):
         # entropy is always reported; its gradient only matters when entropy_coef > 0
-        logp, entropy = layout.pair_logprobs(params, mb.inputs, with_entropy=True, remat=remat)
+        logp, entropy = layout.pair_logprobs(lora.combine(params, frozen), mb.inputs, with_entropy=True,
+                                             remat=remat)
         flat = lambda x: x.reshape((-1, x.shape[-1]))  # noqa: E731
         return losses.policy_loss(
             flat(logp), mb.flat("old_logp"), mb.flat("advantages"), mb.flat("loss_mask"), loss_config,
@@ -109,7 +113,7 @@ def make_grad_fn(
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def grads_fn(params, batch: Batch):
+    def grads_fn(params, batch: Batch, frozen=None):
         if not isinstance(batch, Batch):
             raise TypeError(f"the update takes a treejax.rl.batch.Batch, got {type(batch).__name__} (an expanded "
                             "dict batch: treejax.rl.batch.expanded_batch(d))")
@@ -119,13 +123,13 @@ def make_grad_fn(
         if B % num_micro_batches:
             raise ValueError(f"batch rows {B} are not divisible by num_micro_batches={num_micro_batches}")
         if num_micro_batches == 1:
-            (loss, metrics), grads = grad_fn(params, batch, denominator)
+            (loss, metrics), grads = grad_fn(params, batch, denominator, frozen)
             return loss, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         micro = jax.tree.map(functools.partial(split_micro, num_micro=num_micro_batches), batch)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(acc, mb):
-            (l, m), g = grad_fn(params, mb, denominator)
+            (l, m), g = grad_fn(params, mb, denominator, frozen)
             acc = jax.tree.map(lambda a, gi: a + gi.astype(jnp.float32), acc, g)
             return acc, (l, m)
 
@@ -163,8 +167,8 @@ def make_update_fn(
     grads_fn = make_grad_fn(layout, loss_config, num_micro_batches=num_micro_batches, remat=remat)
 
     def update(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        params = state.params
-        loss, metrics, grads = grads_fn(params, batch)
+        params, frozen = lora.split(state.params)  # LoRA: only the adapters train (frozen is None otherwise)
+        loss, metrics, grads = grads_fn(params, batch, frozen)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -176,14 +180,14 @@ def make_update_fn(
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = state.replace(
-            params=keep(new_params, params),
+            params=lora.combine(keep(new_params, params), frozen),
             opt_state=keep(new_opt_state, state.opt_state),
             step=state.step + 1,
         )
         metrics = dict(metrics)
         metrics["loss"] = loss
         metrics["grad_norm"] = grad_norm
-        metrics["param_norm"] = optax.global_norm(new_state.params)
+        metrics["param_norm"] = optax.global_norm(lora.split(new_state.params)[0])  # of the trainable params
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         if learning_rate_fn is not None:
             metrics["learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)

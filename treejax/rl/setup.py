@@ -79,6 +79,7 @@ class Run:
     sampler_mesh: Any = None  # the rollout sampler's mesh (the learner's unless AsyncConfig.sampler_devices > 0)
     stopped_by: str | None = None  # the signal that stopped the step loop early (SIGTERM, SIGINT)
     loop_s: float | None = None  # the step loop's wall-clock seconds (set when it ran through)
+    memory_plan: Any = None  # what ``before_load`` returned (the loop's memory plan, for the summary)
 
 
 def load_task_data(cfg: RunConfig) -> tuple[Any, list[dict[str, str]], list]:
@@ -150,8 +151,9 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
     task, train_records, eval_examples = load_task_data(cfg)
     tokenizer = load_tokenizer(cfg.model)
     train_records, eval_examples, prompt_width = filter_prompts(tokenizer, task, train_records, eval_examples, cfg)
+    planned = None
     if before_load is not None:  # e.g. the memory plan's verdict (treejax.rl.loop.run), before the weights load
-        before_load(cfg, prompt_width, tokenizer, task, train_records)
+        planned = before_load(cfg, prompt_width, tokenizer, task, train_records)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
@@ -196,7 +198,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
         log.info("new run in %s (no checkpoint there): starting at step 0", os.path.abspath(cfg.log_dir))
     return Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, learner, state, ref_params,
                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
-               mesh, sampler_mesh)
+               mesh, sampler_mesh, memory_plan=planned)
 
 
 def task_rollouts(ctx: SourceContext, estimator_inputs: tuple[str, ...]) -> TaskRollouts:

@@ -179,14 +179,17 @@ def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any, 
 
 
 def place_train_state(params: Any, param_logical_axes: Any, create_state: Callable[[Any], Any],
-                      optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules = DEFAULT_RULES
-                      ) -> tuple[Any, Any]:
+                      optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules = DEFAULT_RULES,
+                      donate: bool = False) -> tuple[Any, Any]:
     """Loaded ``params`` -> a sharded ``TrainState``: params placed by their logical axes, then
-    ``create_state(params)`` jitted with the state's shardings as outputs. Returns ``(state, state_shardings)``."""
+    ``create_state(params)`` jitted with the state's shardings as outputs. Returns ``(state, state_shardings)``.
+    ``donate``: the placed params are donated to the state (no second copy of the weights at set-up; the caller's
+    ``params`` must not be used afterwards)."""
     param_sh = logical_to_sharding(param_logical_axes, mesh, rules, params)
     params = jax.device_put(params, param_sh)
     state_sh = train_state_shardings(jax.eval_shape(create_state, params), param_sh, optimizer, mesh)
-    return jax.jit(create_state, out_shardings=state_sh)(params), state_sh
+    create = jax.jit(create_state, out_shardings=state_sh, donate_argnums=(0,) if donate else ())
+    return create(params), state_sh
 
 
 def sharded_update(update_fn: Callable, state_shardings: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Callable:

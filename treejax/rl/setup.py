@@ -156,9 +156,16 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
         planned = before_load(cfg, prompt_width, tokenizer, task, train_records)
     log.info("loading %s (%s master weights, %s compute, %s sampler/cache, matmul precision %s)", cfg.model,
              prec.param_dtype, prec.compute_dtype, prec.cache_dtype, prec.matmul_precision)
-    model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
+    # LoRA: the frozen base loads in its storage float dtype (bf16, or fp32 for base_dtype='float32'), never as fp32
+    # master weights it does not need; the adapters are fp32 (lora.prepare)
+    load_dtype = prec.param_dtype if not cfg.lora.enabled else (
+        "float32" if cfg.lora.base_dtype == "float32" else "bfloat16")
+    model_config, params, tokenizer = load_model(cfg.model, param_dtype=load_dtype,
                                                  compute_dtype=prec.compute_dtype, tokenizer=tokenizer)
-    warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
+    if cfg.lora.enabled:
+        params = lora.prepare(params, cfg.lora)
+    else:
+        warn_if_updates_round_away(params, prec.param_dtype, cfg.optimizer.learning_rate)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, stop_ids=resolve_stop_ids(cfg.rollout.stop_ids, tokenizer=tokenizer)))
@@ -248,7 +255,6 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
     axes = transformer.param_logical_axes(model_config)
     plain_axes = axes
     if cfg.lora.enabled:  # adapters on a frozen base (bf16 or quantized); only they train and are checkpointed
-        params = lora.prepare(params, cfg.lora)
         axes = lora.logical_axes(axes, params)
         trainable, frozen = lora.param_bytes(params)
         log.info("LoRA rank %d on %s (alpha %g): %.1f M trainable parameters (%.2f GB fp32), frozen %s base %.2f GB",
@@ -256,7 +262,7 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
                  cfg.lora.base_dtype, frozen / 1e9)
     aux = lambda: init_states(cfg.shapers, model_config.hidden_size)  # noqa: E731  the stateful shapers' state
     state, state_sh = place_train_state(params, axes, lambda p: TrainState.create(p, optimizer, aux()), optimizer,
-                                        mesh)
+                                        mesh, donate=True)  # the loaded weights become the state's: no copy
     step_cfg = cfg.step_config(pad_id, mesh.shape["data"] * mesh.shape["fsdp"])
     layout = make_layout(model_config, step_cfg.packing, pad_id=pad_id, attention_impl=cfg.attention_impl,
                          row_multiple=step_cfg.row_multiple, chunk_size=step_cfg.logprob_chunk_size)

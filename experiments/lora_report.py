@@ -25,13 +25,13 @@ def row(path: str) -> str:
     ck_bytes = open(ck).read().strip() if os.path.exists(ck) else ""
     name = os.path.basename(path)[:-5]
     return (f"| {name} | {s['device']} x {s['num_devices']} | {rollout:.2f} | {tokens / rollout:,.0f} | "
-            f"{update:.2f} | {med('time/step_s'):.2f} | "
+            f"{update:.2f} | {rollout + update:.2f} | "
             f"{gib(mem.get('measured_peak_bytes'))} | {gib(mem.get('planned_peak_bytes'))} | "
             f"{int(ck_bytes) / 2**20 if ck_bytes else float('nan'):.1f} |")
 
 
 def main(folder: str) -> None:
-    print("| run | device | rollout s/step | decoded tok/s | learn s (old log-probs + update) | step s | peak GiB measured | "
+    print("| run | device | rollout s/step | decoded tok/s | learn s (old log-probs + update) | rollout + learn s | peak GiB measured | "
           "peak GiB planned | checkpoint MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):

@@ -2,7 +2,8 @@
 # The 7B LoRA / QLoRA jobs of issue 45 on ONE GPU (docs/lora.md): treejax-train with configs/scale_qwen7b_lora.gin
 # (Qwen2.5-7B's shape, random weights, the tokenizer of TOKENIZER), one run after the other in the background
 # (setsid), logs and summaries in ~/lora_out, one persistent compilation cache.
-#   bash experiments/lora_runs.sh start TOKENIZER      # bf16 base merged / unmerged sampler, nf4 base merged
+#   bash experiments/lora_runs.sh start TOKENIZER [NAME ...]   # default all: lora_bf16_merged lora_bf16_unmerged
+#                                                              # qlora_nf4_merged qlora_int8_merged
 #   bash experiments/lora_runs.sh report [DIR]         # the table (python experiments/lora_report.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +25,19 @@ case "$1" in
       du -sb "$HOME/runs/$name/checkpoints" 2>/dev/null | cut -f1 > "$OUT/$name.ckpt_bytes"
       tail -14 "$OUT/$name.log"
     }
-    setsid nohup bash -c "$(declare -f run); M=\"$M\"; OUT=$OUT
-      run lora_bf16_merged
-      run lora_bf16_unmerged \"LoRAConfig.sampler_weights='unmerged'\"
-      run qlora_nf4_merged \"LoRAConfig.base_dtype='nf4'\"
-      echo ALL DONE" > "$OUT/driver.log" 2>&1 < /dev/null &
+    shift 2
+    names=${*:-lora_bf16_merged lora_bf16_unmerged qlora_nf4_merged qlora_int8_merged}
+    jobs=""
+    for n in $names; do
+      case $n in
+        lora_bf16_merged) jobs+="run $n; " ;;
+        lora_bf16_unmerged) jobs+="run $n \"LoRAConfig.sampler_weights='unmerged'\"; " ;;
+        qlora_nf4_merged) jobs+="run $n \"LoRAConfig.base_dtype='nf4'\"; " ;;
+        qlora_int8_merged) jobs+="run $n \"LoRAConfig.base_dtype='int8'\"; " ;;
+        *) echo "unknown run $n" >&2; exit 2 ;;
+      esac
+    done
+    setsid nohup bash -c "$(declare -f run); M=\"$M\"; OUT=$OUT; $jobs echo ALL DONE" > "$OUT/driver.log" 2>&1 < /dev/null &
     ;;
   report)
     python experiments/lora_report.py "${2:-$OUT}"

@@ -273,18 +273,19 @@ def _learner(cfg: RunConfig, prec, model_config, params, pad_id: int, mesh):
     sampler_view = sampler_weights_fn(cfg.lora, prec.sampler_dtype)
     sampler_sh = None  # on a mesh the sampler's copy is gathered over fsdp once per step (SAMPLER_RULES)
     if mesh.size > 1:
-        view = jax.eval_shape(sampler_view, state.params)
+        view = jax.eval_shape(sampler_view or (lambda p: p), state.params)
         view_axes = lora.logical_axes(plain_axes, view) if lora.has_adapters(view) else plain_axes
         sampler_sh = logical_to_sharding(view_axes, mesh, SAMPLER_RULES, view)
     learner = make_learner(model_config, step_cfg, prec, update, layout, batch_sharding=batch_placer(mesh),
-                           sampler_shardings=sampler_sh, sampler_view=sampler_view)
+                           sampler_shardings=sampler_sh, sampler_view=sampler_view,
+                           share_sampler_leaves=cfg.lora.enabled)  # unmerged: the base is not copied
     return learner, state, initial_reference(state.params, cfg.loss, cfg.shapers)
 
 
 def sampler_weights_fn(config: lora.LoRAConfig, dtype):
     """The params -> the weights the sampler decodes with, before its cast: the params themselves, or with LoRA
     (``LoRAConfig.sampler_weights``) the merged ``W + s A B`` (summed in fp32, stored in the sampler's ``dtype``)
-    or the unmerged base + adapters."""
+    or the unmerged base + adapters (``None``: the params as they are)."""
     if config.enabled and config.sampler_weights == "merged":
         return lambda p: lora.merge(p, dtype)  # noqa: E731
-    return lambda p: p  # noqa: E731
+    return None

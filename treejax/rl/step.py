@@ -175,7 +175,8 @@ class Learner:
 
 def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: ResolvedPrecision, update: Callable,
                  layout: Layout | None = None, batch_sharding: Callable | None = None,
-                 sampler_shardings: Any = None, sampler_view: Callable | None = None) -> Learner:
+                 sampler_shardings: Any = None, sampler_view: Callable | None = None,
+                 share_sampler_leaves: bool = False) -> Learner:
     """Builds the :class:`Learner`. ``update`` is the jitted ``update(state, batch)`` of ``layout`` (default:
     :func:`~treejax.rl.layouts.make_layout` of ``cfg``; pass the one the update was built with).
     ``batch_sharding(batch)`` (optional) places each mini-batch before the update and the old / reference passes
@@ -185,7 +186,9 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
     lives (e.g. ``treejax.parallel.axis_rules.SAMPLER_RULES``: gathered over ``fsdp`` once per step); the cast is
     then jitted with these output shardings even when the dtype does not change. ``sampler_view(params)``
     (optional): the weights the sampler decodes with, before the cast (LoRA's merged ``W + s A B``:
-    :func:`treejax.rl.setup.sampler_weights_fn`)."""
+    :func:`treejax.rl.setup.sampler_weights_fn`). ``share_sampler_leaves`` (no mesh, no view): cast leaf by leaf
+    outside jit, so leaves already in the sampler dtype are the state's own arrays, not a copy (LoRA's unmerged
+    bf16 base: 15 GB at 7B)."""
     if layout is None:
         layout = make_layout(model_config, cfg.packing, pad_id=cfg.pad_id, attention_impl=cfg.attention_impl,
                              row_multiple=cfg.row_multiple, chunk_size=cfg.logprob_chunk_size)
@@ -200,6 +203,8 @@ def make_learner(model_config: ModelConfig, cfg: StepConfig, precision: Resolved
         sampler_params = jax.jit(cast, out_shardings=sampler_shardings)
     elif sampler_view is not None:
         sampler_params = jax.jit(cast)  # the view (e.g. LoRA's merge) and the cast, once per step
+    elif share_sampler_leaves:
+        sampler_params = precision.sampler_params  # eager: casts only the leaves in another dtype
     elif precision.sampler_dtype == precision.param_dtype:
         sampler_params = lambda p: p  # noqa: E731
     else:

@@ -26,7 +26,7 @@ TC = tree.independent_config(2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,)
 
 @pytest.fixture(scope="module")
 def params():
-    """The tiny model's weights, built once for the module (an eager init: ~3 s on 2 cores)."""
+    """The tiny model's weights (the same key as each test used), built once for the module."""
     return transformer.init_params(CFG, jax.random.key(5))
 
 

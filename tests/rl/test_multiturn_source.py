@@ -24,6 +24,12 @@ FNS = decode.make_model_fns(CFG, attention="dense", cache_dtype="float32")
 TC = tree.independent_config(2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,))
 
 
+@pytest.fixture(scope="module")
+def params():
+    """The tiny model's weights (the same key as each test used), built once for the module."""
+    return transformer.init_params(CFG, jax.random.key(5))
+
+
 class _Base:
     def __init__(self):
         self.cfg, self.pipeline = types.SimpleNamespace(), None
@@ -37,8 +43,7 @@ class _Base:
         return (2.0 * scores - 1.0).astype(np.float32)
 
 
-def test_episodes_become_chain_leaves_with_observations_masked():
-    params = transformer.init_params(CFG, jax.random.key(5))
+def test_episodes_become_chain_leaves_with_observations_masked(params):
     src = MultiTurnRollouts(_Base(), MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=ScriptedToolEnv)
     ro = src.sample(params, jax.random.key(0), 0)
     f = ro.forest
@@ -71,12 +76,11 @@ def test_episodes_become_chain_leaves_with_observations_masked():
     np.testing.assert_array_equal(np.asarray(ro.rewards_PxW), 2 * ro.scores_PxW - 1)
 
 
-def test_turn_trees_share_decoded_turns():
+def test_turn_trees_share_decoded_turns(params):
     """roots=1, 4 slots, forks after the first turn: the first turn is decoded once for all 4 slots, the counters
     count each node once, the forest's nodes are the turns (spans) and a tree estimator reads them."""
     from treejax.rl.advantages.registry import estimator_spec
 
-    params = transformer.init_params(CFG, jax.random.key(5))
     base = _Base()
     base.rollout = types.SimpleNamespace(tree_config=tree.independent_config(4, 32, 8, strategy=Temperature(1.0),
                                                                              stop_ids=(63,)))
@@ -97,7 +101,7 @@ def test_turn_trees_share_decoded_turns():
     assert ro.counters.decoded_tokens == distinct_policy < int(mask.sum())
     np.testing.assert_array_equal(np.asarray(f.leaf_weights()), 1.0)
     spec = estimator_spec("treepo")
-    adv = spec.fn(f, ro.rewards_PxW, spec.default_options())
+    adv = jax.jit(lambda f, r: spec.fn(f, r, spec.default_options()))(f, ro.rewards_PxW)  # one program, not eager ops
     assert np.all(np.asarray(adv.tokens)[mask == 0] == 0)
 
 
@@ -123,12 +127,11 @@ def test_config_checks():
 
 
 @pytest.mark.slow
-def test_turn_inputs_for_igpo_and_portool():
+def test_turn_inputs_for_igpo_and_portool(params):
     """The source supplies IGPO's ground-truth scores (the learner's forward, one per node) and PORTool's tool
     success per node, shaped [P, N] like the forest, and both estimators run on them."""
     from treejax.rl.advantages.registry import estimator_spec
 
-    params = transformer.init_params(CFG, jax.random.key(5))
     base = _Base()
     base.draw = lambda: ([types.SimpleNamespace(ground_truth="3"), types.SimpleNamespace(ground_truth="42")],
                          np.array([[1, 2, 3], [1, 4, 0]], np.int32), np.array([3, 2], np.int32))
@@ -159,7 +162,7 @@ def test_turn_inputs_for_igpo_and_portool():
         MultiTurnRollouts(base, cfg, make_env=ScriptedToolEnv, estimator_inputs=("greedy_reward_P",))
 
 
-def test_environment_choice_scores_and_tool_evaluation(monkeypatch):
+def test_environment_choice_scores_and_tool_evaluation(monkeypatch, params):
     """The game environment is built from the config; game episodes score their total reward, code-tool episodes
     their answer turn's; the held-out evaluation with the environment runs greedy episodes."""
     from treejax.envs.guess import GuessNumberEnv
@@ -178,7 +181,6 @@ def test_environment_choice_scores_and_tool_evaluation(monkeypatch):
     with pytest.raises(ConfigError, match="environment"):
         MultiTurnConfig(environment="chess")
 
-    params = transformer.init_params(CFG, jax.random.key(5))
     src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=ScriptedToolEnv)
     examples = [types.SimpleNamespace(prompt_messages=[{"role": "user", "content": "1"}], ground_truth="3",
                                       metadata={}) for _ in range(3)]

@@ -16,11 +16,23 @@ CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
 FNS = decode.make_model_fns(CFG, attention="dense", cache_dtype="float32")
 
 
+_REF_WIDTH = 32  # the rows below: a prompt of at most 6 tokens, 6 decoded and at most 4 appended
+
+
+@jax.jit
+def _padded_logits(params, t, seg):
+    h = transformer.forward(params, CFG, t, jnp.arange(_REF_WIDTH)[None, :], seg)
+    return jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1)
+
+
 def _full_logits(params, seq):
-    """log-softmax of the next-token distribution after every position of ``seq`` (one full forward)."""
-    t = jnp.asarray(np.array(seq, np.int32)[None, :])
-    h = transformer.forward(params, CFG, t, jnp.arange(len(seq))[None, :], jnp.ones_like(t))
-    return np.asarray(jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1))
+    """log-softmax of the next-token distribution after every position of ``seq`` (one full forward, right-padded
+    to ``_REF_WIDTH`` with segment id 0: padding attends to nothing and nothing attends to it, so the real tokens'
+    forward is the unpadded one, and one jitted program serves every row)."""
+    assert len(seq) <= _REF_WIDTH, (len(seq), _REF_WIDTH)
+    t, seg = np.zeros((1, _REF_WIDTH), np.int32), np.zeros((1, _REF_WIDTH), np.int32)
+    t[0, :len(seq)], seg[0, :len(seq)] = seq, 1
+    return np.asarray(_padded_logits(params, jnp.asarray(t), jnp.asarray(seg)))[:len(seq)]
 
 
 @pytest.mark.parametrize("fns", [FNS, decode.make_model_fns(CFG, attention="ragged", cache_dtype="float32",

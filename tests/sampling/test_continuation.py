@@ -4,6 +4,8 @@ prompt + the leaf's kept prefix + the continuation so far and draws each token w
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,18 @@ def test_config_checks():
         C.ContinuationConfig(samples=3, rows_per_round=4)
 
 
+@functools.partial(jax.jit, static_argnums=6)
+def _draw(params, padded, last, base, row_id, t, strategy):
+    """The reference's token ``t``: the full forward's logits at position ``last``, drawn with the documented key
+    (one jitted program for every token, instead of eager ops per token)."""
+    h = _FWD(params, padded)
+    logits = transformer.logits(params, CFG, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False)
+                                .astype(jnp.float32))
+    logits = mask_vocab(logits, FNS.sampling_vocab_size)
+    k = decode.token_keys(base, jnp.reshape(row_id, (1,)), jnp.zeros((1,), jnp.int32), jnp.reshape(t, (1,)))
+    return strategy.sample(k, logits)
+
+
 def _reference(params, prompt, prefix, key, row_id, room, strategy):
     """One continuation by full forwards: token t drawn from pi(. | prompt + prefix + drawn so far) with
     ``token_keys(fold_in(key, CONTINUATION_STREAM), row_id, 0, t)``."""
@@ -56,11 +70,7 @@ def _reference(params, prompt, prefix, key, row_id, room, strategy):
     for t in range(room):
         padded = np.zeros((1, WIDTH), np.int32)
         padded[0, :len(seq)] = seq  # causal: the padding after the sequence does not change its last position
-        h = _FWD(params, jnp.asarray(padded))
-        logits = transformer.logits(params, CFG, h[:, len(seq) - 1].astype(jnp.float32))
-        logits = mask_vocab(logits, FNS.sampling_vocab_size)
-        k = decode.token_keys(base, jnp.array([row_id]), jnp.array([0]), jnp.array([t]))
-        tok = int(strategy.sample(k, logits)[0])
+        tok = int(_draw(params, jnp.asarray(padded), len(seq) - 1, base, row_id, t, strategy)[0])
         out.append(tok)
         seq.append(tok)
         if tok in STOP:

@@ -4,6 +4,8 @@ without recompiles, bad input (the decode attention implementations: tests/sampl
 Precision: fp32 model and caches (``highest`` matmul precision on a GPU, tests/conftest.py): greedy tokens equal
 transformers', log-probs within 1e-4 of a full forward, token statistics within 1e-5."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,13 +88,24 @@ def _tiny(preset="qwen2.5-0.5b", **kw):
     return cfg, params
 
 
+_REF_WIDTH = 48  # the longest prompt + response of the tests below is 9 + 24
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _padded_logits(params, cfg, seq, seg):
+    return T.logits(params, cfg, T.forward(params, cfg, seq, jnp.arange(_REF_WIDTH)[None], seg))[0]
+
+
 def _full_forward_logprobs(params, cfg, prompt, new_tokens):
-    seq = np.concatenate([prompt, new_tokens])[None]
-    pos = np.arange(seq.shape[1])[None]
-    h = T.forward(params, cfg, jnp.asarray(seq), jnp.asarray(pos))
-    z = T.logits(params, cfg, h)[0]
-    n = len(prompt)
-    z = z[n - 1: n - 1 + len(new_tokens)]
+    """Log-probs (and logits) of ``new_tokens`` after ``prompt`` from one full forward over prompt + tokens,
+    right-padded to ``_REF_WIDTH`` with segment id 0 (padding attends to nothing and nothing attends to it: the
+    real tokens' forward is the unpadded one), so one jitted program serves every row instead of an eager forward
+    per sequence length."""
+    n, m = len(prompt), len(prompt) + len(new_tokens)
+    assert m <= _REF_WIDTH, (m, _REF_WIDTH)
+    seq, seg = np.zeros((1, _REF_WIDTH), np.int32), np.zeros((1, _REF_WIDTH), np.int32)
+    seq[0, :m], seg[0, :m] = np.concatenate([prompt, new_tokens]), 1
+    z = _padded_logits(params, cfg, jnp.asarray(seq), jnp.asarray(seg))[n - 1: n - 1 + len(new_tokens)]
     lp = jax.nn.log_softmax(z, axis=-1)
     return np.asarray(lp[np.arange(len(new_tokens)), new_tokens]), z
 

@@ -42,11 +42,23 @@ class _Echo:
         return self
 
 
+_REF_WIDTH = 72  # a 4-token prompt + an episode's max_tokens = 64
+
+
+@jax.jit
+def _padded_logp(params, t, seg):
+    h = transformer.forward(params, CFG, t, jnp.arange(_REF_WIDTH)[None, :], seg)
+    return jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1)
+
+
 def _full_logp(params, seq):
-    t = jnp.asarray(np.array(seq, np.int32)[None, :])
-    h = transformer.forward(params, CFG, t, jnp.arange(len(seq))[None, :], jnp.ones_like(t))
-    lp = jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1)
-    return np.asarray(lp)
+    """Log-probs at every position of one full forward over ``seq``, right-padded to ``_REF_WIDTH`` with segment
+    id 0 (padding attends to nothing and nothing attends to it: the real tokens' forward is the unpadded one), so
+    one jitted program serves every episode instead of an eager forward per length."""
+    assert len(seq) <= _REF_WIDTH, (len(seq), _REF_WIDTH)
+    t, seg = np.zeros((1, _REF_WIDTH), np.int32), np.zeros((1, _REF_WIDTH), np.int32)
+    t[0, :len(seq)], seg[0, :len(seq)] = seq, 1
+    return np.asarray(_padded_logp(params, jnp.asarray(t), jnp.asarray(seg)))[:len(seq)]
 
 
 @pytest.fixture(scope="module")

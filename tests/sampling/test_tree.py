@@ -238,12 +238,21 @@ def _tiny():
     return cfg, jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, params)
 
 
-def _full_forward_ref(params, cfg):
+def _full_forward_ref(params, cfg, width=32):
+    """Log-probs of ``response`` after ``prompt`` from one full forward over prompt + response, right-padded to
+    ``width`` with segment id 0 (padding attends to nothing and nothing attends to it: the real tokens' forward is
+    the unpadded one), so one jitted program serves every leaf instead of an eager forward per sequence length."""
+    @jax.jit
+    def log_probs(seq, seg):
+        h = T.forward(params, cfg, seq, jnp.arange(width)[None], seg)
+        return jax.nn.log_softmax(T.logits(params, cfg, h), axis=-1)[0]
+
     def ref(prompt, response):
-        seq = np.concatenate([prompt, response])[None]
-        h = T.forward(params, cfg, jnp.asarray(seq), jnp.asarray(np.arange(seq.shape[1])[None]))
-        lp = np.asarray(jax.nn.log_softmax(T.logits(params, cfg, h), axis=-1)[0])
-        n = len(prompt)
+        n, m = len(prompt), len(prompt) + len(response)
+        assert m <= width, (m, width)
+        seq, seg = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
+        seq[0, :m], seg[0, :m] = np.concatenate([prompt, response]), 1
+        lp = np.asarray(log_probs(jnp.asarray(seq), jnp.asarray(seg)))
         return lp[np.arange(n - 1, n - 1 + len(response)), response]
     return ref
 

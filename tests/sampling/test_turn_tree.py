@@ -55,10 +55,23 @@ def params():
     return transformer.init_params(CFG, jax.random.key(7))
 
 
+_REF_WIDTH = 104  # a 4-token prompt + a conversation's max_tokens = 96
+
+
+@jax.jit
+def _padded_logp(params, t, seg):
+    h = transformer.forward(params, CFG, t, jnp.arange(_REF_WIDTH)[None, :], seg)
+    return jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1)
+
+
 def _full_logp(params, seq):
-    t = jnp.asarray(np.array(seq, np.int32)[None, :])
-    h = transformer.forward(params, CFG, t, jnp.arange(len(seq))[None, :], jnp.ones_like(t))
-    return np.asarray(jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1))
+    """Log-probs at every position of one full forward over ``seq``, right-padded to ``_REF_WIDTH`` with segment
+    id 0 (padding attends to nothing and nothing attends to it: the real tokens' forward is the unpadded one), so
+    one jitted program serves every slot instead of an eager forward per length."""
+    assert len(seq) <= _REF_WIDTH, (len(seq), _REF_WIDTH)
+    t, seg = np.zeros((1, _REF_WIDTH), np.int32), np.zeros((1, _REF_WIDTH), np.int32)
+    t[0, :len(seq)], seg[0, :len(seq)] = seq, 1
+    return np.asarray(_padded_logp(params, jnp.asarray(t), jnp.asarray(seg)))[:len(seq)]
 
 
 PROMPTS = np.array([[1, 2, 3, 4], [1, 9, 0, 0]], np.int32)

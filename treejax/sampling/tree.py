@@ -225,6 +225,25 @@ def _rule_probe(tc: TreeConfig, probes: dict):
     return probes[name]
 
 
+def _jitted_core(fns, tc: TreeConfig, stop_ids, continuations):
+    """The jitted rollout program of one (model fns, tree config, stop ids, continuations), shared by every
+    :func:`make_tree_rollout` of the same arguments in this process (:func:`_cached_core`), so that a rollout
+    built again (a run resumed in-process, a second run, a test) reuses its traces instead of tracing and
+    compiling the same program anew; unhashable arguments (a rule holding an array) get their own."""
+    try:
+        return _cached_core(fns, tc, stop_ids, continuations)
+    except TypeError:  # unhashable: not cached
+        return _new_core(fns, tc, stop_ids, continuations)
+
+
+def _new_core(fns, tc, stop_ids, continuations):
+    return jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids, cc=continuations),
+                   compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
+
+
+_cached_core = functools.lru_cache(maxsize=32)(_new_core)
+
+
 def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeConfig, mesh=None,
                       rules: Rules = DEFAULT_RULES, continuations: ContinuationConfig | None = None):
     """Returns ``rollout(params, prompt_tokens [P, Lp], prompt_lengths [P], key, step=0) -> (Forest, info)``.
@@ -244,8 +263,7 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     tc = tree_config
     tc.resolved_prefix_cache(0, fns.init_shared_cache is not None)  # "shared" on fns without it: raise now
     stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
-    core = jax.jit(functools.partial(_rollout_core, model=fns, tc=tc, stop_ids=stop_ids, cc=continuations),
-                   compiler_options=decode.SAMPLER_COMPILER_OPTIONS)
+    core = _jitted_core(fns, tc, stop_ids, continuations)
 
     def rollout(params, prompt_tokens, prompt_lengths, key, step=0):
         tokens, lens = decode.validate_prompts(prompt_tokens, prompt_lengths)

@@ -151,6 +151,22 @@ def _run_config(args, checkpoint_root):
     return parse(gin_files, args.gin_param, check_mesh=False), gin_files  # eval does not use the run's mesh
 
 
+def _restored_params(root: str, step, params, run_cfg):
+    """``(params, step)`` of a training checkpoint: its params, or for a LoRA run (``RunConfig.lora``) its adapters
+    restored onto the frozen base and merged (``W + s A B``)."""
+    import jax
+
+    from treejax.checkpoint import restore_params
+
+    if not run_cfg.lora.enabled:
+        return restore_params(root, params, step)
+    from treejax.models import lora
+
+    adapters, frozen = lora.split(lora.prepare(params, run_cfg.lora))
+    adapters, step = restore_params(root, adapters, step)
+    return jax.jit(lora.merge)(lora.combine(adapters, frozen)), step
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     log = configure_logging(args.quiet).getChild("evaluate")
@@ -191,16 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     model_config, params, tokenizer = load_model(model, param_dtype=args.param_dtype or prec.param_dtype,
                                                  compute_dtype=prec.compute_dtype)
     if root is not None:
-        from treejax.checkpoint import restore_params
-
-        if run_cfg.lora.enabled:  # a LoRA run's checkpoint holds its adapters: restored onto the frozen base
-            from treejax.models import lora
-
-            adapters, frozen = lora.split(lora.prepare(params, run_cfg.lora))
-            adapters, step = restore_params(root, adapters, step)
-            params = jax.jit(lora.merge)(lora.combine(adapters, frozen))
-        else:
-            params, step = restore_params(root, params, step)
+        params, step = _restored_params(root, step, params, run_cfg)
         log.info("restored the params of step %d from %s", step, root)
     params = prec.sampler_params(jax.device_put(params))
     examples = []

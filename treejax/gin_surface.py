@@ -403,8 +403,13 @@ def check_devices(cfg) -> None:
 
     n = jax.device_count()
     try:
-        _, learner = split_devices(cfg.async_rollouts, jax.devices(), jax.process_count())
+        sampler, learner = split_devices(cfg.async_rollouts, jax.devices(), jax.process_count())
         cfg.mesh.shape(len(learner))
+        if getattr(cfg, "sampler_mesh", None) is not None:
+            try:
+                cfg.sampler_mesh.shape(len(sampler))
+            except ConfigError as e:
+                raise ConfigError(f"RunConfig.sampler_mesh: {e}") from None
     except ConfigError as e:
         raise ConfigError(f"{e} (this run has {n} {jax.devices()[0].platform} device{'s' if n > 1 else ''})") \
             from None

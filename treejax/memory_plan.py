@@ -383,8 +383,11 @@ def meshes(cfg, devices: int) -> tuple[tuple[int, int, int], tuple[int, int, int
         raise ConfigError(f"AsyncConfig.sampler_devices = {n} leaves no device to learn on ({devices} devices); "
                           "fix: --devices larger, or fewer sampler devices")
     learner = tuple(cfg.mesh.shape(devices - n))
+    own = getattr(cfg, "sampler_mesh", None)  # RunConfig.sampler_mesh: the sampler's own layout
     if not n:
-        return learner, learner, False
+        return learner, (tuple(own.shape(devices)) if own is not None else learner), False
+    if own is not None:
+        return learner, tuple(own.shape(n)), True
     return learner, (1, n // cfg.mesh.tensor if n % cfg.mesh.tensor == 0 else n, cfg.mesh.tensor
                      if n % cfg.mesh.tensor == 0 else 1), True
 
@@ -421,7 +424,8 @@ def packed_growth_rows(cfg, mesh: tuple[int, int, int]) -> int:
     return -(-trees // multiple)
 
 
-def sampler_layout(cfg, model, prompt_width: int, backend: str, dtypes: dict[str, str], sampler_devices: int):
+def sampler_layout(cfg, model, prompt_width: int, backend: str, dtypes: dict[str, str], sampler_devices: int,
+                   sampler_tensor: int | None = None):
     """``(rows, slots per row, prefix prompts, prefix slots, fused)`` of the tree rollout's KV cache
     (:func:`treejax.sampling.tree._rollout_core`: the ``prefix_cache`` choice, ``round_256`` slot counts). The rows
     are the step's rollout rows, sampled in one call (an upper bound for stages that sample in several), less
@@ -439,7 +443,7 @@ def sampler_layout(cfg, model, prompt_width: int, backend: str, dtypes: dict[str
                                       backend=backend)
     cascade = "pallas" if impl == "pallas" and sampler_devices == 1 else "xla"
     rnd = lambda n: -(-n // _BLOCK) * _BLOCK  # noqa: E731
-    fused = sampler_devices == 1 or cfg.mesh.tensor == 1
+    fused = sampler_devices == 1 or (cfg.mesh.tensor if sampler_tensor is None else sampler_tensor) == 1
     if tc.resolved_prefix_cache(prompt_width, True, impl, cascade) == "shared":
         return rows, rnd(tc.response_capacity + 1), prompt_rows, rnd(prompt_width), fused
     return rows, rnd(prompt_width + tc.response_capacity), 0, 0, fused
@@ -451,7 +455,7 @@ def plan_shape(cfg, model, prompt_width: int, rollout_width: int, devices: int, 
     mesh, sampler_mesh, split = meshes(cfg, devices)
     rows_mb, length = update_rows(cfg, rollout_width, mesh)
     s_rows, slots, p_rows, p_slots, fused = sampler_layout(cfg, model, rollout_width, backend, dtypes,
-                                                            math.prod(sampler_mesh))
+                                                            math.prod(sampler_mesh), sampler_mesh[2])
     ev = cfg.eval
     eval_slots = -(-(prompt_width + ev.max_new_tokens) // _BLOCK) * _BLOCK
     shape = PlanShape(mesh, sampler_mesh, prompt_width, rollout_width, rows_mb, length, cfg.packed_update, s_rows,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from treejax.models import lora, presets, transformer
+from treejax.parallel.mesh import MeshConfig
 from treejax.rl.batch import expanded_batch
 from treejax.rl.layouts import Expanded
 from treejax.rl.losses import LossConfig
@@ -224,7 +225,8 @@ def _lora_run(tiny_checkpoint, tmp_path):
         eval=EvalConfig(num_problems=1, max_new_tokens=1), tree_picture_every=0, export_hf=False,
         loss=dataclasses.replace(base_cfg.loss, kl_coef=0.05, entropy_coef=0.01),  # a random model gets no reward
         optimizer=dataclasses.replace(base_cfg.optimizer, total_steps=2),
-        lora=lora.LoRAConfig(rank=2, base_dtype="int8", sampler_weights="unmerged"))
+        lora=lora.LoRAConfig(rank=2, base_dtype="int8", sampler_weights="unmerged"),
+        sampler_mesh=MeshConfig(data=2, fsdp=1, tensor=4))  # the sampler's own layout of the 8 fake devices
 
 
 def _saved_adapters(cfg, run_dir):
@@ -235,14 +237,22 @@ def _saved_adapters(cfg, run_dir):
     return adapters, restore_params(run_dir / "checkpoints", adapters)
 
 
-def test_lora_run_of_the_loop_saves_only_adapters(tiny_checkpoint, tmp_path):
-    """The real loop with LoRA (int8 base, KL to the base, unmerged sampler): one step (the entropy bonus gives the
-    adapters a gradient), and a checkpoint that holds the adapters (restorable as exactly that tree), not the base."""
+@pytest.mark.devices(8)
+def test_lora_run_of_the_loop_saves_only_adapters(tiny_checkpoint, tmp_path, caplog):
+    """The real loop with LoRA (int8 base, KL to the base, unmerged sampler) on 8 fake devices, the learner FSDP
+    over all 8 and the sampler on its own 2 x 1 x 4 layout of them (``RunConfig.sampler_mesh``: the adapters and
+    the quantized base re-laid out after the update, the rollouts moved back): one step (the entropy bonus gives
+    the adapters a gradient), and a checkpoint that holds the adapters (restorable as exactly that tree), not the
+    base."""
     from treejax.rl import loop
 
     cfg = _lora_run(tiny_checkpoint, tmp_path)
-    summary = loop.run(cfg)
-    assert summary["steps"] == 1 and np.isfinite(summary["history"][-1]["update/loss"])
+    with caplog.at_level("INFO", logger="treejax"):
+        summary = loop.run(cfg)
+    assert "the sampler decodes on its own layout of the 8 device(s): data x fsdp x tensor = 2 x 1 x 4" in caplog.text
+    row = summary["history"][-1]
+    assert summary["steps"] == 1 and np.isfinite(row["update/loss"]) and row["rollout/decoded_tokens"] > 0
+    assert 0 < row["time/relayout_s"] <= row["time/rollout_s"]
     adapters, (restored, step) = _saved_adapters(cfg, tmp_path / "run")
     assert step == 1 and jax.tree.structure(restored) == jax.tree.structure(adapters)
     assert any(float(np.abs(ab["b"]).max()) > 0 for ab in restored["layers"]["lora"].values())  # it trained
@@ -250,6 +260,7 @@ def test_lora_run_of_the_loop_saves_only_adapters(tiny_checkpoint, tmp_path):
 
 @pytest.mark.slow  # the adapter-only restore runs by default in test_checkpoint_holds_only_the_adapters, the
 # loop's resume in tests/test_train_cli.py::test_tiny_run_writes_all_artifacts_and_resumes
+@pytest.mark.devices(8)
 def test_lora_run_of_the_loop_resumes(tiny_checkpoint, tmp_path):
     from treejax.rl import loop
     from treejax.testing.checkpoints import latest_data_state
@@ -259,3 +270,38 @@ def test_lora_run_of_the_loop_resumes(tiny_checkpoint, tmp_path):
     summary = loop.run(dataclasses.replace(cfg, num_steps=2, log_dir_mode="resume"))
     assert summary["steps"] == 2 and int(latest_data_state(tmp_path / "run")["rl_step"]) == 2
     assert _saved_adapters(cfg, tmp_path / "run")[1][1] == 2
+
+
+@pytest.mark.devices(8)
+def test_lora_update_on_1_and_8_devices(base):
+    """The adapters and a quantized (int8) base sharded by their logical axes on a data x fsdp x tensor mesh: the
+    same update as on one device, the frozen base sharded like its weight and never moved, the adapters' Adam
+    moments sharded like the adapters."""
+    from jax.sharding import PartitionSpec as P
+
+    from treejax.parallel.mesh import MeshConfig, batch_sharding, jit_update, make_mesh, place_train_state
+
+    lcfg = lora.LoRAConfig(rank=4, base_dtype="int8")
+    params_host = jax.device_get(_trained_adapters(lora.prepare(base, lcfg)))
+    axes = lora.logical_axes(transformer.param_logical_axes(CFG), params_host)
+    tx = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
+    update = make_update_fn(Expanded(CFG, attention_impl="xla"), LossConfig(kl_coef=0.0), tx, num_micro_batches=2)
+    batch_host = jax.device_get(_batch(B=8))
+    results = {}
+    for shape in [(1, 1, 1), (2, 2, 2)]:
+        mesh = make_mesh(MeshConfig(*shape), devices=jax.devices()[: int(np.prod(shape))])
+        state, shardings = place_train_state(params_host, axes, lambda p: TrainState.create(p, tx), tx, mesh)
+        if shape == (2, 2, 2):
+            assert state.params["layers"]["w_up"].qvalue.sharding.spec == P(None, "fsdp", "tensor")
+            assert state.params["layers"]["lora"]["w_up"]["a"].sharding.spec == P(None, "fsdp", None)
+            assert state.params["layers"]["lora"]["w_up"]["b"].sharding.spec == P(None, None, "tensor")
+            mu = state.opt_state[1][0].mu["layers"]["lora"]["w_up"]["b"]
+            assert mu.sharding.spec == P(None, None, "tensor")
+        bsh = batch_sharding(mesh, batch_host)
+        state, metrics = jit_update(update, shardings, bsh, mesh)(state, jax.device_put(batch_host, bsh))
+        results[shape] = (jax.device_get(state.params), float(metrics["loss"]))
+    (p1, l1), (p8, l8) = results[(1, 1, 1)], results[(2, 2, 2)]
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p8, p1)
+    for a, b in zip(jax.tree.leaves(lora.split(p8)[1]), jax.tree.leaves(lora.split(params_host)[1])):
+        np.testing.assert_array_equal(a, b)

@@ -138,3 +138,26 @@ def test_cache_sharding_specs():
     assert decode.as_model_fns(plain, mesh) is decode.as_model_fns(plain, mesh)  # cached: no retrace per call
     with pytest.raises(ValueError, match="already carry a mesh"):
         decode.as_model_fns(fns, _mesh((1, 8, 1)))
+
+
+def test_sampler_layout_relaid_out_from_the_learners_fsdp_state(params_host, tree_reference):
+    """``RunConfig.sampler_mesh``: the learner's weights sharded over ``fsdp`` on all 8 devices are re-laid out
+    (one ``device_put``) onto the sampler's own layout of the same devices (2 x 2 x 2, not split over ``fsdp``:
+    ``SAMPLER_RULES``); its rollout is the one-device rollout (tokens identical)."""
+    from treejax.parallel.axis_rules import DEFAULT_RULES, SAMPLER_RULES
+
+    axes = T.param_logical_axes(CFG)
+    learner = _mesh((1, 8, 1))
+    state_params = jax.device_put(params_host, logical_to_sharding(axes, learner, DEFAULT_RULES, params_host))
+    assert state_params["layers"]["w_up"].sharding.spec == P(None, "fsdp", None)
+    sampler = _mesh((2, 2, 2))
+    weights = jax.device_put(state_params, logical_to_sharding(axes, sampler, SAMPLER_RULES, params_host))
+    assert weights["layers"]["w_up"].sharding.spec == P(None, None, "tensor")
+    assert weights["layers"]["w_up"].sharding.mesh.devices.shape == (2, 2, 2)
+    fns = decode.make_model_fns(CFG, block_size=16, cache_dtype="float32", mesh=sampler)
+    with jax.set_mesh(sampler):
+        forest, info = tree.make_tree_rollout(fns, TC)(weights, PROMPTS, LENGTHS, TREE_KEY)
+    ref_forest, ref_info = tree_reference
+    np.testing.assert_array_equal(np.asarray(forest.tokens), ref_forest.tokens)
+    np.testing.assert_array_equal(np.asarray(forest.leaf_path), ref_forest.leaf_path)
+    np.testing.assert_allclose(np.asarray(forest.logprobs), ref_forest.logprobs, rtol=0, atol=1e-4)

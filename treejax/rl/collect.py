@@ -130,13 +130,18 @@ class SyncCollector:
     """Samples each step's rollouts when the loop asks, with the newest weights (the synchronous loop).
     ``sampler_weights(params)``: the sampler's copy; ``queued``: rollouts an asynchronous run had queued when it
     was checkpointed (learned first, as saved); ``probes(state)``: the stateful shapers' probes that travel with
-    the weights (:mod:`treejax.sampling.probe`; copies, never the state's own buffers)."""
+    the weights (:mod:`treejax.sampling.probe`; copies, never the state's own buffers). A sampler on its own
+    layout of the devices (``RunConfig.sampler_mesh``): ``sampler_weights`` re-lays the weights out for it (timed:
+    ``time/relayout_s``, included in ``time/rollout_s``), the rollout runs under ``context()`` (its mesh) and
+    ``to_learner`` moves the rollouts back to the learner's mesh."""
 
     def __init__(self, source: RolloutSource, sampler_weights: Callable, key: jax.Array, queued=(),
-                 probes: Callable | None = None):
+                 probes: Callable | None = None, to_learner: Callable | None = None,
+                 context: Callable | None = None):
         self.source, self.sampler_weights, self.key = source, sampler_weights, key
         self.queued = {item.step: item for item in queued}
         self.probes = probes
+        self.to_learner, self.context = to_learner, context
 
     def collect(self, step: int, state) -> Collected:
         if step in self.queued:
@@ -144,9 +149,19 @@ class SyncCollector:
             item.host.update({"async/staleness": step - item.version})
             return item
         t0 = time.perf_counter()
-        weights = with_probes(self.sampler_weights(state.params), self.probes, state)
-        ro = self.source.sample(weights, jax.random.fold_in(self.key, step), step)
-        return Collected(step, step, ro, {"time/rollout_s": time.perf_counter() - t0 - ro.counters.scoring_s})
+        if self.to_learner is None:
+            weights = with_probes(self.sampler_weights(state.params), self.probes, state)
+            ro = self.source.sample(weights, jax.random.fold_in(self.key, step), step)
+            return Collected(step, step, ro, {"time/rollout_s": time.perf_counter() - t0 - ro.counters.scoring_s})
+        # the sampler's own layout: the weights re-laid out (timed), the rollout under its mesh, moved back
+        weights = jax.block_until_ready(self.sampler_weights(state.params))
+        relayout_s = time.perf_counter() - t0
+        with self.context():
+            ro = self.source.sample(with_probes(weights, self.probes, state), jax.random.fold_in(self.key, step),
+                                    step)
+        ro = self.to_learner(ro)
+        return Collected(step, step, ro, {"time/rollout_s": time.perf_counter() - t0 - ro.counters.scoring_s,
+                                          "time/relayout_s": relayout_s})
 
     def publish(self, version: int, state) -> None:
         """Nothing to send: the next ``collect`` reads ``state`` itself."""

@@ -141,6 +141,10 @@ class RunConfig(LegacySourceFields):
     export_hf: bool = True
     seed: int = 0
     mesh: MeshConfig = MeshConfig()
+    # the rollout sampler's own layout over the same devices (gin: @sampler/MeshConfig()), e.g. tensor-parallel
+    # decode (MeshConfig(data=1, fsdp=1, tensor=-1)) under an FSDP learner; None: the learner's mesh, weights
+    # gathered over fsdp once per step. With AsyncConfig's split: the layout of the sampler's devices.
+    sampler_mesh: MeshConfig | None = None
     compilation_cache: str = "auto"  # persistent JAX compilation cache: 'auto' (~/.cache/treejax/jax), 'off', a folder
     async_rollouts: AsyncConfig = AsyncConfig()  # sampler / learner overlap with bounded staleness (AsyncConfig)
     shapers: tuple[Shaper, ...] | list[Shaper] = ()  # advantage / clip shapers (treejax.rl.shaping), in order

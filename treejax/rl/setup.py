@@ -172,11 +172,14 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
     sampler_devices, learner_devices = collect.split_devices(cfg.async_rollouts, jax.devices(),
                                                              jax.process_count())
     mesh = make_mesh(cfg.mesh, learner_devices)
-    sampler_mesh = mesh if sampler_devices == learner_devices else make_mesh(
-        MeshConfig(data=1, fsdp=-1, tensor=cfg.mesh.tensor), sampler_devices)
-    if sampler_mesh is not mesh:
+    sampler_mesh = sampler_mesh_of(cfg, mesh, sampler_devices, learner_devices)
+    if sampler_devices != learner_devices:
         log.info("asynchronous rollouts: %d device(s) sample, %d learn (max_staleness %d)", len(sampler_devices),
                  len(learner_devices), cfg.async_rollouts.max_staleness)
+    elif sampler_mesh is not mesh:
+        log.info("the sampler decodes on its own layout of the %d device(s): data x fsdp x tensor = %s (the "
+                 "learner's: %s); its weights are re-laid out after each update", len(sampler_devices),
+                 " x ".join(map(str, sampler_mesh.devices.shape)), " x ".join(map(str, mesh.devices.shape)))
     model_fns = lambda m: make_model_fns(model_config, cache_dtype=prec.cache_dtype,  # noqa: E731
                                          mesh=m if m.size > 1 else None)
     sampler_fns = model_fns(mesh)  # held-out evaluation: on the learner's devices, in the loop's thread
@@ -208,10 +211,32 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
                mesh, sampler_mesh, memory_plan=planned)
 
 
+def sampler_mesh_of(cfg: RunConfig, mesh, sampler_devices: list, learner_devices: list):
+    """The rollout sampler's mesh: the learner's ``mesh`` itself unless ``RunConfig.sampler_mesh`` gives the same
+    devices another shape, or ``AsyncConfig`` gives the sampler its own devices (then ``sampler_mesh``'s shape,
+    default ``data=1, fsdp=-1`` with the learner's ``tensor``)."""
+    if sampler_devices != learner_devices:
+        return make_mesh(cfg.sampler_mesh or MeshConfig(data=1, fsdp=-1, tensor=cfg.mesh.tensor), sampler_devices)
+    n = len(learner_devices)
+    if cfg.sampler_mesh is None or cfg.sampler_mesh.shape(n) == cfg.mesh.shape(n):
+        return mesh
+    return make_mesh(cfg.sampler_mesh, sampler_devices)
+
+
 def task_rollouts(ctx: SourceContext, estimator_inputs: tuple[str, ...]) -> TaskRollouts:
     """The task's rollout service of a chain's planner (:meth:`treejax.rl.sources.base.SourceContext.task_rollouts`)."""
     return TaskRollouts(ctx.cfg, ctx.rollout, ctx.sampler_fns, ctx.tokenizer, ctx.task, ctx.pipeline,
                         ctx.prompt_width, ctx.pad_id, estimator_inputs=estimator_inputs)
+
+
+def sampler_weight_shardings(r: Run):
+    """Where the sampler's weights live on its own mesh (``SAMPLER_RULES``: not split over ``fsdp``), for the tree
+    :meth:`Learner.sampler_params` gives (LoRA's merged or unmerged view included)."""
+    view = jax.eval_shape(r.learner.sampler_params, r.state.params)
+    axes = transformer.param_logical_axes(r.model_config)
+    if lora.has_adapters(view):
+        axes = lora.logical_axes(axes, view)
+    return logical_to_sharding(axes, r.sampler_mesh, SAMPLER_RULES, view)
 
 
 def make_collector(r: Run, key: jax.Array):
@@ -224,13 +249,20 @@ def make_collector(r: Run, key: jax.Array):
     if shaping_probes(cfg.shapers, r.state.aux):  # copies on the sampler's devices (the update donates the state)
         where = replicated(r.sampler_mesh)
         probes = lambda s: jax.device_put(shaping_probes(cfg.shapers, s.aux), where, may_alias=False)  # noqa: E731
+    own_layout = r.sampler_mesh is not r.mesh  # the sampler's own mesh (its devices, or its layout of them)
+    if own_layout:  # the weights re-laid out for it after each update; its rollouts moved back
+        target = sampler_weight_shardings(r)
+        relayout = lambda p: jax.device_put(learner.sampler_params(p), target, may_alias=False)  # noqa: E731
     if not cfg.async_rollouts.enabled:
-        return collect.SyncCollector(r.source, learner.sampler_params, key, queued, probes=probes)
-    a, split = cfg.async_rollouts, r.sampler_mesh is not r.mesh
+        if not own_layout:
+            return collect.SyncCollector(r.source, learner.sampler_params, key, queued, probes=probes)
+        on_learner = replicated(r.mesh)
+        return collect.SyncCollector(r.source, relayout, jax.device_put(key, replicated(r.sampler_mesh)), queued,
+                                     probes=probes, to_learner=lambda ro: collect.rollouts_to(ro, on_learner),
+                                     context=lambda: mesh_context(r.sampler_mesh))
+    a, split = cfg.async_rollouts, own_layout
     if split:
-        axes = transformer.param_logical_axes(r.model_config)
-        target = logical_to_sharding(axes, r.sampler_mesh, SAMPLER_RULES, r.state.params)
-        sampler_weights = lambda p: jax.device_put(learner.sampler_params(p), target, may_alias=False)  # noqa: E731
+        sampler_weights = relayout
         on_learner = replicated(r.mesh)
         to_learner = lambda ro: collect.rollouts_to(ro, on_learner)  # noqa: E731
         key = jax.device_put(key, replicated(r.sampler_mesh))  # the same key, on the sampler's devices

@@ -122,12 +122,30 @@ def test_rows_of_the_packing_layer():
     paths = np.array([[[0, 1, 2], [0, 1, 3], [0, 4, -1]], [[0, 1, -1], [0, 2, -1], [0, 2, 3]]])
     lengths = np.array([[8, 7, 3], [4, 2, 6]])
     tok = np.random.RandomState(0).randint(3, 200, (2, 3, 8))
+    tok[0, 1, :4] = tok[0, 0, :4]  # leaves sharing a node share its tokens
+    tok[1, 2, :4] = tok[1, 1, :4]
     forest = forest_from_paths(paths, lengths, 4, tokens=tok)
     prompts, lens = np.array([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]), np.array([5, 3])
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, 4,
                                 packing.PackingConfig(row_length=32))
     assert plan.shape[0] == 1
     _assert_matches_dense(jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi), tree_splash.TreeSplashBlocks(8, 8))
+
+
+def test_bf16_forward_within_its_rounding_bound():
+    """bf16 inputs: the kernel's output against the dense path in fp32 on the same bf16 values. The kernel's
+    softmax statistics and accumulators are fp32 like the reference's; it differs by two roundings to bf16 (unit
+    roundoff u = 2^-9): ``p`` before the ``p v`` product (as any flash kernel on the MXU: ``|sum_j p_j e_j v_j| <=
+    u max|v|``, the weights summing to 1) and the output (``<= u |out| <= u max|v|``). Hence ``atol = 2u max|v|``,
+    the bound itself, not a fitted number."""
+    lo, hi = _rows(BRANCHING, PACKED)
+    q, k, v, _ = _inputs(2, 128, 4, 2, 64, jax.random.key(2), jnp.bfloat16)
+    out = tree_splash.tree_splash_attention(q, k, v, lo, hi, BLOCKS, True)
+    assert out.dtype == jnp.bfloat16
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = _dense(lo, hi)(f32(q), f32(k), f32(v))
+    bound = 2 * 2.0**-9 * float(jnp.max(jnp.abs(f32(v))))
+    assert float(jnp.max(jnp.abs(f32(out) - want))) <= bound
 
 
 @pytest.mark.slow  # the same kernels and paths as test_kernel_matches_dense_tree_attention, on longer rows
@@ -143,20 +161,29 @@ SIBLINGS = [(32, [(32, []), (64, [])])]
 
 
 def test_invisible_key_blocks_are_listed_as_skipped():
-    """The tables list only key blocks that may hold a visible pair: on the sibling row exactly the tiles with a
-    visible pair (node-aligned), and on the branching and packed rows fewer than the causal ``n (n + 1) / 2``."""
+    """The tables (what the kernels' grids visit) list every tile with a visible pair and, on these rows, only
+    those: the sibling row visits 8 of the 10 causal 32-token tiles (query blocks 2, 3 skip the first child's key
+    block 1), the three packed trees 8 of 10 (tiles across trees skipped); with 16-token tiles the depth-3 tree
+    visits 29 of 36. Full tiles (run without a mask) are all-visible."""
     lo, hi = _rows(SIBLINGS, BRANCHING, PACKED)
-    tables = tree_splash.block_tables(lo, hi, 32, 32, True)
-    mask = np.asarray(tree_attention.tree_mask(lo, hi)).reshape(3, 4, 32, 4, 32).any(axis=(2, 4))
-    kv_list = np.asarray(tables.kv_list)
-    visited = kv_list[:, :, 0]
-    for b in range(3):
-        for i in range(4):
-            listed = set(kv_list[b, i, 2: 2 + visited[b, i]])
-            assert set(np.nonzero(mask[b, i])[0]) <= listed  # every tile with a visible pair is visited
-    assert [sorted(kv_list[0, i, 2: 2 + visited[0, i]]) for i in range(4)] == [[0], [0, 1], [0, 2], [0, 2, 3]]
-    assert visited[0].sum() == mask[0].sum() == 8 < 10
-    assert visited[1].sum() < 10 and visited[2].sum() < 10
+    visited = {}
+    for blk in (32, 16):
+        n = 128 // blk
+        kv_list = np.asarray(tree_splash.block_tables(lo, hi, blk, blk, True).kv_list)
+        tiles = np.asarray(tree_attention.tree_mask(lo, hi)).reshape(3, n, blk, n, blk)
+        some, every = tiles.any(axis=(2, 4)), tiles.all(axis=(2, 4))
+        for b in range(3):
+            for i in range(n):
+                count, n_full = kv_list[b, i, 0], kv_list[b, i, 1]
+                listed = np.zeros(n, bool)
+                listed[kv_list[b, i, 2: 2 + count]] = True
+                assert (listed >= some[b, i]).all()  # every tile with a visible pair is visited
+                assert every[b, i, kv_list[b, i, 2: 2 + n_full]].all()  # full tiles are all-visible
+        visited[blk] = kv_list[:, :, 0].sum(axis=1).tolist()
+        assert visited[blk] == some.sum(axis=(1, 2)).tolist()  # exactly the tiles with a visible pair
+    kv_list = np.asarray(tree_splash.block_tables(lo, hi, 32, 32, True).kv_list)
+    assert [sorted(kv_list[0, i, 2: 2 + kv_list[0, i, 0]]) for i in range(4)] == [[0], [0, 1], [0, 2], [0, 2, 3]]
+    assert visited == {32: [8, 10, 8], 16: [28, 29, 22]}  # of 10 and 36 causal tiles
 
 
 def test_kernel_never_reads_skipped_key_blocks():

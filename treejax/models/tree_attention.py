@@ -16,7 +16,7 @@ Implementations (``attention_impl``):
   runs in Pallas' interpreter (slow; correctness tests only).
 * ``"pallas_tpu"``: the same block-sparse flash attention as a Pallas TPU (Mosaic) kernel, the block tables
   passed by scalar prefetch (:mod:`treejax.models.tree_splash`); forward and backward kernels. On a non-TPU
-  backend it runs in Pallas' TPU interpreter (slow; correctness tests only).
+  backend it runs in Pallas' generic interpreter (slow; correctness tests only).
 * ``"auto"``: ``"pallas"`` on a GPU, ``"pallas_tpu"`` on a TPU, ``"xla"`` elsewhere.
 
 Sharding: the XLA path is partitioned by GSPMD like the rest of the update (rows over ``data x fsdp``, heads
@@ -77,7 +77,7 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
         if blocks is not None and not isinstance(blocks, tree_splash.TreeSplashBlocks):
             raise ValueError(f"tree attention 'pallas_tpu' takes tree_splash.TreeSplashBlocks tiles, got {blocks!r}; "
                              "pass TreeSplashBlocks or None (the TPU defaults)")
-        interpret = jax.default_backend() != "tpu"
+        interpret = "hlo" if jax.default_backend() != "tpu" else False  # the interpreter that runs under remat
         kernel = lambda q, k, v, lo, hi: tree_splash.tree_splash_attention(  # noqa: E731
             q, k, v, lo, hi, blocks, interpret)
     else:

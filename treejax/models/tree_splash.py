@@ -47,7 +47,7 @@ fp32; ``p`` is cast to ``v``'s dtype before the ``p v`` product (bf16 on the MXU
 Limits: the tables live in SMEM (``B * (L/block_q) * (L/block_k + 2)`` int32 for each of the forward's and the
 backward's tables), so very long rows want larger tiles. The kernel has been checked in Pallas' TPU interpreter
 (``interpret=True``; tests/models/test_tree_splash.py) and lowered for the TPU platform through ``jax.export``; it
-has not been benchmarked, and the default tiles (:func:`default_blocks`) are not tuned on hardware.
+has not been run or benchmarked on TPU hardware, and the default tiles (:func:`default_blocks`) are not tuned on hardware.
 
 Structure adapted from JAX's ``jax/experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py``
 (Apache-2.0; the JAX Authors): the forward's scratch-resident online softmax over a grid axis of listed key
@@ -91,7 +91,7 @@ class TreeSplashBlocks:
         return self.block_q_bwd or self.block_q, self.block_k_bwd or self.block_k
 
 
-def default_blocks(row_length: int, interpret: bool = False) -> TreeSplashBlocks:
+def default_blocks(row_length: int, interpret=False) -> TreeSplashBlocks:
     """Square tiles: the largest of 256 and 128 (not tuned on hardware) that divides ``row_length``; in the
     interpreter (``interpret``) down to 8, so short test rows run. Rows with no such divisor raise ``ValueError``."""
     floor = 8 if interpret else NUM_LANES
@@ -104,8 +104,11 @@ def default_blocks(row_length: int, interpret: bool = False) -> TreeSplashBlocks
     return TreeSplashBlocks(b, b)
 
 
-def _check(q, k, v, lo, hi, blocks: TreeSplashBlocks, interpret: bool):
+def _check(q, k, v, lo, hi, blocks: TreeSplashBlocks, interpret):
     """``ValueError`` (one line naming the fix) for shapes the kernel cannot run."""
+    if not any(type(interpret) is type(m) and interpret == m for m in INTERPRET_MODES):
+        raise ValueError(f"tree TPU attention: interpret={interpret!r} is not one of {INTERPRET_MODES}; pass False "
+                         "(TPU), True / 'tpu' (TPU interpreter) or 'hlo' (generic interpreter)")
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"tree TPU attention: q {q.shape}, k {k.shape}, v {v.shape} must be [B, L, heads, H] with "
                          "k and v of one shape")
@@ -204,8 +207,14 @@ def _fwd_kernel(kv_ref, q_ref, k_ref, v_ref, qlo_ref, klo_ref, khi_ref, o_ref, l
         lse_ref[...] = m_scr[...][:, :1] + jnp.log(l)
 
 
-def _interpret_arg(interpret: bool):
-    return pltpu.InterpretParams() if interpret else False
+INTERPRET_MODES = (False, True, "tpu", "hlo")
+
+
+def _interpret_arg(interpret):
+    """``pallas_call``'s ``interpret`` for this kernel's ``interpret`` flag (:func:`tree_splash_attention`)."""
+    if interpret is True or interpret == "tpu":
+        return pltpu.InterpretParams()
+    return interpret == "hlo"
 
 
 def _layouts(lo, hi):
@@ -214,7 +223,7 @@ def _layouts(lo, hi):
     return lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :]
 
 
-def _forward(q, k, v, lo, hi, blocks: TreeSplashBlocks, interpret: bool):
+def _forward(q, k, v, lo, hi, blocks: TreeSplashBlocks, interpret):
     """``(out [B, L, Q, H], lse [B, Q, L] fp32)``."""
     _check(q, k, v, lo, hi, blocks, interpret)
     B, L, Q, H = q.shape
@@ -227,7 +236,7 @@ def _forward(q, k, v, lo, hi, blocks: TreeSplashBlocks, interpret: bool):
     qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, heads, L, H]
 
     q_spec = pl.BlockSpec((None, None, bq, H), lambda b, h, i, t, kv: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, i, t, kv: (b, h // G, _listed(kv, b, i, t), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, i, t, kv: (b, lax.div(h, G), _listed(kv, b, i, t), 0))
     qlo_spec = pl.BlockSpec((None, bq, 1), lambda b, h, i, t, kv: (b, i, 0))
     krow_spec = pl.BlockSpec((None, 1, bk), lambda b, h, i, t, kv: (b, 0, _listed(kv, b, i, t)))
     lse_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, t, kv: (b, h, i, 0))
@@ -315,7 +324,7 @@ def _dkv_kernel(qtab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_r
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, lo, hi, out, lse, do, blocks: TreeSplashBlocks, interpret: bool):
+def _backward(q, k, v, lo, hi, out, lse, do, blocks: TreeSplashBlocks, interpret):
     B, L, Q, H = q.shape
     K = k.shape[2]
     G = Q // K
@@ -330,7 +339,7 @@ def _backward(q, k, v, lo, hi, out, lse, do, blocks: TreeSplashBlocks, interpret
 
     # dq: grid (row, query head, query block, step over its key blocks)
     q_spec = pl.BlockSpec((None, None, bq, H), lambda b, h, i, t, kv: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, i, t, kv: (b, h // G, _listed(kv, b, i, t), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, i, t, kv: (b, lax.div(h, G), _listed(kv, b, i, t), 0))
     col_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, t, kv: (b, h, i, 0))  # lse, delta columns
     qlo_spec = pl.BlockSpec((None, bq, 1), lambda b, h, i, t, kv: (b, i, 0))
     krow_spec = pl.BlockSpec((None, 1, bk), lambda b, h, i, t, kv: (b, 0, _listed(kv, b, i, t)))
@@ -377,10 +386,14 @@ def _backward(q, k, v, lo, hi, out, lse, do, blocks: TreeSplashBlocks, interpret
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def tree_splash_attention(q, k, v, node_lo, node_hi, blocks: TreeSplashBlocks | None = None,
-                          interpret: bool = False):
+                          interpret: bool | str = False):
     """Tree-masked attention on TPU (module docstring). ``q: [B, L, Q, H]``, ``k, v: [B, L, K, H]`` (``Q % K ==
     0``), ``node_lo, node_hi: [B, L]`` int; returns ``[B, L, Q, H]`` in ``q``'s dtype. ``blocks``: the tiles
-    (``None``: :func:`default_blocks` of ``L``); ``interpret``: run in Pallas' TPU interpreter (any backend)."""
+    (``None``: :func:`default_blocks` of ``L``). ``interpret``: ``False`` compiles for a TPU; ``True`` (or
+    ``"tpu"``) runs Pallas' TPU interpreter (``pltpu.InterpretParams()``, any backend: it models the TPU's memory,
+    fills uninitialised buffers with NaN and raises on out-of-bounds reads; its callbacks cannot be partially
+    evaluated, so not under ``jax.checkpoint``); ``"hlo"`` runs Pallas' generic interpreter (plain XLA ops, fine
+    under ``jax.checkpoint``: what :func:`treejax.models.tree_attention.make_tree_attention` uses off a TPU)."""
     return _forward(q, k, v, node_lo, node_hi, blocks or default_blocks(q.shape[1], interpret), interpret)[0]
 
 
@@ -398,7 +411,7 @@ def _vjp_bwd(blocks, interpret, res, do):
 tree_splash_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeSplashBlocks | None = None, interpret: bool = False):
+def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeSplashBlocks | None = None, interpret: bool | str = False):
     """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention`."""
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)

@@ -1,4 +1,4 @@
-"""Block-sparse flash attention for tree-packed rows on TPU (Pallas / Mosaic; Pallas' TPU interpreter elsewhere).
+"""Block-sparse flash attention for tree-packed rows on TPU (Pallas / Mosaic; Pallas' interpreters elsewhere).
 
 Same function as the dense path of :mod:`treejax.models.tree_attention` and the GPU kernel
 :mod:`treejax.models.tree_flash`::
@@ -45,9 +45,12 @@ the tile (on a TPU a multiple of 128, the lane width, since ``block_k`` and, in 
 fp32; ``p`` is cast to ``v``'s dtype before the ``p v`` product (bf16 on the MXU for bf16 inputs; exact for fp32).
 
 Limits: the tables live in SMEM (``B * (L/block_q) * (L/block_k + 2)`` int32 for each of the forward's and the
-backward's tables), so very long rows want larger tiles. The kernel has been checked in Pallas' TPU interpreter
-(``interpret=True``; tests/models/test_tree_splash.py) and lowered for the TPU platform through ``jax.export``; it
-has not been run or benchmarked on TPU hardware, and the default tiles (:func:`default_blocks`) are not tuned on hardware.
+backward's tables), so very long rows want larger tiles. The list axis of each grid has a static ``L / block``
+steps (the causal worst case): steps past a list's count cost a grid step's overhead, with no copy or compute.
+The kernel has been checked in Pallas' TPU interpreter
+(``interpret=True``; tests/models/test_tree_splash.py) and lowered for the TPU platform through ``jax.export``
+(Pallas' Mosaic lowering; Mosaic's own compile runs only on a TPU); it has not been run or benchmarked on TPU
+hardware, and the default tiles (:func:`default_blocks`) are not tuned.
 
 Structure adapted from JAX's ``jax/experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py``
 (Apache-2.0; the JAX Authors): the forward's scratch-resident online softmax over a grid axis of listed key

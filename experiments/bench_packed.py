@@ -9,7 +9,8 @@ micro-batches over whole trees):
 * expanded: ``forest_to_batch``, one row per leaf (``P * W`` rows of ``Lp + D * S``), attention ``--attention``
   (auto: cuDNN flash on GPU);
 * packed: ``treejax.rl.packing`` (prompt and every node segment once, preorder rows bucketed to
-  ``--granule``), tree attention ``--tree-attention`` (auto: the block-sparse Pallas kernel on GPU).
+  ``--granule``), tree attention ``--tree-attention`` (auto: the block-sparse Pallas kernel on GPU, its TPU
+  form on TPU).
 
 Both start from the same state; the first step's loss of each is printed (equal up to bf16 rounding). Timing:
 median of ``--repeats`` steps after one compile + warm-up step. FLOPs (useful work, remat recompute not
@@ -214,7 +215,8 @@ def main(argv=None):
     ap.add_argument("--remat", default="full", choices=["none", "full", "dots"])
     ap.add_argument("--logprob-chunk", type=int, default=16384)
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="expanded attention")
-    ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas"], help="packed attention")
+    ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas", "pallas_tpu"],
+                    help="packed attention")
     ap.add_argument("--tree-blocks", default=None,
                     help="Pallas tree kernel tiles block_q,block_k,block_bwd[,num_warps[,num_stages]], then "
                          "key=value variants full=1, split=1, dq=QxK, dkv=KxQ, bwd_warps=N (TreeFlashBlocks.parse; "

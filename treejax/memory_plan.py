@@ -466,11 +466,15 @@ def plan_shape(cfg, model, prompt_width: int, rollout_width: int, devices: int, 
 
 def dense_update_attention(cfg, backend: str, dtypes: dict[str, str]) -> bool:
     """Whether the update's attention materialises ``[L, L]`` scores: the XLA paths (CPU, fp32 compute, or asked
-    for); cuDNN (expanded, GPU 16-bit) and the Pallas tree kernel (packed, GPU) do not."""
+    for); cuDNN (expanded, GPU 16-bit) and the Pallas tree kernels (packed: ``pallas`` on a GPU, ``pallas_tpu`` on
+    a TPU) do not (a kernel in the interpreter, off its backend, is counted as dense)."""
+    if cfg.packed_update:
+        from treejax.models.tree_attention import resolve_impl as resolve_tree_impl
+
+        impl = resolve_tree_impl(cfg.packing.attention_impl, backend)
+        return (impl, backend) not in (("pallas", "gpu"), ("pallas_tpu", "tpu"))
     if backend != "gpu":
         return True
-    if cfg.packed_update:
-        return cfg.packing.attention_impl == "xla"
     return cfg.attention_impl == "xla" or dtypes["compute"] == "float32"
 
 

@@ -283,9 +283,12 @@ def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positio
 
     ``attention_impl`` (:data:`treejax.models.tree_attention.TREE_ATTENTION_IMPLS`): ``"xla"`` materialises the
     dense ``[L, L]`` mask and scores (exact on every backend; memory ``O(L^2)`` per row and head), ``"pallas"``
-    runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"auto"`` picks pallas on
-    a GPU and xla elsewhere; ``blocks`` the Pallas kernel's tiles (``tree_flash.TreeFlashBlocks``; default
-    ``tree_flash.default_blocks(head_dim, row_length)``). ``remat`` as in :func:`forward`.
+    runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"pallas_tpu"`` its TPU
+    (Mosaic) form (``treejax.models.tree_splash``; the TPU interpreter elsewhere), ``"auto"`` picks pallas on a
+    GPU, pallas_tpu on a TPU and xla elsewhere; ``blocks`` the Pallas kernel's tiles (``pallas``:
+    ``tree_flash.TreeFlashBlocks``, default ``tree_flash.default_blocks(head_dim, row_length)``; ``pallas_tpu``:
+    ``tree_splash.TreeSplashBlocks``, default ``tree_splash.default_blocks(row_length)``). ``remat`` as in
+    :func:`forward`.
     """
     _check_tokens(tokens, positions)
     if node_lo.shape != tokens.shape or node_hi.shape != tokens.shape:

@@ -14,12 +14,15 @@ Implementations (``attention_impl``):
   blocks, the mask computed per tile from the two interval vectors, tiles without any visible key skipped, online
   softmax in fp32; forward and backward kernels (:mod:`treejax.models.tree_flash`). On a non-GPU backend it
   runs in Pallas' interpreter (slow; correctness tests only).
-* ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere.
+* ``"pallas_tpu"``: the same block-sparse flash attention as a Pallas TPU (Mosaic) kernel, the block tables
+  passed by scalar prefetch (:mod:`treejax.models.tree_splash`); forward and backward kernels. On a non-TPU
+  backend it runs in Pallas' generic interpreter (slow; correctness tests only).
+* ``"auto"``: ``"pallas"`` on a GPU, ``"pallas_tpu"`` on a TPU, ``"xla"`` elsewhere.
 
 Sharding: the XLA path is partitioned by GSPMD like the rest of the update (rows over ``data x fsdp``, heads
-over ``tensor``). GSPMD cannot split the Pallas call (it would gather every operand onto every device and run it
+over ``tensor``). GSPMD cannot split a Pallas call (it would gather every operand onto every device and run it
 replicated), so under a context mesh (``jax.set_mesh``, which the training loop sets on multi-device meshes) the
-kernel runs in ``jax.shard_map``: each device attends its own rows (whole trees: a row never attends another) and
+kernels run in ``jax.shard_map``: each device attends its own rows (whole trees: a row never attends another) and
 its own heads (rows by the logical ``batch`` axis, heads by ``heads`` where that divides both head counts).
 """
 
@@ -31,11 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from treejax.models import tree_flash
+from treejax.models import tree_flash, tree_splash
 from treejax.models.dense_attention import attention, causal_mask
 from treejax.parallel.mesh import rows_and_heads
 
-TREE_ATTENTION_IMPLS = ("xla", "pallas", "auto")
+TREE_ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu", "auto")
 
 
 def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
@@ -45,44 +48,63 @@ def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
     return causal_mask(node_lo_BxL.shape[1])[None] & (node_lo_BxL[:, None, :] <= q) & (q <= node_hi_BxL[:, None, :])
 
 
-def resolve_impl(attention_impl: str) -> str:
+def resolve_impl(attention_impl: str, backend: str | None = None) -> str:
+    """The implementation ``attention_impl`` runs on ``backend`` (default: :func:`jax.default_backend`):
+    ``"auto"`` is ``"pallas"`` on a GPU, ``"pallas_tpu"`` on a TPU, ``"xla"`` elsewhere."""
     if attention_impl not in TREE_ATTENTION_IMPLS:
         raise ValueError(f"tree attention_impl must be one of {TREE_ATTENTION_IMPLS}, got {attention_impl!r}")
     if attention_impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        backend = backend or jax.default_backend()
+        return {"gpu": "pallas", "tpu": "pallas_tpu"}.get(backend, "xla")
     return attention_impl
 
 
 def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attention_impl: str = "xla",
-                        blocks: tree_flash.TreeFlashBlocks | None = None
+                        blocks: tree_flash.TreeFlashBlocks | tree_splash.TreeSplashBlocks | None = None
                         ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """``attend(q [B, L, Q, H], k [B, L, K, H], v [B, L, K, H]) -> [B, L, Q, H]`` for rows with these intervals.
 
     Whatever depends only on the intervals (the dense mask) is built once here, outside the layer loop.
-    ``blocks``: the Pallas kernel's tiles (default:
-    :func:`treejax.models.tree_flash.default_blocks` of the head size)."""
+    ``blocks``: the Pallas kernel's tiles: for ``"pallas"`` a :class:`~treejax.models.tree_flash.TreeFlashBlocks`
+    (default: :func:`treejax.models.tree_flash.default_blocks` of the head size), for ``"pallas_tpu"`` a
+    :class:`~treejax.models.tree_splash.TreeSplashBlocks` (default:
+    :func:`treejax.models.tree_splash.default_blocks` of the row length)."""
     impl = resolve_impl(attention_impl)
     if impl == "xla":
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
         return lambda q, k, v: attention(q, k, v, mask)
-    interpret = jax.default_backend() != "gpu"
+    if impl == "pallas_tpu":
+        if blocks is not None and not isinstance(blocks, tree_splash.TreeSplashBlocks):
+            raise ValueError(f"tree attention 'pallas_tpu' takes tree_splash.TreeSplashBlocks tiles, got {blocks!r}; "
+                             "pass TreeSplashBlocks or None (the TPU defaults)")
+        interpret = "hlo" if jax.default_backend() != "tpu" else False  # the interpreter that runs under remat
+        kernel = lambda q, k, v, lo, hi: tree_splash.tree_splash_attention(  # noqa: E731
+            q, k, v, lo, hi, blocks, interpret)
+    else:
+        if blocks is not None and not isinstance(blocks, tree_flash.TreeFlashBlocks):
+            raise ValueError(f"tree attention 'pallas' takes tree_flash.TreeFlashBlocks tiles, got {blocks!r}; "
+                             "pass TreeFlashBlocks or None (the GPU defaults)")
+        interpret = jax.default_backend() != "gpu"
+        kernel = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
+            q, k, v, lo, hi, blocks or tree_flash.default_blocks(q.shape[-1], q.shape[1]), interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
+        if impl == "pallas_tpu":
+            return tree_splash.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
         return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
-    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret, blocks)
+    return _per_shard(node_lo_BxL, node_hi_BxL, mesh, kernel)
 
 
-def _per_shard(node_lo_BxL, node_hi_BxL, mesh, interpret: bool, blocks):
-    """The Pallas tree attention inside ``jax.shard_map`` over rows and heads of the context ``mesh``."""
+def _per_shard(node_lo_BxL, node_hi_BxL, mesh, kernel):
+    """A Pallas tree attention ``kernel(q, k, v, lo, hi)`` inside ``jax.shard_map`` over rows and heads of the
+    context ``mesh``."""
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
 
     def attend(q, k, v):
         rows, heads = rows_and_heads(mesh, lo.shape[0], q.shape[2], k.shape[2])
         qkv, pos = P(rows, None, heads, None), P(rows, None)
-        tiles = blocks or tree_flash.default_blocks(q.shape[-1], q.shape[1])
-        fn = lambda q, k, v, lo, hi: tree_flash.tree_flash_attention(  # noqa: E731
-            q, k, v, lo, hi, tiles, interpret)
-        return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, pos, pos), out_specs=qkv, check_vma=False)(q, k, v, lo, hi)
+        return jax.shard_map(kernel, in_specs=(qkv, qkv, qkv, pos, pos), out_specs=qkv, check_vma=False)(
+            q, k, v, lo, hi)
 
     return attend

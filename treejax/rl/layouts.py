@@ -41,6 +41,7 @@ import numpy as np
 from treejax.models import transformer
 from treejax.models.config import ModelConfig
 from treejax.models.tree_flash import TreeFlashBlocks
+from treejax.models.tree_splash import TreeSplashBlocks
 from treejax.rl import packing as packing_lib
 from treejax.rl.batch import (PAIR_KEYS, Batch, SequenceInputs, TreeInputs, expanded_batch, forest_to_batch,
                               response_to_sequence)
@@ -255,7 +256,9 @@ class Packed:
     mini-batch from the config's bounds (host state, :class:`~treejax.rl.packing.LayoutFloor`,
     :func:`~treejax.rl.packing.startup_layout`) and later mini-batches are packed into it: the update compiles once
     (again only if a mini-batch needs more rows). ``blocks``: the Pallas tree kernel's tiles
-    (``tree_flash.TreeFlashBlocks``; ``None``: ``tree_flash.default_blocks`` of the head size)."""
+    (``tree_flash.TreeFlashBlocks`` for ``"pallas"``, ``tree_splash.TreeSplashBlocks`` for ``"pallas_tpu"``;
+    ``None``: the kernel's defaults, ``tree_flash.default_blocks`` of the head size / ``tree_splash.default_blocks``
+    of the row length)."""
 
     model_config: ModelConfig
     packing: packing_lib.PackingConfig = packing_lib.PackingConfig()
@@ -263,7 +266,7 @@ class Packed:
     row_multiple: int = 1
     chunk_size: int = 8192
     floor: packing_lib.LayoutFloor | None = None
-    blocks: TreeFlashBlocks | None = None
+    blocks: TreeFlashBlocks | TreeSplashBlocks | None = None
 
     def __post_init__(self):
         if self.floor is None and self.packing.sticky:

@@ -111,8 +111,9 @@ class PackingConfig:
       align: pad the prompt and every node segment to a multiple of this many tokens (1: no padding).
       skip_untrained: leave trees without any trained token (filler prompts) out of the packed rows.
       attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
-        mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU) or ``"auto"``
-        (pallas on a GPU, xla elsewhere).
+        mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU),
+        ``"pallas_tpu"`` (the same as a TPU kernel; rows a multiple of 128 tokens, the default ``granule``) or
+        ``"auto"`` (pallas on a GPU, pallas_tpu on a TPU, xla elsewhere).
       sticky: fix the layout at the first mini-batch from the config's bounds (:func:`startup_layout`, module
         docstring) and pack every later mini-batch into it; only the row count can grow. ``False``: each
         mini-batch gets its own bucketed layout (a compile per new shape).

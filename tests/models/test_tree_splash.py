@@ -2,7 +2,8 @@
 XLA path (``tree_attention.tree_mask`` + ``dense_attention.attention``): outputs and gradients (``dq, dk, dv``)
 on a causal chain, a depth-3 branching tree and several trees packed in one row with padding, grouped-query
 heads (4 query heads over 2 KV heads), head size 64 and an odd one (12); block skipping; input errors; the
-wiring (``attention_impl="pallas_tpu"``, ``"auto"`` on a TPU backend) end to end through the packed update.
+wiring (``attention_impl="pallas_tpu"``; ``"auto"`` keeps XLA on a TPU until the kernel has run on one) end to
+end through the packed update.
 
 Tolerance (fp32): relative ``1e-5`` of the reference's largest magnitude, elementwise, on O(1) random inputs.
 Both sides compute the same softmax in fp32; the kernel in tiles with an online max and the ``p v`` / ``ds k``
@@ -233,8 +234,9 @@ def test_bad_inputs_raise_one_line_value_errors():
     assert tree_splash.default_blocks(40, interpret=True) == tree_splash.TreeSplashBlocks(8, 8)
 
 
-def test_auto_picks_the_tpu_kernel_on_a_tpu_only():
-    assert tree_attention.resolve_impl("auto", "tpu") == "pallas_tpu"
+def test_the_tpu_kernel_is_asked_for_by_name():
+    # not picked by ``auto`` on a TPU until it has run on TPU hardware (resolve_impl's docstring)
+    assert tree_attention.resolve_impl("auto", "tpu") == "xla"
     assert tree_attention.resolve_impl("auto", "gpu") == "pallas"
     assert tree_attention.resolve_impl("auto", "cpu") == "xla"
     assert tree_attention.resolve_impl("pallas_tpu", "gpu") == "pallas_tpu"
@@ -247,14 +249,14 @@ def test_auto_picks_the_tpu_kernel_on_a_tpu_only():
 
 
 def test_memory_plan_counts_the_tpu_kernel_as_not_dense():
-    """The memory plan's ``[L, L]`` scores term: not counted for the packed update on a TPU with ``auto`` or
-    ``pallas_tpu``; counted for ``xla``, and for the TPU kernel off a TPU (the interpreter)."""
+    """The memory plan's ``[L, L]`` scores term: not counted for the packed update on a TPU with ``pallas_tpu``;
+    counted for ``xla`` (and ``auto``, which is XLA on a TPU), and for the TPU kernel off a TPU (the interpreter)."""
     from types import SimpleNamespace
 
     from treejax.memory_plan import dense_update_attention
 
     cfg = lambda impl: SimpleNamespace(packed_update=True, packing=SimpleNamespace(attention_impl=impl))  # noqa
-    assert not dense_update_attention(cfg("auto"), "tpu", {})
+    assert dense_update_attention(cfg("auto"), "tpu", {})
     assert not dense_update_attention(cfg("pallas_tpu"), "tpu", {})
     assert dense_update_attention(cfg("xla"), "tpu", {})
     assert dense_update_attention(cfg("pallas_tpu"), "gpu", {}) and dense_update_attention(cfg("auto"), "cpu", {})

@@ -285,7 +285,7 @@ def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positio
     dense ``[L, L]`` mask and scores (exact on every backend; memory ``O(L^2)`` per row and head), ``"pallas"``
     runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"pallas_tpu"`` its TPU
     (Mosaic) form (``treejax.models.tree_splash``; the TPU interpreter elsewhere), ``"auto"`` picks pallas on a
-    GPU, pallas_tpu on a TPU and xla elsewhere; ``blocks`` the Pallas kernel's tiles (``pallas``:
+    GPU and xla elsewhere (pallas_tpu is asked for by name until it has run on TPU hardware); ``blocks`` the Pallas kernel's tiles (``pallas``:
     ``tree_flash.TreeFlashBlocks``, default ``tree_flash.default_blocks(head_dim, row_length)``; ``pallas_tpu``:
     ``tree_splash.TreeSplashBlocks``, default ``tree_splash.default_blocks(row_length)``). ``remat`` as in
     :func:`forward`.

@@ -50,12 +50,15 @@ def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
 
 def resolve_impl(attention_impl: str, backend: str | None = None) -> str:
     """The implementation ``attention_impl`` runs on ``backend`` (default: :func:`jax.default_backend`):
-    ``"auto"`` is ``"pallas"`` on a GPU, ``"pallas_tpu"`` on a TPU, ``"xla"`` elsewhere."""
+    ``"auto"`` is ``"pallas"`` on a GPU, ``"xla"`` elsewhere. The TPU kernel (``"pallas_tpu"``,
+    :mod:`treejax.models.tree_splash`) is tested in Pallas' TPU interpreter and lowers for TPU, but has not run on
+    TPU hardware yet, so ``auto`` does not pick it there until it has; ask for it with
+    ``PackingConfig.attention_impl = "pallas_tpu"``."""
     if attention_impl not in TREE_ATTENTION_IMPLS:
         raise ValueError(f"tree attention_impl must be one of {TREE_ATTENTION_IMPLS}, got {attention_impl!r}")
     if attention_impl == "auto":
         backend = backend or jax.default_backend()
-        return {"gpu": "pallas", "tpu": "pallas_tpu"}.get(backend, "xla")
+        return {"gpu": "pallas"}.get(backend, "xla")
     return attention_impl
 
 

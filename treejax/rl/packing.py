@@ -113,7 +113,8 @@ class PackingConfig:
       attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
         mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU),
         ``"pallas_tpu"`` (the same as a TPU kernel; rows a multiple of 128 tokens, the default ``granule``) or
-        ``"auto"`` (pallas on a GPU, pallas_tpu on a TPU, xla elsewhere).
+        ``"auto"`` (pallas on a GPU, xla elsewhere: ``"pallas_tpu"``, the TPU kernel, is asked for by name until it has
+        run on TPU hardware).
       sticky: fix the layout at the first mini-batch from the config's bounds (:func:`startup_layout`, module
         docstring) and pack every later mini-batch into it; only the row count can grow. ``False``: each
         mini-batch gets its own bucketed layout (a compile per new shape).

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from treejax.forest import forest_from_paths
+from treejax.testing.forests import two_small_trees
 from treejax.models import presets, tree_attention, tree_flash
 from treejax.models import transformer as T
 from treejax.rl import packing
@@ -24,13 +25,7 @@ BLOCKS = tree_flash.TreeFlashBlocks(block_q=8, block_k=8, block_bwd=8)
 def _two_trees(config=packing.PackingConfig(granule=8)):
     """Two small trees: a node that ends a leaf and has children, a leaf inside its first segment, prompts of
     5 and 3 tokens (the second row also has padding)."""
-    paths = np.array([[[0, 1, 2], [0, 1, 3], [0, 4, -1]], [[0, 1, -1], [0, 2, -1], [0, 2, 3]]])
-    lengths = np.array([[8, 7, 3], [4, 2, 6]])
-    tok = np.random.RandomState(0).randint(3, 200, (2, 3, 8))
-    tok[0, 1, :4] = tok[0, 0, :4]
-    tok[1, 2, :4] = tok[1, 1, :4]
-    forest = forest_from_paths(paths, lengths, 4, tokens=tok)
-    prompts, lens = np.array([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]), np.array([5, 3])
+    forest, prompts, lens = two_small_trees()
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, 4, config)
     return plan, forest, prompts, lens
 

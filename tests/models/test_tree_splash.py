@@ -116,15 +116,9 @@ def test_kernel_rectangular_tiles_odd_head_size_and_mqa():
 
 def test_rows_of_the_packing_layer():
     """The packing layer's own intervals (two small trees in one 32-token row, padding at the end)."""
-    from treejax.forest import forest_from_paths
+    from treejax.testing.forests import two_small_trees
 
-    paths = np.array([[[0, 1, 2], [0, 1, 3], [0, 4, -1]], [[0, 1, -1], [0, 2, -1], [0, 2, 3]]])
-    lengths = np.array([[8, 7, 3], [4, 2, 6]])
-    tok = np.random.RandomState(0).randint(3, 200, (2, 3, 8))
-    tok[0, 1, :4] = tok[0, 0, :4]  # leaves sharing a node share its tokens
-    tok[1, 2, :4] = tok[1, 1, :4]
-    forest = forest_from_paths(paths, lengths, 4, tokens=tok)
-    prompts, lens = np.array([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]), np.array([5, 3])
+    forest, prompts, lens = two_small_trees()
     plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, 4,
                                 packing.PackingConfig(row_length=32))
     assert plan.shape[0] == 1
@@ -267,21 +261,15 @@ def test_packed_gradients_through_the_tpu_kernel():
     """``PackingConfig(attention_impl="pallas_tpu")`` end to end: the packed update's loss and gradients (the
     kernel's custom VJP in the layer scan, with remat) equal the expanded batch's (fp32, relative 1e-5; the
     kernel in the interpreter, 32-token rows in one 32-token tile)."""
-    from treejax.forest import forest_from_paths
     from treejax.rl.batch import expanded_batch, forest_to_batch
+    from treejax.testing.forests import two_small_trees
     from treejax.rl.layouts import Expanded, Packed
     from treejax.rl.losses import LossConfig
     from treejax.rl.update import make_grad_fn
 
     cfg = presets.tiny_config("qwen2.5-0.5b")
     params = T.init_params(cfg, jax.random.key(3))
-    paths = np.array([[[0, 1, 2], [0, 1, 3], [0, 4, -1]], [[0, 1, -1], [0, 2, -1], [0, 2, 3]]])
-    lengths = np.array([[8, 7, 3], [4, 2, 6]])
-    tok = np.random.RandomState(0).randint(3, 200, (2, 3, 8))
-    tok[0, 1, :4] = tok[0, 0, :4]
-    tok[1, 2, :4] = tok[1, 1, :4]
-    forest = forest_from_paths(paths, lengths, 4, tokens=tok)
-    prompts, lens = np.array([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]), np.array([5, 3])
+    forest, prompts, lens = two_small_trees()
     adv = jax.random.normal(jax.random.key(4), forest.tokens.shape) * forest.loss_mask
     expanded = expanded_batch(forest_to_batch(jnp.asarray(prompts), jnp.asarray(lens), forest, adv))
     config = packing.PackingConfig(row_length=32, attention_impl="pallas_tpu")

@@ -6,7 +6,6 @@ episodes with their status."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +14,7 @@ from treejax.models import presets, transformer
 from treejax.sampling import decode
 from treejax.sampling.multiturn import Episode, TurnLimits, chat_observation, run_episodes
 from treejax.sampling.strategies import Temperature
+from treejax.testing.references import full_forward_logp
 from treejax.testing.tokenizers import CharTokenizer as _Tok
 
 CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
@@ -45,20 +45,9 @@ class _Echo:
 _REF_WIDTH = 72  # a 4-token prompt + an episode's max_tokens = 64
 
 
-@jax.jit
-def _padded_logp(params, t, seg):
-    h = transformer.forward(params, CFG, t, jnp.arange(_REF_WIDTH)[None, :], seg)
-    return jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1)
-
-
 def _full_logp(params, seq):
-    """Log-probs at every position of one full forward over ``seq``, right-padded to ``_REF_WIDTH`` with segment
-    id 0 (padding attends to nothing and nothing attends to it: the real tokens' forward is the unpadded one), so
-    one jitted program serves every episode instead of an eager forward per length."""
-    assert len(seq) <= _REF_WIDTH, (len(seq), _REF_WIDTH)
-    t, seg = np.zeros((1, _REF_WIDTH), np.int32), np.zeros((1, _REF_WIDTH), np.int32)
-    t[0, :len(seq)], seg[0, :len(seq)] = seq, 1
-    return np.asarray(_padded_logp(params, jnp.asarray(t), jnp.asarray(seg)))[:len(seq)]
+    """One full forward's log-probs over ``seq`` (padded to ``_REF_WIDTH``: one program for every length)."""
+    return full_forward_logp(params, CFG, seq, _REF_WIDTH)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ masks and weights."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from treejax.models import presets, transformer
 from treejax.sampling import decode
 from treejax.sampling.multiturn import TurnLimits, TurnTreeConfig, run_episodes, run_turn_trees, turn_forest
 from treejax.sampling.strategies import Temperature
+from treejax.testing.references import full_forward_logp
 from treejax.testing.tokenizers import CharTokenizer as _Tok
 
 CFG = presets.tiny_config("smollm2-135m", vocab_size=64)
@@ -58,20 +58,9 @@ def params():
 _REF_WIDTH = 104  # a 4-token prompt + a conversation's max_tokens = 96
 
 
-@jax.jit
-def _padded_logp(params, t, seg):
-    h = transformer.forward(params, CFG, t, jnp.arange(_REF_WIDTH)[None, :], seg)
-    return jax.nn.log_softmax(transformer.logits(params, CFG, h[0]).astype(jnp.float32), axis=-1)
-
-
 def _full_logp(params, seq):
-    """Log-probs at every position of one full forward over ``seq``, right-padded to ``_REF_WIDTH`` with segment
-    id 0 (padding attends to nothing and nothing attends to it: the real tokens' forward is the unpadded one), so
-    one jitted program serves every slot instead of an eager forward per length."""
-    assert len(seq) <= _REF_WIDTH, (len(seq), _REF_WIDTH)
-    t, seg = np.zeros((1, _REF_WIDTH), np.int32), np.zeros((1, _REF_WIDTH), np.int32)
-    t[0, :len(seq)], seg[0, :len(seq)] = seq, 1
-    return np.asarray(_padded_logp(params, jnp.asarray(t), jnp.asarray(seg)))[:len(seq)]
+    """One full forward's log-probs over ``seq`` (padded to ``_REF_WIDTH``: one program for every length)."""
+    return full_forward_logp(params, CFG, seq, _REF_WIDTH)
 
 
 PROMPTS = np.array([[1, 2, 3, 4], [1, 9, 0, 0]], np.int32)

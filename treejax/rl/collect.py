@@ -149,19 +149,17 @@ class SyncCollector:
             item.host.update({"async/staleness": step - item.version})
             return item
         t0 = time.perf_counter()
-        if self.to_learner is None:
-            weights = with_probes(self.sampler_weights(state.params), self.probes, state)
-            ro = self.source.sample(weights, jax.random.fold_in(self.key, step), step)
-            return Collected(step, step, ro, {"time/rollout_s": time.perf_counter() - t0 - ro.counters.scoring_s})
-        # the sampler's own layout: the weights re-laid out (timed), the rollout under its mesh, moved back
-        weights = jax.block_until_ready(self.sampler_weights(state.params))
-        relayout_s = time.perf_counter() - t0
-        with self.context():
+        weights, host = self.sampler_weights(state.params), {}
+        if self.to_learner is not None:  # the sampler's own layout: the re-layout timed on its own
+            weights = jax.block_until_ready(weights)
+            host["time/relayout_s"] = time.perf_counter() - t0
+        with self.context() if self.context is not None else contextlib.nullcontext():
             ro = self.source.sample(with_probes(weights, self.probes, state), jax.random.fold_in(self.key, step),
                                     step)
-        ro = self.to_learner(ro)
-        return Collected(step, step, ro, {"time/rollout_s": time.perf_counter() - t0 - ro.counters.scoring_s,
-                                          "time/relayout_s": relayout_s})
+        if self.to_learner is not None:
+            ro = self.to_learner(ro)
+        host["time/rollout_s"] = time.perf_counter() - t0 - ro.counters.scoring_s
+        return Collected(step, step, ro, host)
 
     def publish(self, version: int, state) -> None:
         """Nothing to send: the next ``collect`` reads ``state`` itself."""

@@ -331,8 +331,10 @@ def finish(r: Run) -> dict:
     export_dir = None
     if cfg.export_hf:
         export_dir = os.path.join(cfg.log_dir, "hf_export")
-        # all-gathered: every process takes part; LoRA: the merged W + s A B (the base dequantized)
-        params = multihost.host_tree(jax.jit(lora.merge)(r.state.params))
+        params = r.state.params
+        if lora.has_adapters(params):  # LoRA: the merged W + s A B (the base dequantized); no copy otherwise
+            params = jax.jit(lora.merge)(params)
+        params = multihost.host_tree(params)  # all-gathered: every process takes part
         if multihost.is_primary():
             export_hf(params, r.model_config, export_dir, r.tokenizer)
         del params

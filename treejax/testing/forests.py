@@ -99,6 +99,19 @@ def lay_out_nodes(paths, node_length, *node_arrays, width: int):
     return outs
 
 
+def two_small_trees():
+    """Two small hand-built trees of 3 leaves and 4-token segments for packing tests: a node that ends a leaf and has
+    children, a leaf inside its first segment, leaves sharing a node share its tokens; prompts of 5 and 3 tokens
+    (the second right-padded). Returns ``(forest, prompts [2, 5], prompt_lengths [2])``."""
+    paths = np.array([[[0, 1, 2], [0, 1, 3], [0, 4, -1]], [[0, 1, -1], [0, 2, -1], [0, 2, 3]]])
+    lengths = np.array([[8, 7, 3], [4, 2, 6]])
+    tok = np.random.RandomState(0).randint(3, 200, (2, 3, 8))
+    tok[0, 1, :4] = tok[0, 0, :4]
+    tok[1, 2, :4] = tok[1, 1, :4]
+    forest = forest_from_paths(paths, lengths, 4, tokens=tok)
+    return forest, np.array([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]), np.array([5, 3])
+
+
 def hand_turn_forest():
     """A small hand-built turn forest: one prompt, 4 slots: root -> n1 -> {n3 (w0), n4 (w1)}; root -> n2 -> n5 ->
     n6 (w2, w3: duplicate slots). Node lengths n1..n6 = 3, 2, 2, 1, 2, 2; observation tokens (policy_mask 0)

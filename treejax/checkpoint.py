@@ -148,18 +148,46 @@ class Checkpointer:
             log.info("checkpoint step %d -> %s", step, self.directory)
         return saved
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+    def restore(self, abstract_state: Any, step: int | None = None, *, new_aux: dict | None = None
+                ) -> tuple[Any, dict]:
         """Restores ``(state, data_state)`` at ``step`` (default: latest) into ``abstract_state``'s structure,
-        dtypes and shardings (see :func:`abstract_state_with_shardings`)."""
+        dtypes and shardings (see :func:`abstract_state_with_shardings`).
+
+        ``new_aux``: ``{name: state}`` values for the entries of ``abstract_state.aux`` (a ``TrainState``'s
+        stateful shapers and trainable scorers) that the saved state does not hold: a checkpoint written before
+        they existed, or by a run without them, restores everything it has and these fresh values for the rest
+        (logged). Without ``new_aux`` a missing entry is an error naming it."""
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}")
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        missing = self._missing_aux(abstract_state, int(step))
+        if missing and (new_aux is None or any(k not in new_aux for k in missing)):
+            raise ValueError(f"the checkpoint of step {step} in {self.directory} holds no state for {missing} "
+                             "(TrainState.aux); pass new_aux={name: initial state} to start them fresh")
+        target = abstract_state.replace(aux={k: v for k, v in abstract_state.aux.items() if k not in missing}) \
+            if missing else abstract_state
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
         out = self._manager.restore(int(step), args=args)
-        return out["state"], dict(out["data"] or {})
+        state = out["state"]
+        if missing:
+            log.info("checkpoint step %d holds no state for %s: starting them fresh", step, missing)
+            state = state.replace(aux={k: new_aux[k] if k in missing else state.aux[k] for k in abstract_state.aux})
+        return state, dict(out["data"] or {})
+
+    def _missing_aux(self, abstract_state: Any, step: int) -> list[str]:
+        """The names in ``abstract_state.aux`` that the saved state of ``step`` lacks (``[]`` for a state without
+        ``aux``)."""
+        aux = getattr(abstract_state, "aux", None)
+        if not isinstance(aux, dict) or not aux:
+            return []
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+        meta = getattr(meta, "item_metadata", meta)  # StepMetadata (newer orbax) or the tree metadata itself
+        meta = getattr(meta, "tree", meta)
+        saved = meta.get("aux") if isinstance(meta, dict) else None
+        return [k for k in aux if not (isinstance(saved, dict) and k in saved)]
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()

@@ -53,13 +53,14 @@ def _core_configs() -> dict[str, type]:
     from treejax.rl.packing import PackingConfig
     from treejax.sampling.tree import TreeConfig
     from treejax.scorers.config import ScorerConfig
+    from treejax.scorers.trainable import TrainableScorerConfig
     from treejax.sft_config import OTRConfig, SFTConfig
 
     return {"RunConfig": RunConfig, "SFTConfig": SFTConfig, "OTRConfig": OTRConfig,
             "TreeConfig": TreeConfig, "LossConfig": LossConfig, "OptimizerConfig": OptimizerConfig,
             "MeshConfig": MeshConfig, "Precision": Precision, "PackingConfig": PackingConfig,
             "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig, "ScorerConfig": ScorerConfig,
-            "LoRAConfig": LoRAConfig}
+            "TrainableScorerConfig": TrainableScorerConfig, "LoRAConfig": LoRAConfig}
 
 
 def _source_configs() -> dict[str, type]:

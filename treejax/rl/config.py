@@ -178,6 +178,8 @@ class RunConfig(LegacySourceFields):
                               "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
                               "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
+        for s in self.shapers:  # each shaper's own checks against the run (Shaper.check_run)
+            s.check_run(self)
         self._check_probe()
         self._check_continuations()
         check_chain(stages, self.facts())

@@ -198,7 +198,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
                                          max_to_keep=cfg.keep_checkpoints)
     data_state: dict = {"rl_step": 0}
     if checkpointer.latest_step() is not None:
-        restored, data_state = checkpointer.restore(lora.checkpoint_state(state))  # LoRA: adapters only
+        # LoRA: adapters only; a stateful shaper's state (a trainable scorer) the checkpoint lacks starts fresh
+        restored, data_state = checkpointer.restore(lora.checkpoint_state(state), new_aux=state.aux)
         state = lora.restored_state(state, restored)
         pipeline.set_state(data_state["pipeline"])
         if hasattr(source, "restore_state"):  # the rollout chain's own state (its stages')

@@ -10,7 +10,9 @@ frozen dataclass subclassing :class:`Shaper` plus its import line below (gin the
   ``prl``          :class:`ProcessRewardShaping`       PRL: per-step KL-to-go correction of the outcome advantage;
   ``verl_rank``    :class:`EffectiveRankBonus`         VERL: effective rank / velocity / acceleration bonus (stateful);
   ``arrol_head``   :class:`QualityHead`                ARRoL: online success probe on hidden states (stateful; feeds
-                                                       the ``arrol`` pruning rule).
+                                                       the ``arrol`` pruning rule);
+  ``spa_rl``       :class:`SPARLShaping`               SPA-RL: a progress head trained so step contributions sum to
+                                                       the outcome; they become step advantages (stateful).
 """
 
 from treejax.rl.shaping.base import (SHAPERS, STATS, Shaped, Shaper, ShapingInputs, check_shapers, init_states,
@@ -21,9 +23,10 @@ from treejax.rl.shaping.length import RoseLengthPenalty
 from treejax.rl.shaping.process import ProcessRewardShaping
 from treejax.rl.shaping.effrank import EffectiveRankBonus
 from treejax.rl.shaping.quality import QualityHead
+from treejax.rl.shaping.spa import SPARLShaping
 from treejax.rl.shaping.apply import apply_shapers, shaping_inputs
 
 __all__ = ["SHAPERS", "STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "init_states", "needed_stats",
            "probes",
            "register", "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty",
-           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "apply_shapers", "shaping_inputs"]
+           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "SPARLShaping", "apply_shapers", "shaping_inputs"]

@@ -129,6 +129,10 @@ class Shaper:
         """What the sampler's branching rules may read of this shaper's state (``None``: nothing)."""
         return None
 
+    def check_run(self, cfg: Any) -> None:
+        """The shaper's checks against the whole run (``cfg``: the ``RunConfig``, called from its validation);
+        raise :class:`~treejax.errors.ConfigError` with one line naming the fix. Default: none."""
+
 
 def _check_needs(name: str, cls) -> None:
     bad = [s for s in cls.needs if s not in STATS]

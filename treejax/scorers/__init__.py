@@ -10,8 +10,12 @@
   teacher-forced forward (no decoding) or by decoding a verdict with the sampler and parsing it;
 * :mod:`treejax.scorers.prm`: per-step scores of a response in one teacher-forced pass (a step tag after each
   step; the verdict probability at each tag).
+* :mod:`treejax.scorers.trainable`: a trainable scorer (a head with its own optax state, ``scorer_update(state,
+  batch) -> (state, metrics)``), trained alternately with the policy; SPA-RL's progress head
+  (:mod:`treejax.rl.shaping.spa` trains it in a run).
 
-The rollout stages that turn scores into rewards (FAPO, SSL) are in :mod:`treejax.rl.judges`. Nothing here imports
+The rollout stages that turn scores into rewards (FAPO, SSL) are in :mod:`treejax.rl.judges`; the shaper that
+trains a scorer and turns it into step advantages (SPA-RL) in :mod:`treejax.rl.shaping.spa`. Nothing here imports
 :mod:`treejax.rl`."""
 
 from treejax.scorers.config import ScorerConfig

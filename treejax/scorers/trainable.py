@@ -6,7 +6,8 @@ with the policy, one pure function per update.
 
 The state is explicit (:class:`ScorerState`: ``params``, ``opt_state``, ``step``, and its static
 :class:`TrainableScorerConfig`); the batch says what is fitted (:class:`ProgressBatch`: its ``loss(params)``), so
-the same update serves every objective written as a batch. In a run the state lives in ``TrainState.aux[name]``
+the same update serves every objective written as a batch (:class:`PreferenceBatch`: OPRL's trajectory DPO on
+an implicit reward head, below the progress head). In a run the state lives in ``TrainState.aux[name]``
 of the shaper that trains it (:mod:`treejax.rl.shaping.spa`) and is written to and restored from the run's orbax
 checkpoint with the policy's state; a checkpoint written before the scorer existed restores with a freshly
 initialised scorer (:meth:`treejax.checkpoint.Checkpointer.restore`, ``new_aux``).
@@ -129,6 +130,51 @@ class ProgressBatch:
         return jnp.sum(on * jnp.square(err)) / jnp.maximum(jnp.sum(on), 1.0)
 
 
+def init_implicit_state(config: TrainableScorerConfig, hidden_size: int) -> ScorerState:
+    """A zero implicit-reward head (``{"w_E"}``, no bias: a per-token bias would add ``b x length`` to a
+    trajectory's score, a length preference) and its fresh optimizer state."""
+    params = {"w_E": jnp.zeros((hidden_size,), jnp.float32)}
+    return ScorerState(params=params, opt_state=config.optimizer().init(params), step=jnp.zeros((), jnp.int32),
+                       config=config)
+
+
+@struct.dataclass
+class PreferenceBatch:
+    """What the implicit reward head fits in one step (OPRL's trajectory DPO, :mod:`treejax.rl.shaping.oprl`).
+
+    Per token ``z_t = w . h_t`` (the head's stand-in for the log-ratio ``log pi_phi(y_t) / pi_old(y_t)``); a
+    leaf's implicit reward is ``s = beta sum_t z_t`` over its response tokens; within each prompt, every pair of
+    leaves with ``R_i > R_j`` is a preference ``i > j``:
+
+        L = mean over pairs of -log sigmoid(s_i - s_j)          (0 when a prompt has no such pair)
+
+    ``hidden_PxWxTxE``: the hidden state at each response token (detached); ``token_on_PxWxT``: the leaf's
+    response tokens; ``outcome_PxW``: ``R``; ``leaf_on_PxW``: the leaf enters the pairs; ``beta``: static."""
+
+    hidden_PxWxTxE: jax.Array
+    token_on_PxWxT: jax.Array
+    outcome_PxW: jax.Array
+    leaf_on_PxW: jax.Array
+    beta: float = struct.field(pytree_node=False, default=0.1)
+
+    def token_rewards(self, params: dict) -> jax.Array:
+        """float32 ``[P, W, T]``: ``beta z_t`` on the response tokens, 0 elsewhere."""
+        z = jnp.einsum("pwte,e->pwt", self.hidden_PxWxTxE.astype(jnp.float32), params["w_E"])
+        return jnp.where(self.token_on_PxWxT, self.beta * z, 0.0)
+
+    def pairs(self) -> jax.Array:
+        """bool ``[P, W, W]``: ``pairs[p, i, j]`` iff leaves ``i`` and ``j`` of prompt ``p`` are on and ``R_i >
+        R_j``."""
+        r, on = self.outcome_PxW, self.leaf_on_PxW
+        return (r[:, :, None] > r[:, None, :]) & on[:, :, None] & on[:, None, :]
+
+    def loss(self, params: dict) -> jax.Array:
+        s = jnp.sum(self.token_rewards(params), axis=-1)
+        pref = self.pairs().astype(jnp.float32)
+        nll = jax.nn.softplus(-(s[:, :, None] - s[:, None, :]))  # -log sigmoid(s_i - s_j)
+        return jnp.sum(pref * nll) / jnp.maximum(jnp.sum(pref), 1.0)
+
+
 def scorer_update(state: ScorerState, batch: Any) -> tuple[ScorerState, dict]:
     """``state.config.updates`` optimizer steps of ``batch.loss`` from ``state``; pure (jit-able, no host reads).
 
@@ -149,5 +195,5 @@ def scorer_update(state: ScorerState, batch: Any) -> tuple[ScorerState, dict]:
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
-__all__ = ["TrainableScorerConfig", "ScorerState", "ProgressBatch", "init_progress_state", "progress_contributions",
-           "scorer_update"]
+__all__ = ["TrainableScorerConfig", "ScorerState", "ProgressBatch", "PreferenceBatch", "init_progress_state",
+           "init_implicit_state", "progress_contributions", "scorer_update"]

@@ -12,7 +12,9 @@ frozen dataclass subclassing :class:`Shaper` plus its import line below (gin the
   ``arrol_head``   :class:`QualityHead`                ARRoL: online success probe on hidden states (stateful; feeds
                                                        the ``arrol`` pruning rule);
   ``spa_rl``       :class:`SPARLShaping`               SPA-RL: a progress head trained so step contributions sum to
-                                                       the outcome; they become step advantages (stateful).
+                                                       the outcome; they become step advantages (stateful);
+  ``oprl``         :class:`OPRLShaping`                OPRL: an implicit reward head trained by trajectory DPO; its
+                                                       step rewards are added as step advantages (stateful).
 """
 
 from treejax.rl.shaping.base import (SHAPERS, STATS, Shaped, Shaper, ShapingInputs, check_shapers, init_states,
@@ -24,9 +26,10 @@ from treejax.rl.shaping.process import ProcessRewardShaping
 from treejax.rl.shaping.effrank import EffectiveRankBonus
 from treejax.rl.shaping.quality import QualityHead
 from treejax.rl.shaping.spa import SPARLShaping
+from treejax.rl.shaping.oprl import OPRLShaping
 from treejax.rl.shaping.apply import apply_shapers, shaping_inputs
 
 __all__ = ["SHAPERS", "STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "init_states", "needed_stats",
            "probes",
            "register", "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty",
-           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "SPARLShaping", "apply_shapers", "shaping_inputs"]
+           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "SPARLShaping", "OPRLShaping", "apply_shapers", "shaping_inputs"]

@@ -60,6 +60,20 @@ from treejax.scorers.trainable import (ProgressBatch, ScorerState, TrainableScor
                                        scorer_update)
 
 
+def check_steps(name: str, cfg, step_length: int | None) -> None:
+    """What a step-attributing shaper (SPA-RL, OPRL) needs of the run ``cfg`` (a ``RunConfig``): leaf slots that
+    weigh 1 each, and responses of at least two steps; else one :class:`ConfigError` line with the fix."""
+    if cfg.leaf_weighting != "count":
+        raise ConfigError(f"{name} weighs every leaf slot once in its scorer's loss and its step whitening, not by "
+                          f"path mass (RunConfig.leaf_weighting = {cfg.leaf_weighting!r}); fix: "
+                          "RunConfig.leaf_weighting = 'count'")
+    S = step_length or cfg.rollout.segment_length
+    if -(-cfg.rollout.max_length // S) < 2:
+        raise ConfigError(f"{name} attributes the outcome to a response's steps, but a response of at most "
+                          f"{cfg.rollout.max_length} tokens is one step of {S}; fix: TreeConfig.max_depth >= 2 (or "
+                          f"{name}.step_length below the response length)")
+
+
 def progress_batch(x: ShapingInputs, step_length: int) -> ProgressBatch:
     """The progress head's batch of one step: each leaf's steps of ``step_length`` response tokens (the last one
     partial), the hidden state at each step's last token, the leaf's reward; a leaf without trained tokens (a
@@ -124,15 +138,7 @@ class SPARLShaping(Shaper):
                               f"{self.step_length}; fix: SPARLShaping.step_length = None")
 
     def check_run(self, cfg) -> None:
-        if cfg.leaf_weighting != "count":
-            raise ConfigError(f"SPARLShaping weighs every leaf slot once in its regression and step whitening, not "
-                              f"by path mass (RunConfig.leaf_weighting = {cfg.leaf_weighting!r}); fix: "
-                              "RunConfig.leaf_weighting = 'count'")
-        S = self.step_length or cfg.rollout.segment_length
-        if -(-cfg.rollout.max_length // S) < 2:
-            raise ConfigError(f"SPARLShaping attributes the outcome to a response's steps, but a response of at "
-                              f"most {cfg.rollout.max_length} tokens is one step of {S}; fix: TreeConfig.max_depth "
-                              ">= 2 (or SPARLShaping.step_length below the response length)")
+        check_steps("SPARLShaping", cfg, self.step_length)
 
     def init_state(self, hidden_size: int) -> ScorerState:
         return init_progress_state(self.scorer, hidden_size)
@@ -154,4 +160,4 @@ class SPARLShaping(Shaper):
         return Shaped(adv, x.eps_scale, metrics), state
 
 
-__all__ = ["SPARLShaping", "progress_batch", "whiten_steps", "spa_token_advantages"]
+__all__ = ["SPARLShaping", "check_steps", "progress_batch", "whiten_steps", "spa_token_advantages"]

@@ -120,9 +120,11 @@ def test_run_checks_refuse_what_does_not_fit(binding, match):
 # more), so the default run takes one step and the carried state's second step is marked slow.
 @pytest.mark.parametrize("steps", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_rl_steps_train_the_head_in_the_train_state(steps):
-    """The loop's step function (collect -> learn) with SPA-RL on a tiny model: the trainer pass gives the hidden
-    states, the head takes its updates before the policy's, its state is carried in ``TrainState.aux`` from
-    step to step, and the advantages the update trains on are SPA's (they moved); the first PPO ratio is 1."""
+    """The loop's step function (collect -> learn) with SPA-RL, then OPRL, on a tiny model (both trained scorers
+    share the one compile): the trainer pass gives the hidden states, each head takes its updates before the
+    policy's, their states are carried in ``TrainState.aux`` from step to step, and the advantages the update
+    trains on are the shaped ones (they moved); the first PPO ratio is 1."""
+    from treejax.rl.shaping import OPRLShaping
     from treejax.models import presets, transformer
     from treejax.precision import Precision
     from treejax.rl.config import StepConfig
@@ -140,7 +142,8 @@ def test_rl_steps_train_the_head_in_the_train_state(steps):
     prompts, lens = np.array([[1, 5, 9, 2], [1, 11, 3, 4]], np.int32), np.array([3, 4], np.int32)
     source = FixedPromptRollouts(make_tree_rollout(cfg, tree), prompts, lens,
                                  lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
-    shapers = (SPARLShaping(scorer=TrainableScorerConfig(learning_rate=0.01, updates=2), outcome_mix=0.5),)
+    shapers = (SPARLShaping(scorer=TrainableScorerConfig(learning_rate=0.01, updates=2), outcome_mix=0.5),
+               OPRLShaping(scorer=TrainableScorerConfig(learning_rate=0.01, updates=2), beta=0.5))
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10))
     layout = Expanded(cfg, attention_impl="xla")
     update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
@@ -154,10 +157,12 @@ def test_rl_steps_train_the_head_in_the_train_state(steps):
         assert m["update/skipped"] == 0.0 and np.isfinite(m["update/loss"]) and m["update/grad_norm"] > 0
         assert abs(m["update/first_ratio_min"] - 1) < 1e-5 and abs(m["update/first_ratio_max"] - 1) < 1e-5
         assert m["shaping/spa_rl/steps"] > 8 and m["shaping/spa_rl/loss_after"] < m["shaping/spa_rl/loss"]
+        assert m["shaping/oprl/pairs"] > 0 and m["shaping/oprl/loss_after"] < m["shaping/oprl/loss"]
         assert m["shaping/adv_abs_mean_after"] != m["shaping/adv_abs_mean_before"]
-    head = state.aux["spa_rl"]
-    assert int(head.step) == steps and float(jnp.abs(head.params["w_E"]).sum()) > 0
-    assert head.params["w_E"].shape == (cfg.hidden_size,)
+    for name in ("spa_rl", "oprl"):
+        head = state.aux[name]
+        assert int(head.step) == steps and float(jnp.abs(head.params["w_E"]).sum()) > 0
+        assert head.params["w_E"].shape == (cfg.hidden_size,)
 
 
 @pytest.mark.slow  # two runs of the whole CLI on the tiny model (~2 x 60 s on 2 cores)
@@ -180,6 +185,6 @@ def test_shipped_config_runs_and_resumes_a_checkpoint_made_without_it(tiny_check
     row = run("efficacy_spa_rl.gin", tmp_path / "spa", 1)["history"][0]
     assert np.isfinite(row["update/loss"]) and row["shaping/spa_rl/steps"] > 0
     run("efficacy_grpo.gin", tmp_path / "resume", 1, "RunConfig.checkpoint_every = 1")
-    summary = run("efficacy_spa_rl.gin", tmp_path / "resume", 2)
+    summary = run("efficacy_spa_rl.gin", tmp_path / "resume", 2, "RunConfig.log_dir_mode = 'resume'")
     assert [h["step"] for h in summary["history"]] == [1, 2] and "shaping/spa_rl/loss" in summary["history"][1]
     assert summary["history"][1]["shaping/spa_rl/loss"] > 0

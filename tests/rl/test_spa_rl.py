@@ -1,6 +1,7 @@
 """SPA-RL (treejax.rl.shaping.spa): the progress head's steps, contributions, regression loss and the resulting
-token advantages on a hand-computed case; its config checks; two steps of the loop's own step function with the
-head in the train state (tiny model, a few seconds); the shipped config end to end with a resume (slow)."""
+token advantages on a hand-computed case; its config checks; SPA-RL and OPRL composed with their states carried;
+(slow) the loop's own step function with both heads in the train state, and the shipped config end to end with a
+resume from a checkpoint written without the head."""
 
 import math
 import os
@@ -115,10 +116,31 @@ def test_run_checks_refuse_what_does_not_fit(binding, match):
     assert "\n" not in str(e.value)
 
 
-# One step compiles the tree rollout, the trainer pass with hidden states and the update: ~65 s measured on the
-# shared 2-core machine at load 6.8 (a second step compiles them again for the updated state's placement, ~50 s
-# more), so the default run takes one step and the carried state's second step is marked slow.
-@pytest.mark.parametrize("steps", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_both_trained_scorers_compose_and_carry_their_state():
+    """SPA-RL then OPRL on one step's inputs, three steps in a row with their states carried (as ``TrainState.aux``
+    is): each head's loss falls on the fixed batch, each counts its own updates, the structure stays the same."""
+    from treejax.rl.shaping import OPRLShaping
+
+    shapers = (SPARLShaping(scorer=TrainableScorerConfig(learning_rate=0.1, updates=1)),
+               OPRLShaping(scorer=TrainableScorerConfig(learning_rate=0.1, updates=1), beta=0.5))
+    x = _hand_inputs()
+    states = init_states(shapers, 2)
+    tree = jax.tree.structure(states)
+    losses = {"spa_rl": [], "oprl": []}
+    for _ in range(3):
+        adv, _, m, states = apply_shapers(shapers, x, states)
+        for name in losses:
+            losses[name].append(float(m[f"shaping/{name}/loss"]))
+        assert jax.tree.structure(states) == tree and np.all(np.asarray(adv)[1, 2:] == 0.0)
+    assert all(b < a for v in losses.values() for a, b in zip(v, v[1:])), losses
+    assert int(states["spa_rl"].step) == 3 and int(states["oprl"].step) == 3
+
+
+# One step compiles the tree rollout, the trainer pass with hidden states and the update: 77 s measured on the
+# shared 2-core machine at load 6-9 (a second step compiles them again for the updated state's placement, ~50 s
+# more): slow. The default run covers the same shapers through apply_shapers (the tests above).
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [1, 2])
 def test_rl_steps_train_the_head_in_the_train_state(steps):
     """The loop's step function (collect -> learn) with SPA-RL, then OPRL, on a tiny model (both trained scorers
     share the one compile): the trainer pass gives the hidden states, each head takes its updates before the

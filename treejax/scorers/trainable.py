@@ -21,7 +21,7 @@ at step ``k``'s last token, detached from the policy. The head is linear:
     L(w,b) = mean over leaves of (R_hat - R)^2 (R: the leaf's outcome reward)
 
 i.e. the contributions are fitted so that their sum regresses the outcome (SPA-RL, Wang et al. 2025, arXiv
-2505.20732, eq. of the progress estimator; official code ``WangHanLinHenry/SPA-RL-Agent``
+2505.20732, the progress estimator's objective; official code ``WangHanLinHenry/SPA-RL-Agent``
 ``prm/train_our_progress_model.py``: a ``Linear(vocab, 1)`` on the backbone's logits at each turn's last token,
 summed over the turns, MSE against the final reward). With a frozen backbone a linear map of the logits ``E_out
 h`` is a linear map of ``h`` (``u . E_out h = (E_out^T u) . h``), so the head here is the official head's family

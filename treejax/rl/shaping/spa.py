@@ -41,6 +41,10 @@ Reconstructed vs the paper and its code (said plainly):
 * steps are the tree's segments, not agent turns (multi-turn chains refuse shapers: ``NO_SHAPERS``); every leaf
   slot weighs 1 in the regression and the whitening, so ``RunConfig.leaf_weighting = 'mass'`` is refused.
 
+A property to know: the sum constraint spreads a leaf's outcome over its steps, so when every leaf fails alike a
+short leaf's steps carry more of the outcome each (``R / K``) than a long leaf's, and the whitened step advantages
+favour longer responses; ``outcome_mix`` dilutes it.
+
 Metrics (``shaping/spa_rl/...``): ``loss`` / ``loss_after`` (the regression before and after this step's
 updates), ``grad_norm``, ``contribution_mean``, ``outcome_abs_error`` (mean ``|sum_k c_k - R|`` after),
 ``steps`` (steps in the whitening).

@@ -18,7 +18,15 @@ if TEST_DEVICE not in ("cpu", "gpu"):
 if TEST_DEVICE == "cpu":
     _flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in _flags:
-        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+        _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    # XLA:CPU aborts the whole process (LOG(FATAL) in InProcessCommunicator, "Termination timeout ... exceeded")
+    # when the 8 fake devices of one collective do not all arrive within 40 s: on a loaded 2-core machine (xdist
+    # workers, the runs tests start, compiles) one device's thread can be that late, and the worker dies with
+    # "node down". A starved test is slow, not wrong: wait up to 30 min (XLA's own collective timeout) instead.
+    if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
+        _flags += (" --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+                   " --xla_cpu_collective_call_terminate_timeout_seconds=1800")
+    os.environ["XLA_FLAGS"] = _flags
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # runs started by tests do not write into the user's compilation cache (~/.cache/treejax/jax); the cache itself is

@@ -120,7 +120,8 @@ def generate_world(num_companies: int, seed: int = 0) -> World:
     people = {f"{next(words)} {next(words)}": (city_names[int(rng.integers(n_cities))], int(rng.integers(1900, 1980)),
                                                OCCUPATIONS[int(rng.integers(len(OCCUPATIONS)))])
               for _ in range(n_people)}
-    founders = [list(people)[i] for i in rng.permutation(n_people)[:num_companies]]
+    names = list(people)
+    founders = [names[i] for i in rng.permutation(n_people)[:num_companies]]
     companies = {}
     for f in founders:
         born = people[f][1]

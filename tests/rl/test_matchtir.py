@@ -14,7 +14,8 @@ import pytest
 from treejax.errors import ConfigError
 from treejax.forest import forest_from_spans
 from treejax.rl.advantages import MatchTIROptions, estimator_spec, matchtir
-from treejax.rl.tool_match import call_score, match_calls, reference_calls, token_f1, tool_match_rewards
+from treejax.rl.tool_match import (call_score, match_calls, reference_calls, sinkhorn_plan, token_f1,
+                                  tool_match_rewards)
 
 
 def search(q):
@@ -53,11 +54,35 @@ def test_matching_by_hand():
     assert match_calls([], REF)[0].shape == (0,) and list(match_calls([REF[0]], [])[0]) == [0.0]
 
 
+def test_soft_assignment_by_hand():
+    # one predicted call, two references: the marginals fix the plan at [1/2, 1/2], so r = (S11 + S12) / 2
+    rewards, pairs = match_calls([search("Velor")], REF[:2], assignment="soft")
+    np.testing.assert_allclose(rewards, [(0.5 + 0.5 * 2 / 3 + 0.5) / 2], rtol=1e-9)
+    # S = [[1, 0.5], [0.5, 1]] (cost 1 - S), epsilon 0.5: the symmetric plan [[a, 1/2 - a], [1/2 - a, a]] has
+    # a^2 / (1/2 - a)^2 = exp((0.5 + 0.5) / 0.5) = e^2, so a = e / (2 (1 + e)) = 0.365529 and
+    # r = 2 (a * 1 + (1/2 - a) * 0.5) = 0.865529 for both calls
+    plan = sinkhorn_plan(np.array([[1.0, 0.5], [0.5, 1.0]]), 0.5)
+    np.testing.assert_allclose(plan, [[0.365529, 0.134471], [0.134471, 0.365529]], atol=1e-6)
+    np.testing.assert_allclose(match_calls(REF[:2], REF[:2], assignment="soft", epsilon=0.5)[0], [0.865529] * 2,
+                               atol=1e-6)
+    pred = [search("Velor Systems"), search("Ana Brik Velor Systems")]  # S = [[1, 0.5], [0.8333, 0.8333]]
+    rewards, pairs = match_calls(pred, REF[:2], assignment="soft", epsilon=0.5)
+    S = np.array([[1.0, 0.5], [0.5 + 0.5 * 2 / 3, 0.5 + 0.5 * 2 / 3]])
+    plan = sinkhorn_plan(S, 0.5)
+    np.testing.assert_allclose(rewards, 2 * np.sum(plan * S, axis=1), rtol=1e-12)
+    assert pairs[0] == (0, 0) and plan.sum() == pytest.approx(1.0)
+    # a small epsilon approaches the hard assignment's rewards
+    np.testing.assert_allclose(match_calls(pred, REF[:2], assignment="soft", epsilon=0.005)[0],
+                               match_calls(pred, REF[:2])[0], atol=1e-3)
+
+
 def test_matching_errors():
     with pytest.raises(ValueError, match="predicted call 0: a tool call is"):
         match_calls(["search Velor"], REF)
     with pytest.raises(ValueError, match="name_weight must be in"):
         match_calls([REF[0]], REF, name_weight=1.5)
+    with pytest.raises(ValueError, match="assignment must be one of \\('hard', 'soft'\\) and epsilon > 0"):
+        match_calls([REF[0]], REF, assignment="greedy")
     with pytest.raises(ValueError, match="fix: a task that ships them"):
         reference_calls(types.SimpleNamespace(metadata={"question": "q"}))
 
@@ -137,6 +162,8 @@ def test_config_checks_name_the_fix():
         RunConfig(rollouts=[MultiTurnConfig(environment="retrieval")], rollout=chains, estimator="grpo")
     with pytest.raises(ConfigError, match="tool_match_name_weight must be in"):
         MultiTurnConfig(tool_match_name_weight=2.0)
+    with pytest.raises(ConfigError, match="tool_match_assignment must be 'hard' .* or 'soft'"):
+        MultiTurnConfig(tool_match_assignment="greedy")
 
 
 class _CallEnv:

@@ -73,7 +73,9 @@ class MultiTurnConfig(Stage):
     (:func:`state_clusters`). ``environment = "retrieval"`` (:class:`~treejax.envs.retrieval.RetrievalEnv`: BM25
     search and a calculator over the world of ``RunConfig.task = "retrieval_multihop"``); its questions ship
     reference tool calls, which MatchTIR (``matchtir``) matches against each slot's calls with
-    ``tool_match_name_weight`` the per-call score's weight of the tool name (:mod:`treejax.rl.tool_match`)."""
+    ``tool_match_name_weight`` the per-call score's weight of the tool name, ``tool_match_assignment`` ``"hard"``
+    (Kuhn-Munkres) or ``"soft"`` (entropic optimal transport with ``tool_match_epsilon``;
+    :mod:`treejax.rl.tool_match`)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -91,6 +93,8 @@ class MultiTurnConfig(Stage):
     eval_with_tools: bool = True
     state_similarity: float = 0.95
     tool_match_name_weight: float = 0.5
+    tool_match_assignment: str = "hard"
+    tool_match_epsilon: float = 0.1
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
@@ -108,9 +112,12 @@ class MultiTurnConfig(Stage):
                               f"{self.tool_isolation!r}")
         if not 0.0 < self.state_similarity <= 1.0:
             raise ConfigError(f"MultiTurnConfig.state_similarity must be in (0, 1], got {self.state_similarity}")
-        if not 0.0 <= self.tool_match_name_weight <= 1.0:
-            raise ConfigError(f"MultiTurnConfig.tool_match_name_weight must be in [0, 1], got "
-                              f"{self.tool_match_name_weight}")
+        if not 0.0 <= self.tool_match_name_weight <= 1.0 or not self.tool_match_epsilon > 0:
+            raise ConfigError(f"MultiTurnConfig: tool_match_name_weight must be in [0, 1] and tool_match_epsilon > 0, "
+                              f"got {self.tool_match_name_weight}, {self.tool_match_epsilon}")
+        if self.tool_match_assignment not in ("hard", "soft"):
+            raise ConfigError(f"MultiTurnConfig.tool_match_assignment must be 'hard' (Kuhn-Munkres) or 'soft' "
+                              f"(optimal transport), got {self.tool_match_assignment!r}")
         if self.fork_rule not in FORK_RULES or not 0.0 < self.trace_fraction <= 1.0:
             raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
                               f"got {self.fork_rule!r}, {self.trace_fraction}")
@@ -280,7 +287,7 @@ class MultiTurnRollouts:
             from treejax.rl.tool_match import tool_match_rewards
 
             match = tool_match_rewards(trees, list(examples), forest.leaf_path.shape[2] - 1,
-                                       cfg.tool_match_name_weight)
+                                       cfg.tool_match_name_weight, cfg.tool_match_assignment, cfg.tool_match_epsilon)
             inputs["tool_match_PxWxD"] = jnp.asarray(match)
             metrics["multiturn/tool_match_mean"] = float(np.nanmean(match)) if np.isfinite(match).any() else 0.0
         if self.scorer is not None:

@@ -72,7 +72,9 @@ def matchtir(forest: Forest, rewards_PxW, options: MatchTIROptions = MatchTIROpt
     Turn rewards (host side, :mod:`treejax.rl.tool_match`): ``r_{w,t} = S[t, sigma(t)]``, the per-call score of
     slot w's tool call at turn t under the maximum-weight one-to-one matching ``sigma`` of its calls to the
     reference calls (Kuhn-Munkres, ``scipy.optimize.linear_sum_assignment``; the official ``compute_process_KM``
-    "hard" assignment), 0 when unmatched; turns without a call have none. Then, per prompt p::
+    "hard" assignment), 0 when unmatched, or with ``MultiTurnConfig.tool_match_assignment = "soft"`` the
+    plan-weighted score under an entropic optimal-transport plan (the official ``compute_process_ot``); turns
+    without a call have none. Then, per prompt p::
 
         G_{w,t}   = sum_{k >= t} gamma^(k - t) r_{w,k}                        (matched rewards to go)
         A^traj_w  = (R_w - mean_p R) / (std_p R + eps)                        (outcome, over p's slots)
@@ -88,7 +90,8 @@ def matchtir(forest: Forest, rewards_PxW, options: MatchTIROptions = MatchTIROpt
     trajectory-level signals. Reconstructed here (not checked against the paper): the per-call score formula
     (``s = 1[name] (lambda + (1 - lambda) mean token-F1 of the arguments)``, :func:`~treejax.rl.tool_match.call_score`),
     the discounted rewards to go, the z-scores over the prompt's tool turns and the additive combination with
-    ``turn_weight``. Not built: the soft (optimal-transport) assignment.
+    ``turn_weight``, and the soft assignment's cost ``1 - S``, uniform marginals, ``epsilon`` and reward
+    ``m sum_j pi_ij S_ij`` (:mod:`treejax.rl.tool_match`).
     """
     adv, _, _ = matchtir_turns(forest, rewards_PxW, options, tool_match_PxWxD)
     tokens = broadcast_segments(adv, forest.segment_index, forest.loss_mask)

@@ -44,6 +44,10 @@ def _tasks() -> list[str]:
         elif name == "retrieval_multihop":
             what = ("the retrieval world's multi-hop questions (MultiTurnConfig.environment='retrieval'): "
                     "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'extraction': 'answer_line'}")
+        elif name == "shell_files":
+            what = ("the shell world's file-system questions (MultiTurnConfig.environment='shell'): "
+                    "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'num_files': ..., "
+                    "'extraction': 'answer_line'}")
         elif name == "reasoning_gym":
             what = "any reasoning-gym dataset: task_options={'dataset': ..., ...}"
         else:

@@ -50,7 +50,8 @@ from treejax.sampling.partial import check_chains
 
 
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
-MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD")
+MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
+                    "action_signature_PxWxD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,10 @@ class MultiTurnConfig(Stage):
     reference tool calls, which MatchTIR (``matchtir``) matches against each slot's calls with
     ``tool_match_name_weight`` the per-call score's weight of the tool name, ``tool_match_assignment`` ``"hard"``
     (Kuhn-Munkres) or ``"soft"`` (entropic optimal transport with ``tool_match_epsilon``;
-    :mod:`treejax.rl.tool_match`)."""
+    :mod:`treejax.rl.tool_match`). ``environment = "shell"`` (:class:`~treejax.envs.shell.ShellEnv`: a small
+    shell language, parsed to an AST, over the generated file systems of ``RunConfig.task = "shell_files"``); its
+    command turns carry their AST's command-name chain, which A³ (``a3``) reads as ``action_signature_PxWxD``
+    (:func:`action_signatures`)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -133,8 +137,9 @@ class MultiTurnConfig(Stage):
 
     def check_world(self, facts) -> None:
         """The environment fits the run's task (an environment with ``tasks`` acts only on those tasks' worlds),
-        and an estimator that reads ``tool_match_PxWxD`` (MatchTIR) has an environment whose examples ship
-        reference tool calls (``reference_calls``)."""
+        an estimator that reads ``tool_match_PxWxD`` (MatchTIR) has an environment whose examples ship
+        reference tool calls (``reference_calls``), and one that reads ``action_signature_PxWxD`` (A³) an
+        environment whose actions parse to an AST (``ast_actions``)."""
         env = get_env(self.environment)
         tasks = tuple(getattr(env, "tasks", ()) or ())
         if tasks and facts.task and facts.task not in tasks:
@@ -146,6 +151,14 @@ class MultiTurnConfig(Stage):
                               f"calls, which environment {self.environment!r} does not ship; fix: "
                               f"MultiTurnConfig.environment = {with_calls[0] if with_calls else '?'!r} (with its "
                               "task)")
+        if "action_signature_PxWxD" in facts.estimator_inputs and not getattr(env, "ast_actions", False):
+            with_ast = [n for n in env_names() if getattr(get_env(n), "ast_actions", False)]
+            fix = with_ast[0] if with_ast else "?"
+            tasks = tuple(getattr(get_env(fix), "tasks", ()) or ()) if with_ast else ()
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} groups turns by the AST of their "
+                              f"actions, which environment {self.environment!r} does not parse; fix: "
+                              f"MultiTurnConfig.environment = {fix!r}"
+                              + (f" (with RunConfig.task = {tasks[0]!r})" if tasks else ""))
 
     def build(self, inner, ctx):
         base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i not in self.supplies))
@@ -275,7 +288,8 @@ class MultiTurnRollouts:
 
     def inputs(self, params, trees, forest, examples, prompts, lens, metrics: dict) -> dict:
         """The estimator's inputs this step (those it declared, of :data:`MULTITURN_INPUTS`); adds their metrics
-        (``multiturn/truth_scoring_s``, ``multiturn/tool_match_mean``: the mean matched score of the tool calls)."""
+        (``multiturn/truth_scoring_s``, ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
+        ``multiturn/action_signatures_mean``: distinct action sub-chains per prompt)."""
         cfg, N = self.config, forest.node_parent.shape[1]
         inputs = {}
         if "tool_success_PxN" in self.estimator_inputs:
@@ -290,6 +304,10 @@ class MultiTurnRollouts:
                                        cfg.tool_match_name_weight, cfg.tool_match_assignment, cfg.tool_match_epsilon)
             inputs["tool_match_PxWxD"] = jnp.asarray(match)
             metrics["multiturn/tool_match_mean"] = float(np.nanmean(match)) if np.isfinite(match).any() else 0.0
+        if "action_signature_PxWxD" in self.estimator_inputs:
+            sig, names = action_signatures(trees, forest.leaf_path.shape[2] - 1)
+            inputs["action_signature_PxWxD"] = jnp.asarray(sig)
+            metrics["multiturn/action_signatures_mean"] = float(np.mean([len(n) for n in names])) if names else 0.0
         if self.scorer is not None:
             t = time.perf_counter()
             inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
@@ -433,5 +451,23 @@ def tool_success(trees, num_nodes: int) -> np.ndarray:
     return out
 
 
-__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "answered",
+def action_signatures(trees, depth: int) -> tuple[np.ndarray, list[list[str]]]:
+    """``(int32[P, W, D], names per prompt)``: per leaf slot, an id of its turn-``d + 1`` action's AST signature
+    (``info["action_signature"]``, e.g. ``"find|wc"``; ids per prompt in order of first appearance, slot by slot),
+    ``-1`` where the turn carries none (the answer turn, a refused call) or does not exist (A³'s sub-chains,
+    :mod:`treejax.rl.advantages.a3`)."""
+    W = len(trees[0].slot_episode) if trees else 0
+    out = np.full((len(trees), W, depth), -1, np.int32)
+    names = []
+    for p, tr in enumerate(trees):
+        ids: dict[str, int] = {}
+        for w, ep in enumerate(tr.slot_episode):
+            for d, info in enumerate(ep.infos[:depth]):
+                if "action_signature" in info:
+                    out[p, w, d] = ids.setdefault(str(info["action_signature"]), len(ids))
+        names.append(list(ids))
+    return out, names
+
+
+__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "action_signatures", "MultiTurnConfig", "MultiTurnRollouts", "answered",
            "episode_score", "episode_status", "state_clusters", "tool_success"]

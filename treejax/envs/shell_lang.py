@@ -234,16 +234,15 @@ def _flags(cmd: str, argv: tuple[str, ...], allowed: str) -> tuple[set, list[str
 
 def _ls(ctx: _Ctx, argv, stdin) -> Result:
     _, paths = _flags("ls", argv, "F1")
-    out, err = [], []
-    for k, p in enumerate(paths or ["."]):
-        full = ctx.resolve(p)
-        if full in ctx.fs.files:
-            out.append(p)
-        elif full in ctx.fs.dirs:
-            names = [n + "/" if posixpath.join(full, n) in ctx.fs.dirs else n for n in ctx.fs.children[full]]
-            out += ([f"{'' if k == 0 else chr(10)}{p}:"] if len(paths) > 1 else []) + names
-        else:
-            err.append(f"ls: cannot access '{p}': No such file or directory")
+    paths = paths or ["."]
+    full = {p: ctx.resolve(p) for p in paths}
+    err = [f"ls: cannot access '{p}': No such file or directory" for p in paths
+           if full[p] not in ctx.fs.files and full[p] not in ctx.fs.dirs]
+    out = [p for p in paths if full[p] in ctx.fs.files]  # files first, then each directory (as ls does)
+    for p in (p for p in paths if full[p] in ctx.fs.dirs):
+        if len(paths) > 1:
+            out += ([""] if out else []) + [f"{p}:"]
+        out += [n + "/" if posixpath.join(full[p], n) in ctx.fs.dirs else n for n in ctx.fs.children[full[p]]]
     return Result("".join(line + "\n" for line in out), "\n".join(err), 2 if err else 0)
 
 

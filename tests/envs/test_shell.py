@@ -228,7 +228,7 @@ def test_registered_and_built_from_the_multiturn_config(task):
 
     assert "shell" in env_names() and get_env("shell") is ShellEnv and ShellEnv.ast_actions
     env = ShellEnv.from_config(MultiTurnConfig(environment="shell", max_turns=4), task, None)
-    assert env.max_calls == 3 and env.task is task
+    assert env.max_calls == 3 and env.task is task and env.max_output_chars == task.max_output_chars == 800
     with pytest.raises(ConfigError, match="fix: RunConfig.task = 'shell_files'"):
         ShellEnv.from_config(MultiTurnConfig(environment="shell"), object(), None)
 

@@ -214,8 +214,9 @@ class ShellEnv:
 
     @classmethod
     def from_config(cls, config, task, sandbox) -> "ShellEnv":
-        """One episode's world: ``config.max_turns - 1`` commands (the last turn is for the answer)."""
-        return cls(task, max_calls=config.max_turns - 1)
+        """One episode's world: ``config.max_turns - 1`` commands (the last turn is for the answer), the task's
+        ``max_output_chars``."""
+        return cls(task, max_calls=config.max_turns - 1, max_output_chars=getattr(task, "max_output_chars", 1500))
 
     def reset(self, example) -> str:
         self.example, self.cwd, self.calls, self.done = example, "/", 0, False

@@ -26,8 +26,8 @@ class ShellTask(Task):
     world = "shell"  # the environment 'shell' runs on this task's file systems
 
     def __init__(self, *, size: int = 512, eval_size: int = 64, seed: int = 0, templates: Optional[tuple] = None,
-                 num_files: int = 24, system_prompt: Optional[str] = None, instruction: Optional[str] = INSTRUCTION,
-                 extraction: str = "answer_line", name: str = "shell_files"):
+                 num_files: int = 24, max_output_chars: int = 800, system_prompt: Optional[str] = None,
+                 instruction: Optional[str] = INSTRUCTION, extraction: str = "answer_line", name: str = "shell_files"):
         templates = tuple(TEMPLATES) if templates is None else tuple(templates)
         if not templates or any(t not in TEMPLATES for t in templates):
             raise DataError(f"shell_files: templates must be a non-empty subset of {tuple(TEMPLATES)}, got "
@@ -39,6 +39,9 @@ class ShellTask(Task):
             raise DataError(f"shell_files: extraction must be 'answer_line' (the last 'Answer:' line), got "
                             f"{extraction!r}; fix: RunConfig.task_options['extraction'] = 'answer_line'")
         generate_fs(0, num_files)  # checks num_files
+        if max_output_chars < 1:
+            raise DataError(f"shell_files: max_output_chars must be >= 1, got {max_output_chars}")
+        self.max_output_chars = max_output_chars
         self.size, self.eval_size, self.seed, self.templates = size, eval_size, seed, templates
         self.num_files, self.system_prompt, self.instruction, self.name = num_files, system_prompt, instruction, name
 

@@ -263,7 +263,7 @@ def test_the_questions_need_their_actions(task):
     assert blind == pytest.approx(best) and blind < 0.35
 
 
-@pytest.mark.slow  # one RL step of the whole loop on a tiny random model: ~100 s on the shared 2-core machine
+@pytest.mark.slow  # one RL step of the whole loop on a tiny random model: ~150 s on the shared 2-core machine
 def test_the_shipped_a3_config_runs_one_step(tiny_checkpoint, tmp_path):
     """configs/multiturn_shell_a3.gin end to end (task, file systems, environment, trees of turns, signatures,
     A³, update, evaluation with the environment) for one step on a tiny random model with SmolLM2's tokenizer."""

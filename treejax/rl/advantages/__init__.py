@@ -4,7 +4,7 @@ Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mo
 Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
 Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain. Hinted contexts: nudge.
 Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool;
-matchtir (matched tool-call turn rewards), a3 (episode feedback, AST action sub-chain residuals, sibling margins).
+matchtir (matched tool-call turn rewards), a3 (episode feedback, AST action sub-chain residuals, tree-level margins).
 """
 
 from treejax.rl.advantages.agentic import GiGPOOptions, HGPOOptions, SALTOptions, gigpo, gigpo_similar, hgpo, salt

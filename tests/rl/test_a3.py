@@ -105,6 +105,8 @@ def test_a3_option_and_input_errors():
         A3Options(scopes=(0,), scope_weights=(1.0,))
     with pytest.raises(ValueError, match="scopes must be integers"):
         A3Options(scopes=(1, 2), scope_weights=(1.0,))
+    listed, tupled = A3Options(scopes=[1, -1], scope_weights=[1, 1]), A3Options(scopes=(1, -1), scope_weights=(1, 1))
+    assert hash(listed) == hash(tupled) and listed == tupled  # gin lists become tuples: a static jit argument
     with pytest.raises(ValueError, match="decision_gamma must be in"):
         A3Options(decision_gamma=2.0)
     with pytest.raises(ValueError, match=r"must be integers of shape \[P, W, D\] = \(1, 5, 3\), got int32 \(1, 5, 2\)"):

@@ -28,14 +28,16 @@ reads it against the examples' ``reference_calls``) and ``action_signature``, th
 ``data``, ``var``, ``docs``), folders of made-up words two levels below them, and ``num_files`` files (``.txt``,
 ``.log``, ``.md``, ``.csv``) of 3-30 lines of made-up words; log lines carry a level (``INFO``, ``WARN``,
 ``ERROR``). A ``count_files`` question asks about the top folder and extension of one of its files, a
-``count_lines`` question about a level present in its log, so neither answer is 0 by construction. **The questions** (one template each, :data:`TEMPLATES`), each about its own file system:
+``count_lines`` question about a level present in its log, so neither answer is 0 by construction.
 
-| template | example | reference actions |
-|---|---|---|
-| ``match_lines`` | Which file contains the code KX-4821? Give its number of lines. | ``grep -rl KX-4821 /``, ``wc -l <path>`` |
-| ``match_path`` | Which file contains the code KX-4821? Give its absolute path. | ``grep -rl KX-4821 /`` |
-| ``count_files`` | How many files with names ending in .log are under /var (at any depth)? | ``find /var -type f -name '*.log' \\| wc -l`` |
-| ``count_lines`` | How many lines of /var/tolva/app.log contain ERROR? | ``grep -c ERROR /var/tolva/app.log`` |
+**The questions** (:data:`TEMPLATES`, each about its own file system), with their reference actions:
+
+* ``match_lines``: "Which file contains the code KX-4821? Give its number of lines." -- ``grep -rl KX-4821 /``,
+  then ``wc -l <path>``;
+* ``match_path``: "Which file contains the code KX-4821? Give its absolute path." -- ``grep -rl KX-4821 /``;
+* ``count_files``: "How many files with names ending in .log are under /var (at any depth)?" -- ``find /var -type
+  f -name '*.log' | wc -l``;
+* ``count_lines``: "How many lines of /var/tolva/app.log contain ERROR?" -- ``grep -c ERROR /var/tolva/app.log``.
 
 The code is planted in exactly one file (made-up words are lower case, codes upper case), so ``grep`` finds one
 path. The verifier compares the last ``Answer:`` line, stripped of quotes, backticks and a final period, with the
@@ -185,8 +187,8 @@ def parse_command(action: str) -> Optional[str]:
 @register_env("shell")
 @dataclasses.dataclass
 class ShellEnv:
-    """The shell world (module docstring). ``task``: a :class:`~treejax.envs.shell_task.ShellTask` (its verifier); ``max_calls``: commands
-    per episode; ``max_output_chars``: longer outputs are cut (a line says so)."""
+    """The shell world (module docstring). ``task``: a :class:`~treejax.envs.shell_task.ShellTask` (its
+    verifier); ``max_calls``: commands per episode; ``max_output_chars``: longer outputs are cut (a line says so)."""
 
     task: Any
     max_calls: int = 3

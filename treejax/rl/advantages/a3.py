@@ -59,6 +59,8 @@ class A3Options:
             if not _finite(getattr(self, name)):
                 raise ValueError(f"A3Options.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         scopes, weights = tuple(self.scopes), tuple(self.scope_weights)
+        object.__setattr__(self, "scopes", scopes)  # hashable (a static jit argument) even when gin gives lists
+        object.__setattr__(self, "scope_weights", weights)
         if (not scopes or len(weights) != len(scopes) or any(not (isinstance(s, int) and (s >= 1 or s == -1))
                                                                for s in scopes)
                 or not all(_finite(w) for w in weights) or sum(weights) <= 0):
@@ -125,7 +127,9 @@ def branch_gains(leaf_path_WxD1: jax.Array, R_W: jax.Array, options: A3Options):
     n_parent = jnp.sum(same_parent, axis=1).astype(jnp.float32)
     children = jnp.sum(jnp.where(same_parent, 1.0 / jnp.maximum(n_child, 1.0)[None, :, :], 0.0), axis=1)
     d = R_W[None, :, None] - R_W[:, None, None]  # [W, V, 1]: R_v - R_w (exact 0 for equal rewards)
-    mean_dev = lambda g, n: pairwise_sum(jnp.moveaxis(jnp.where(g, d, 0.0), 1, -1), axis=-1) / jnp.maximum(n, 1.0)  # noqa: E731
+    def mean_dev(group, n):  # mean over the group of R_v - R_w
+        return pairwise_sum(jnp.moveaxis(jnp.where(group, d, 0.0), 1, -1), axis=-1) / jnp.maximum(n, 1.0)
+
     margin = mean_dev(same_child, n_child) - mean_dev(same_parent, n_parent)  # V(child) - V(parent)
     fork = exists & (children > 1.5)
     shrink = n_child / (n_child + options.support_prior + options.eps)
@@ -195,13 +199,13 @@ def a3(forest: Forest, rewards_PxW, options: A3Options = A3Options(), *, action_
     scale with a 0.5 floor and the tanh bounds, the leave-one-out residuals over multi-scale windows (1, 2, 3 and
     the whole trajectory, equal weights), the shrunk child-minus-parent margins, discounted with a support gate,
     and the mean-absolute-value balance before the weighted sum (0.65 and 1.0 in its config). Where this differs:
-    (1) the official code clusters bash texts by an "intent" distance between bash texts (its BashIntentActionSpace) with single linkage; here a
-    sub-chain is the exact command-name chain of the parsed AST; (2) it finds shared states by the similarity of
-    earlier turns' intents; here the tree's nodes are the states (exact shared prefixes) and a branch is a child
-    node; (3) it keeps only each trajectory's first-turn residual (its representative row) for every turn; here
-    each turn keeps its own, scaled over the prompt's command turns; (4) it trains with GSPO's sequence-level ratio;
-    here the advantage goes to the learner's loss like every estimator's. The paper's own equations were not read
-    (only its abstract), so its exact form may differ from both.
+    (1) the official code clusters bash texts by an "intent" distance (its ``BashIntentActionSpace``) with single
+    linkage; here a sub-chain is the exact command-name chain of the parsed AST; (2) it finds shared states by the
+    similarity of earlier turns' intents; here the tree's nodes are the states (exact shared prefixes) and a branch
+    is a child node; (3) it keeps one residual per trajectory (its first row's) for all of the trajectory's turns;
+    here each turn keeps its own, scaled over the prompt's command turns; (4) it trains with GSPO's sequence-level
+    ratio; here the advantage goes to the learner's loss like every estimator's. The paper's own equations were not
+    read (only its abstract), so its exact form may differ from both.
     """
     adv, _, _, _ = a3_turns(forest, rewards_PxW, options, action_signature_PxWxD)
     tokens = broadcast_segments(adv, forest.segment_index, forest.loss_mask)

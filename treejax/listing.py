@@ -47,6 +47,7 @@ def _tasks() -> list[str]:
         elif name == "shell_files":
             what = ("the shell world's file-system questions (MultiTurnConfig.environment='shell'): "
                     "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'num_files': ..., "
+                    "'max_output_chars': ..., "
                     "'extraction': 'answer_line'}")
         elif name == "reasoning_gym":
             what = "any reasoning-gym dataset: task_options={'dataset': ..., ...}"

@@ -41,6 +41,14 @@ def _tasks() -> list[str]:
         elif name in ("gsm8k_file", "math_file"):
             what = (f"local {name.split('_')[0].upper()} file: task_options={{'path': ..., 'eval_path': ... or "
                     "'eval_fraction': ...}")
+        elif name == "retrieval_multihop":
+            what = ("the retrieval world's multi-hop questions (MultiTurnConfig.environment='retrieval'): "
+                    "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'extraction': 'answer_line'}")
+        elif name == "shell_files":
+            what = ("the shell world's file-system questions (MultiTurnConfig.environment='shell'): "
+                    "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'num_files': ..., "
+                    "'max_output_chars': ..., "
+                    "'extraction': 'answer_line'}")
         elif name == "reasoning_gym":
             what = "any reasoning-gym dataset: task_options={'dataset': ..., ...}"
         else:

@@ -16,7 +16,9 @@ gin without rebuilding datasets.
 Registered names (``task_names()``): ``"reasoning_gym"`` (``dataset=`` any reasoning-gym name), every reasoning-gym
 dataset name directly (``get_task("chain_sum", ...)`` == ``get_task("reasoning_gym", dataset="chain_sum", ...)``),
 the easy presets of ``reasoning_gym_tasks.EASY_PRESETS``, and the local-file tasks ``"gsm8k_file"``,
-``"math_file"``.
+``"math_file"``, the retrieval world's multi-hop questions ``"retrieval_multihop"``
+(:mod:`treejax.envs.retrieval_corpus`) and the shell world's file-system questions ``"shell_files"``
+(:mod:`treejax.envs.shell_task`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def _load_builtins() -> None:
         _BUILTINS_LOADED = True
         # registration side effects; imported on first use: reasoning_gym_tasks imports reasoning-gym (~1 s)
         from treejax.data import file_tasks, reasoning_gym_tasks  # noqa: F401
+        from treejax.envs import retrieval_corpus  # noqa: F401  (the retrieval world's questions)
+        from treejax.envs import shell_task  # noqa: F401  (the shell world's questions)
 
 
 def task_names() -> list[str]:

@@ -15,12 +15,14 @@ whose state cannot be copied, e.g. one that holds a process).
 :class:`GymnasiumText` adapts an environment in gymnasium's shape (``reset(seed=, options=) -> (obs, info)``,
 ``step(action) -> (obs, reward, terminated, truncated, info)``; text observations and actions, as GEM and
 TextArena environments have) to this interface. Environments here: :mod:`treejax.envs.code_tool` (a Python tool
-for math / reasoning-gym tasks) and :mod:`treejax.envs.guess` (a number-guessing game with feedback).
+for math / reasoning-gym tasks), :mod:`treejax.envs.guess` (a number-guessing game with feedback) and
+:mod:`treejax.envs.retrieval` (BM25 search and a calculator over a generated multi-hop world) and
+:mod:`treejax.envs.shell` (a small shell language, parsed to an AST, over an in-memory file system).
 
 Multi-turn rollouts (``MultiTurnConfig.environment``) name an environment registered with :func:`register_env`:
 a class whose ``from_config(config, task, sandbox)`` builds one episode's environment from the
 ``MultiTurnConfig``, the run's task and the code sandbox's limits (``SandboxConfig``). Registered here:
-``"code_tool"`` and ``"guess_number"``.
+``"code_tool"``, ``"guess_number"``, ``"retrieval"`` and ``"shell"``.
 """
 
 from __future__ import annotations

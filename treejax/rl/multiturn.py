@@ -50,7 +50,8 @@ from treejax.sampling.partial import check_chains
 
 
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
-MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN")
+MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
+                    "action_signature_PxWxD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,15 @@ class MultiTurnConfig(Stage):
     of the model's chat template, :func:`~treejax.sampling.multiturn.chat_observation`); ``eval_with_tools``: the
     held-out evaluation also runs greedy episodes with the environment (``eval/tool_accuracy``, ...);
     ``state_similarity``: the ``difflib`` ratio at which two observations are one anchor state for ``gigpo_similar``
-    (:func:`state_clusters`)."""
+    (:func:`state_clusters`). ``environment = "retrieval"`` (:class:`~treejax.envs.retrieval.RetrievalEnv`: BM25
+    search and a calculator over the world of ``RunConfig.task = "retrieval_multihop"``); its questions ship
+    reference tool calls, which MatchTIR (``matchtir``) matches against each slot's calls with
+    ``tool_match_name_weight`` the per-call score's weight of the tool name, ``tool_match_assignment`` ``"hard"``
+    (Kuhn-Munkres) or ``"soft"`` (entropic optimal transport with ``tool_match_epsilon``;
+    :mod:`treejax.rl.tool_match`). ``environment = "shell"`` (:class:`~treejax.envs.shell.ShellEnv`: a small
+    shell language, parsed to an AST, over the generated file systems of ``RunConfig.task = "shell_files"``); its
+    command turns carry their AST's command-name chain, which A³ (``a3``) reads as ``action_signature_PxWxD``
+    (:func:`action_signatures`)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -87,6 +96,9 @@ class MultiTurnConfig(Stage):
     observation_format: str = "raw"
     eval_with_tools: bool = True
     state_similarity: float = 0.95
+    tool_match_name_weight: float = 0.5
+    tool_match_assignment: str = "hard"
+    tool_match_epsilon: float = 0.1
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
@@ -104,6 +116,12 @@ class MultiTurnConfig(Stage):
                               f"{self.tool_isolation!r}")
         if not 0.0 < self.state_similarity <= 1.0:
             raise ConfigError(f"MultiTurnConfig.state_similarity must be in (0, 1], got {self.state_similarity}")
+        if not 0.0 <= self.tool_match_name_weight <= 1.0 or not self.tool_match_epsilon > 0:
+            raise ConfigError(f"MultiTurnConfig: tool_match_name_weight must be in [0, 1] and tool_match_epsilon > 0, "
+                              f"got {self.tool_match_name_weight}, {self.tool_match_epsilon}")
+        if self.tool_match_assignment not in ("hard", "soft"):
+            raise ConfigError(f"MultiTurnConfig.tool_match_assignment must be 'hard' (Kuhn-Munkres) or 'soft' "
+                              f"(optimal transport), got {self.tool_match_assignment!r}")
         if self.fork_rule not in FORK_RULES or not 0.0 < self.trace_fraction <= 1.0:
             raise ConfigError(f"MultiTurnConfig: fork_rule must be one of {FORK_RULES} and 0 < trace_fraction <= 1, "
                               f"got {self.fork_rule!r}, {self.trace_fraction}")
@@ -115,6 +133,32 @@ class MultiTurnConfig(Stage):
 
     def check(self, facts) -> None:
         self.check_tree(facts.tree)
+        self.check_world(facts)
+
+    def check_world(self, facts) -> None:
+        """The environment fits the run's task (an environment with ``tasks`` acts only on those tasks' worlds),
+        an estimator that reads ``tool_match_PxWxD`` (MatchTIR) has an environment whose examples ship
+        reference tool calls (``reference_calls``), and one that reads ``action_signature_PxWxD`` (A³) an
+        environment whose actions parse to an AST (``ast_actions``)."""
+        env = get_env(self.environment)
+        tasks = tuple(getattr(env, "tasks", ()) or ())
+        if tasks and facts.task and facts.task not in tasks:
+            raise ConfigError(f"MultiTurnConfig.environment = {self.environment!r} acts on the world of task "
+                              f"{' or '.join(map(repr, tasks))}, not {facts.task!r}; fix: RunConfig.task = {tasks[0]!r}")
+        if "tool_match_PxWxD" in facts.estimator_inputs and not getattr(env, "reference_calls", False):
+            with_calls = [n for n in env_names() if getattr(get_env(n), "reference_calls", False)]
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} matches tool calls against reference "
+                              f"calls, which environment {self.environment!r} does not ship; fix: "
+                              f"MultiTurnConfig.environment = {with_calls[0] if with_calls else '?'!r} (with its "
+                              "task)")
+        if "action_signature_PxWxD" in facts.estimator_inputs and not getattr(env, "ast_actions", False):
+            with_ast = [n for n in env_names() if getattr(get_env(n), "ast_actions", False)]
+            fix = with_ast[0] if with_ast else "?"
+            tasks = tuple(getattr(get_env(fix), "tasks", ()) or ()) if with_ast else ()
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} groups turns by the AST of their "
+                              f"actions, which environment {self.environment!r} does not parse; fix: "
+                              f"MultiTurnConfig.environment = {fix!r}"
+                              + (f" (with RunConfig.task = {tasks[0]!r})" if tasks else ""))
 
     def build(self, inner, ctx):
         base = ctx.task_rollouts(tuple(i for i in ctx.estimator_inputs if i not in self.supplies))
@@ -236,20 +280,39 @@ class MultiTurnRollouts:
                             "multiturn/trace_p_hat_mean": float(np.mean(p_hat)) if p_hat else 0.0,
                             "multiturn/trace_forked_frac": float(np.mean([h[1] > 1 for h in rule.history]))
                             if p_hat else 0.0})
-        inputs = {}
-        if "tool_success_PxN" in self.estimator_inputs:
-            inputs["tool_success_PxN"] = jnp.asarray(tool_success(trees, forest.node_parent.shape[1]))
-        if "state_cluster_PxN" in self.estimator_inputs:
-            inputs["state_cluster_PxN"] = jnp.asarray(state_clusters(trees, b.tokenizer, forest.node_parent.shape[1],
-                                                                     cfg.state_similarity))
-        if self.scorer is not None:
-            t = time.perf_counter()
-            inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
-            metrics["multiturn/truth_scoring_s"] = time.perf_counter() - t
+        inputs = self.inputs(params, trees, forest, examples, prompts, lens, metrics)
         return Rollouts(forest=forest, rewards_PxW=jnp.asarray(b.rewards(scores, length), jnp.float32),
                         scores_PxW=scores, prompts_PxLp=np.asarray(prompts), lengths_P=np.asarray(lens),
                         counters=counters, estimator_inputs=inputs, examples=list(examples),
                         reward_scores_PxW=scores, extra_metrics=metrics, tool_calls_PxW=clean)
+
+    def inputs(self, params, trees, forest, examples, prompts, lens, metrics: dict) -> dict:
+        """The estimator's inputs this step (those it declared, of :data:`MULTITURN_INPUTS`); adds their metrics
+        (``multiturn/truth_scoring_s``, ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
+        ``multiturn/action_signatures_mean``: distinct action sub-chains per prompt)."""
+        cfg, N = self.config, forest.node_parent.shape[1]
+        inputs = {}
+        if "tool_success_PxN" in self.estimator_inputs:
+            inputs["tool_success_PxN"] = jnp.asarray(tool_success(trees, N))
+        if "state_cluster_PxN" in self.estimator_inputs:
+            inputs["state_cluster_PxN"] = jnp.asarray(state_clusters(trees, self.base.tokenizer, N,
+                                                                     cfg.state_similarity))
+        if "tool_match_PxWxD" in self.estimator_inputs:
+            from treejax.rl.tool_match import tool_match_rewards
+
+            match = tool_match_rewards(trees, list(examples), forest.leaf_path.shape[2] - 1,
+                                       cfg.tool_match_name_weight, cfg.tool_match_assignment, cfg.tool_match_epsilon)
+            inputs["tool_match_PxWxD"] = jnp.asarray(match)
+            metrics["multiturn/tool_match_mean"] = float(np.nanmean(match)) if np.isfinite(match).any() else 0.0
+        if "action_signature_PxWxD" in self.estimator_inputs:
+            sig, names = action_signatures(trees, forest.leaf_path.shape[2] - 1)
+            inputs["action_signature_PxWxD"] = jnp.asarray(sig)
+            metrics["multiturn/action_signatures_mean"] = float(np.mean([len(n) for n in names])) if names else 0.0
+        if self.scorer is not None:
+            t = time.perf_counter()
+            inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
+            metrics["multiturn/truth_scoring_s"] = time.perf_counter() - t
+        return inputs
 
     def answer_rows(self, examples):
         """``(answer_PxLa, answer_lengths_P, answer_scored_PxLa)``: each prompt's ground truth written as the
@@ -388,5 +451,23 @@ def tool_success(trees, num_nodes: int) -> np.ndarray:
     return out
 
 
-__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "MultiTurnConfig", "MultiTurnRollouts", "answered",
+def action_signatures(trees, depth: int) -> tuple[np.ndarray, list[list[str]]]:
+    """``(int32[P, W, D], names per prompt)``: per leaf slot, an id of its turn-``d + 1`` action's AST signature
+    (``info["action_signature"]``, e.g. ``"find|wc"``; ids per prompt in order of first appearance, slot by slot),
+    ``-1`` where the turn carries none (the answer turn, a refused call) or does not exist (A³'s sub-chains,
+    :mod:`treejax.rl.advantages.a3`)."""
+    W = len(trees[0].slot_episode) if trees else 0
+    out = np.full((len(trees), W, depth), -1, np.int32)
+    names = []
+    for p, tr in enumerate(trees):
+        ids: dict[str, int] = {}
+        for w, ep in enumerate(tr.slot_episode):
+            for d, info in enumerate(ep.infos[:depth]):
+                if "action_signature" in info:
+                    out[p, w, d] = ids.setdefault(str(info["action_signature"]), len(ids))
+        names.append(list(ids))
+    return out, names
+
+
+__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "action_signatures", "MultiTurnConfig", "MultiTurnRollouts", "answered",
            "episode_score", "episode_status", "state_clusters", "tool_success"]

@@ -3,7 +3,8 @@
 Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mod:`.registry`).
 Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
 Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain. Hinted contexts: nudge.
-Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool.
+Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool;
+matchtir (matched tool-call turn rewards), a3 (episode feedback, AST action sub-chain residuals, tree-level margins).
 """
 
 from treejax.rl.advantages.agentic import GiGPOOptions, HGPOOptions, SALTOptions, gigpo, gigpo_similar, hgpo, salt
@@ -20,6 +21,8 @@ from treejax.rl.advantages.agentic_tree import (
 from treejax.rl.advantages.common import masked_whiten
 from treejax.rl.advantages.decs import DECSOptions, decs
 from treejax.rl.advantages import info_gain  # noqa: F401  (registers "igpo" and "a2tgpo")
+from treejax.rl.advantages.matchtir import MatchTIROptions, matchtir
+from treejax.rl.advantages.a3 import A3Options, a3
 from treejax.rl.advantages.flat import (
     GRPOOptions,
     MCGRPOOptions,
@@ -56,5 +59,5 @@ __all__ = [
     "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
     "gigpo", "gigpo_similar", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool",
     "GiGPOOptions", "HGPOOptions", "SALTOptions", "TreeGRPOOptions", "TreePSOptions", "PORToolOptions",
-    "PORToolToolOptions",
+    "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options",
 ]

@@ -17,7 +17,8 @@ class RunFacts:
 
     ``estimator_inputs``: the estimator's declared inputs (``EstimatorSpec.inputs``); ``estimator_ragged``: it
     honours unused leaf slots; ``ragged_estimators``: every registered estimator that does (for messages);
-    ``tis_cap``: ``LossConfig.tis_cap``; ``shapers``: the shapers' names; ``tree``: the ``TreeConfig``."""
+    ``tis_cap``: ``LossConfig.tis_cap``; ``shapers``: the shapers' names; ``tree``: the ``TreeConfig``; ``task``:
+    ``RunConfig.task`` (``""``: not known)."""
 
     estimator: str
     estimator_inputs: tuple[str, ...]
@@ -33,6 +34,7 @@ class RunFacts:
     shapers: tuple[str, ...]
     tree: Any
     prompts_per_step: int
+    task: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,316 @@
+"""ETS (``treejax.sampling.branching.ets``): the selection rule against the slow reference
+(``branching_references.ets_*``) on hand-made and random boundaries, its config checks, the in-loop PRM
+(``treejax.sampling.path_scores``) against a direct forward, and tree rollouts with ETS: a tiny transformer with a
+PRM end to end, and the path-mass-weighted estimate at the base policy against the exact distribution."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.cluster.hierarchy import fcluster, linkage
+
+from treejax.errors import ConfigError
+from treejax.forest import NodeStatus
+from treejax.sampling import path_scores, tree
+from treejax.sampling.branching import ETS, PathStats
+from treejax.sampling.branching import ets as ets_lib
+from treejax.sampling.path_scores import PathScorer
+
+from tests.sampling import branching_references as ref
+
+
+def boundary(scores, live, *, path=None, depth=None, tokens=None, leaves=0, ended=None, S=2):
+    """One prompt's PathStats (P = 1) from hand-made lists; default: every path a child of the root at depth 1."""
+    W = len(scores)
+    live = np.asarray(live, bool)[None]
+    depth = np.ones((1, W), np.int32) if depth is None else np.asarray(depth, np.int32)[None]
+    if path is None:
+        path = np.full((1, W, 3), -1, np.int32)
+        path[0, :, 0], path[0, :, 1] = 0, 1 + np.arange(W)
+    path = np.asarray(path, np.int32).reshape(1, W, -1)
+    T = path.shape[-1] * S
+    toks = np.zeros((1, W, T), np.int32)
+    if tokens is not None:
+        toks[0, :, :S] = tokens
+    ended = np.zeros((1, W), bool) if ended is None else np.asarray(ended, bool)[None]
+    z = jnp.zeros((1, W, T))
+    return PathStats(
+        live_PxW=jnp.asarray(live), ended_PxW=jnp.asarray(ended), status_PxW=jnp.zeros((1, W), jnp.int32),
+        depth_PxW=jnp.asarray(depth), length_PxW=jnp.full((1, W), S, jnp.int32),
+        segment_start_PxW=jnp.zeros((1, W), jnp.int32), tokens_PxWxT=jnp.asarray(toks), logp_PxWxT=z,
+        entropy_PxWxT=z, topk_PxWxTxK=jnp.zeros((1, W, T, 0)), path_PxWxD1=jnp.asarray(path),
+        leaves_P=jnp.asarray([leaves], jnp.int32), step=jnp.int32(0), segment=jnp.int32(0), key=jax.random.key(0),
+        path_scores_PxW=jnp.asarray([scores], jnp.float32), branch_factor=W, segment_length=S)
+
+
+def run(rule, stats):
+    prune = np.asarray(rule.prune(stats))
+    kept = stats.replace(live_PxW=stats.live_PxW & ~prune, ended_PxW=stats.ended_PxW | prune)
+    total = stats.live_PxW.shape[-1] - stats.leaves_P - jnp.sum(kept.ended_PxW, -1)
+    return prune, np.asarray(rule.allocate(kept, total))
+
+
+def host(stats):
+    return {k: np.asarray(v) for k, v in vars(stats).items() if isinstance(v, jax.Array) and k != "key"}
+
+
+# ----------------------------------------------------------------------------------------------- hand-made
+def test_rebase_by_hand():
+    # e = exp((s - 0.9) / 0.2) = 1, 0.2231, 0.1353, 0.0183 (sum 1.3767): ceil(4 / 1.3767) = 3, then
+    # ceil(1 * 0.2231 / 0.3767) = 1, then the width is spent
+    n = ets_lib.rebase_counts(jnp.asarray([[0.9, 0.6, 0.5, 0.1]]), jnp.ones((1, 4), bool), jnp.asarray([4]), 0.2)
+    np.testing.assert_array_equal(np.asarray(n), [[3, 1, 0, 0]])
+    assert ref.ets_rebase([0.9, 0.6, 0.5, 0.1], [True] * 4, 4, 0.2) == [3, 1, 0, 0]
+    # T = 1: e = 1, .741, .670, .449 (sum 2.860): ceil(8 / 2.86) = 3; ceil(5 * .741 / 1.860) = 2; ceil(3 * .670 /
+    # 1.119) = 2; the last takes the 1 left
+    n = ets_lib.rebase_counts(jnp.asarray([[0.9, 0.6, 0.5, 0.1]]), jnp.ones((1, 4), bool), jnp.asarray([8]), 1.0)
+    np.testing.assert_array_equal(np.asarray(n), [[3, 2, 2, 1]])
+
+
+def test_ets_by_hand_cost_prunes():
+    """Scores .9 .6 .5 .1, W = 4, T = 0.2, lambda_c = 1, no coverage: O = (3/4, 1/4, 0, 0), M = 1 (the root),
+    N = 4, kappa = -1/5; f({0}) = .75 - .4 = .35, f({0,1}) = 1 - .6 = .4 (the best), f({0,1,2}) = .2. The kept
+    pair splits 4 - 2 = 2: ceil(2 / 1.2231) = 2 for path 0 and 0 for path 1, so path 1 is pruned too; path 0 then
+    has the 1 slot the three PRUNED leaves leave."""
+    rule = ETS(cost_weight=1.0, coverage_weight=0.0)
+    prune, counts = run(rule, boundary([0.9, 0.6, 0.5, 0.1], [1, 1, 1, 1]))
+    np.testing.assert_array_equal(prune, [[False, True, True, True]])
+    np.testing.assert_array_equal(counts, [[1, 0, 0, 0]])
+
+
+def test_ets_by_hand_room_to_grow():
+    """W = 8, two live paths (.8, .7), 6 leaves stored: width 2; e = 1, .6065, ceil(2 / 1.6065) = 2 spends it, so
+    O = (1, 0); M = 1, N = 2, kappa = -1/3: f({0}) = 1 - 2/3 = 1/3 beats f({0,1}) = 1 - 1 = 0; path 1 is pruned
+    and path 0 takes the 2 - 1 = 1 slot left."""
+    rule = ETS(cost_weight=1.0, coverage_weight=0.0)
+    stats = boundary([0.8, 0.7] + [0.0] * 6, [1, 1] + [0] * 6, leaves=6)
+    prune, counts = run(rule, stats)
+    np.testing.assert_array_equal(prune[0, :2], [False, True])
+    np.testing.assert_array_equal(counts[0], [1] + [0] * 7)
+
+
+def test_ets_by_hand_coverage_keeps_a_different_step():
+    """Scores .9 .85 .3, W = 3, T = 1, lambda_c = 0 (the official guard: +1e-4 per node), lambda_s = 1.5. Paths 0
+    and 1 decoded the same step (one cluster), path 2 another: K = 2, covering both is worth 1.5. REBASE: e = 1,
+    .951, .549 (sum 2.5): ceil(3 / 2.5) = 2, ceil(1 * .951 / 1.5) = 1, 0 -> O = (2/3, 1/3, 0); the program keeps
+    all three (1 + 1.5 + 4e-4 / 4). The final split of 3 gives path 2 nothing (pruned); paths 0, 1 then split
+    3 - 1 = 2: ceil(2 / 1.951) = 2 leaves path 1 nothing (pruned); path 0 takes 3 - 2 = 1."""
+    rule = ETS(temperature=1.0, cost_weight=0.0, coverage_weight=1.5)
+    stats = boundary([0.9, 0.85, 0.3], [1, 1, 1], tokens=[[5, 6], [5, 6], [7, 8]])
+    keep = np.asarray(rule.keep_set(stats))
+    np.testing.assert_array_equal(keep, [[True, True, True]])
+    prune, counts = run(rule, stats)
+    np.testing.assert_array_equal(prune, [[False, True, True]])
+    np.testing.assert_array_equal(counts, [[1, 0, 0]])
+    want = ref.ets_boundary(host(stats), 1.0, 0.0, 1.5, rule.embed_dim, rule.cluster_distance)
+    np.testing.assert_array_equal(prune, want[0])
+    np.testing.assert_array_equal(counts, want[1])
+
+
+def test_coverage_changes_the_program():
+    """Scores .9 .88 .2, lambda_c = 1, T = 1, W = 3 with 3 free slots. Without coverage the low third path is
+    dropped; with lambda_s = 3 and path 2's step unlike the others (K = 2) keeping it is worth 1.5."""
+    tokens = [[5, 6], [5, 6], [7, 8]]
+    stats = boundary([0.9, 0.88, 0.2], [1, 1, 1], tokens=tokens)
+    plain = np.asarray(ETS(temperature=1.0, cost_weight=1.0, coverage_weight=0.0).keep_set(stats))
+    cover = np.asarray(ETS(temperature=1.0, cost_weight=1.0, coverage_weight=3.0).keep_set(stats))
+    assert not plain[0, 2] and cover[0, 2]
+
+
+def test_shared_ancestors_are_paid_once():
+    """Paths 0, 1 share the depth-1 node 1, path 2 sits under node 2 (depth 2 each): keeping 0 and 1 adds one node
+    (the leaf), keeping 2 adds two (node 2 and the leaf)."""
+    path = [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    stats = boundary([0.5, 0.5, 0.5], [1, 1, 1], path=path, depth=[2, 2, 2])
+    O, live = jnp.asarray([1 / 3] * 3), jnp.ones(3, bool)
+    prog = ets_lib.build_program(O, live, jnp.asarray(path), jnp.asarray([2, 2, 2]), jnp.arange(3), 1.0, 0.0)
+    v = np.asarray(prog.value(jnp.asarray([[1, 1, 0], [1, 0, 1], [1, 0, 0]], bool)))
+    kappa = -1.0 / (3 + 3)  # M = {root, 1, 2}, N = 3
+    np.testing.assert_allclose(v, [2 / 3 + kappa * 4, 2 / 3 + kappa * 5, 1 / 3 + kappa * 3], rtol=1e-6)
+    assert np.asarray(ETS(coverage_weight=0.0).keep_set(stats)).sum() >= 1
+
+
+# ----------------------------------------------------------------------------------------------- edge cases
+def test_all_rows_dead():
+    stats = boundary([0.3, 0.2, 0.1], [0, 0, 0], ended=[1, 1, 1])
+    prune, counts = run(ETS(), stats)
+    assert not prune.any() and not counts.any()
+
+
+def test_budget_smaller_than_live_rows():
+    """allocate with total < A: every live path still gets >= 1 (the contract: sum <= max(total, A))."""
+    stats = boundary([0.9, 0.6, 0.5, 0.1], [1, 1, 1, 1])
+    counts = np.asarray(ETS().allocate(stats, jnp.asarray([2])))
+    np.testing.assert_array_equal(counts, [[1, 1, 1, 1]])
+    counts = np.asarray(ETS().allocate(stats, jnp.asarray([6])))  # 1 each, then REBASE of 2: ceil(2 / 1.377) = 2
+    np.testing.assert_array_equal(counts, [[3, 1, 1, 1]])
+    stats = boundary([0.9, 0.6, 0.5, 0.1], [1, 1, 1, 1], leaves=2)  # width 2 < A = 4: keeps the best path only
+    prune, counts = run(ETS(coverage_weight=0.0), stats)
+    assert counts[0, 0] >= 1 and (~prune[0]).sum() >= 1
+
+
+def test_ties():
+    """Equal scores: the first REBASE goes to the lower index first, the final one to the higher (the official
+    sorted(reverse=True) and sorted().reverse())."""
+    live = jnp.ones((1, 3), bool)
+    low = ets_lib.rebase_counts(jnp.full((1, 3), 0.5), live, jnp.asarray([4]), 0.2)
+    high = ets_lib.rebase_counts(jnp.full((1, 3), 0.5), live, jnp.asarray([4]), 0.2, ties_high_first=True)
+    np.testing.assert_array_equal(np.asarray(low), [[2, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(high), [[1, 1, 2]])
+    stats = boundary([0.5] * 4, [1] * 4)
+    prune, counts = run(ETS(temperature=10.0, cost_weight=0.0, coverage_weight=0.0), stats)
+    want = ref.ets_boundary(host(stats), 10.0, 0.0, 0.0, 8192, 0.05)
+    np.testing.assert_array_equal(prune, want[0])
+    np.testing.assert_array_equal(counts, want[1])
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="ETS.temperature must be > 0"):
+        ETS(temperature=0.0)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        ETS(cost_weight=-1.0)
+    with pytest.raises(ValueError, match="ETS.solver"):
+        ETS(solver="cbc")
+    with pytest.raises(ConfigError, match="exact_max_paths must be in"):
+        ETS(exact_max_paths=20)
+    with pytest.raises(ConfigError, match="fix: TreeConfig.branch_factor = 8"):
+        tree.TreeConfig(num_leaves=8, branch_factor=2, branching=ETS())
+    with pytest.raises(ConfigError, match="fix: ETS.solver = 'greedy'"):
+        tree.TreeConfig(num_leaves=16, branch_factor=16, branching=ETS(solver="exact"))
+    with pytest.raises(ValueError, match="cannot use the pruning rule"):
+        tree.TreeConfig(num_leaves=4, branch_factor=4, allocation="slots", branching=ETS())
+    with pytest.raises(ValueError, match="has no path scorer"):
+        tree.make_tree_rollout(AB, tree.TreeConfig(num_leaves=4, branch_factor=4, branching=ETS()))
+
+
+# ----------------------------------------------------------------------------------------------- random inputs
+def random_boundary(rng, W, D=3, S=3, vocab=4):
+    """A random consistent boundary: a random tree of live paths (depth 1..D-1), a few ended paths, leaves."""
+    n_live = rng.randint(0, W + 1)
+    n_leaves = rng.randint(0, W - n_live + 1)
+    live = np.zeros(W, bool)
+    live[rng.choice(W, n_live, replace=False)] = True
+    depth = rng.randint(1, D, W)
+    path = np.full((W, D + 1), -1)
+    path[:, 0] = 0
+    for w in range(W):
+        for d in range(1, depth[w] + 1):
+            path[w, d] = 1 + (d - 1) * 3 + rng.randint(0, 3) if d < depth[w] else 100 + w
+    stats = boundary(rng.rand(W).round(2) if rng.rand() < 0.3 else rng.rand(W), live, path=path, depth=depth,
+                     tokens=rng.randint(0, vocab, (W, S)), leaves=n_leaves, S=S)
+    return stats
+
+
+@pytest.mark.parametrize("solver", ["exact", "greedy"])
+def test_jitted_rule_equals_the_reference_on_random_boundaries(solver):
+    rng = np.random.RandomState(0 if solver == "exact" else 1)
+    rule = ETS(temperature=0.3, cost_weight=1.0, coverage_weight=1.5, cluster_distance=0.2, solver=solver)
+    step = jax.jit(lambda s: run_jax(rule, s))
+    checked = 0
+    for _ in range(40):
+        stats = random_boundary(rng, W=6)
+        prune, counts = step(stats)
+        want = ref.ets_boundary(host(stats), 0.3, 1.0, 1.5, rule.embed_dim, 0.2, exact=solver == "exact")
+        np.testing.assert_array_equal(np.asarray(prune), want[0])
+        np.testing.assert_array_equal(np.asarray(counts), want[1])
+        checked += int(np.asarray(stats.live_PxW).sum() > 1)
+    assert checked >= 20
+
+
+def run_jax(rule, stats):
+    prune = rule.prune(stats)
+    kept = stats.replace(live_PxW=stats.live_PxW & ~prune, ended_PxW=stats.ended_PxW | prune)
+    total = stats.live_PxW.shape[-1] - stats.leaves_P - jnp.sum(kept.ended_PxW, -1)
+    return prune, rule.allocate(kept, total)
+
+
+def test_clusters_equal_scipy_average_linkage():
+    rng = np.random.RandomState(3)
+    for trial in range(30):
+        W = rng.randint(2, 9)
+        emb = rng.randint(0, 3, (W, 5)).astype(np.float64) + (rng.rand(W, 5) < 0.1)
+        emb[emb.sum(1) == 0, 0] = 1
+        thr = [0.05, 0.2, 0.5][trial % 3]
+        got = np.asarray(ets_lib.average_linkage_clusters(jnp.asarray(emb, jnp.float32), jnp.ones(W, bool), thr))
+        flat = fcluster(linkage(emb, method="average", metric="cosine"), thr, criterion="distance")
+        want = [min(j for j in range(W) if flat[j] == flat[i]) for i in range(W)]
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+
+
+# ----------------------------------------------------------------------------------------------- in the rollout
+from tests.sampling.test_slot_tree import LP, T_MAX, V_A, V_B, exact_cells, make_ab_policy  # noqa: E402
+
+AB = make_ab_policy()
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstTokenScorer(PathScorer):
+    """A scripted PRM (no weights): ``score = a`` if the response starts with A, else ``b``, plus ``per_token``
+    times the response length (so it reads what was decoded so far)."""
+
+    a: float = 0.8
+    b: float = 0.4
+    per_token: float = 0.01
+
+    def score(self, params, prompts_PxL, prompt_len_P, tokens_RxT, length_R, depth_R, segment_length):
+        return jnp.where(tokens_RxT[:, 0] == V_A, self.a, self.b) + self.per_token * length_R
+
+
+def ab_histograms(tc, calls=8, P=64, first_only=False):
+    rollout = path_scores.with_scorer(tree.make_tree_rollout(AB, tc), {})
+    prompts, lengths = np.full((P, LP), 4, np.int32), np.full((P,), LP)
+    out, pruned = [], 0
+    for c in range(calls):
+        forest, info = rollout({}, prompts, lengths, jax.random.key(2000 + c))
+        tok0, length = np.asarray(forest.tokens[:, :, 0]), np.asarray(forest.leaf_length)
+        w = np.asarray(forest.leaf_weights())
+        np.testing.assert_allclose(w.sum(1), tc.num_leaves, rtol=1e-5)
+        pruned += int(info.stops["pruned"])
+        h = np.zeros((P, 2, T_MAX + 1))
+        for i, tok in enumerate((V_A, V_B)):
+            for n in range(T_MAX + 1):
+                h[:, i, n] = np.sum(w * ((tok0 == tok) & ((length == n) | first_only)), axis=1)
+        out.append(h / h.sum(axis=(1, 2), keepdims=True))
+    return np.concatenate(out), pruned
+
+
+def z_scores(h, p):
+    mean, se = h.mean(axis=0), h.std(axis=0, ddof=1) / np.sqrt(h.shape[0])
+    cells = p > 0
+    return np.abs(mean[cells] - p[cells]) / np.maximum(se[cells], 1e-12)
+
+
+@dataclasses.dataclass(frozen=True)
+class ETSCountsOnly(ETS):
+    """ETS's child counts (the PRM-scored REBASE split of :meth:`ETS.allocate`) with its pruning switched off."""
+
+    prunes = False
+
+
+AB_ETS = tree.TreeConfig(num_leaves=8, max_depth=4, segment_length=2, branch_factor=8, stop_ids=(1,),
+                         row_buckets=1, init_divergence=2, fallback=False,
+                         branching=ETSCountsOnly(temperature=0.5, prm=FirstTokenScorer()))
+
+
+def test_ets_child_counts_are_unbiased_at_the_base_policy():
+    """The PRM moves child counts toward A-first paths (they branch more); weighted by path mass, the histogram of
+    (first token, length) must still match the policy (|z| < 4 in every cell); counted equally it must not."""
+    h, pruned = ab_histograms(AB_ETS)
+    assert pruned == 0
+    z = z_scores(h, exact_cells())
+    assert z.max() < 4.0, z.max()
+
+
+def test_ets_pruning_keeps_the_first_step_unbiased():
+    """The official settings prune (T = 0.2, lambda_c = 1): leaves stop early, so lengths are cut, but the first
+    segment is decoded before any boundary: its mass-weighted first-token share stays 1/2 each."""
+    tc = dataclasses.replace(AB_ETS, branching=ETS(coverage_weight=0.0, prm=FirstTokenScorer()))
+    h, pruned = ab_histograms(tc, first_only=True)
+    assert pruned > 0
+    share = h[:, :, 0]  # first_only: every leaf counted in column 0
+    p = np.zeros_like(exact_cells())
+    p[:, 0] = 0.5
+    z = z_scores(h, p)
+    assert z.max() < 4.0 and abs(share[:, 0].mean() - 0.5) < 0.05, (z.max(), share[:, 0].mean())

@@ -4,6 +4,7 @@
 PRM end to end, and the path-mass-weighted estimate at the base policy against the exact distribution."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +46,22 @@ def boundary(scores, live, *, path=None, depth=None, tokens=None, leaves=0, ende
         path_scores_PxW=jnp.asarray([scores], jnp.float32), branch_factor=W, segment_length=S)
 
 
-def run(rule, stats):
-    prune = np.asarray(rule.prune(stats))
+def run_jax(rule, stats):
+    """One boundary as the sampler runs it with ``b = W``: prune, then allocate the total ``W - F`` left."""
+    prune = rule.prune(stats)
     kept = stats.replace(live_PxW=stats.live_PxW & ~prune, ended_PxW=stats.ended_PxW | prune)
     total = stats.live_PxW.shape[-1] - stats.leaves_P - jnp.sum(kept.ended_PxW, -1)
-    return prune, np.asarray(rule.allocate(kept, total))
+    return prune, rule.allocate(kept, total)
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(rule, method=None):
+    return jax.jit(functools.partial(run_jax, rule) if method is None else getattr(rule, method))
+
+
+def run(rule, stats):
+    prune, counts = jitted(rule)(stats)
+    return np.asarray(prune), np.asarray(counts)
 
 
 def host(stats):
@@ -99,7 +111,7 @@ def test_ets_by_hand_coverage_keeps_a_different_step():
     3 - 1 = 2: ceil(2 / 1.951) = 2 leaves path 1 nothing (pruned); path 0 takes 3 - 2 = 1."""
     rule = ETS(temperature=1.0, cost_weight=0.0, coverage_weight=1.5)
     stats = boundary([0.9, 0.85, 0.3], [1, 1, 1], tokens=[[5, 6], [5, 6], [7, 8]])
-    keep = np.asarray(rule.keep_set(stats))
+    keep = np.asarray(jitted(rule, "keep_set")(stats))
     np.testing.assert_array_equal(keep, [[True, True, True]])
     prune, counts = run(rule, stats)
     np.testing.assert_array_equal(prune, [[False, True, True]])
@@ -114,8 +126,8 @@ def test_coverage_changes_the_program():
     dropped; with lambda_s = 3 and path 2's step unlike the others (K = 2) keeping it is worth 1.5."""
     tokens = [[5, 6], [5, 6], [7, 8]]
     stats = boundary([0.9, 0.88, 0.2], [1, 1, 1], tokens=tokens)
-    plain = np.asarray(ETS(temperature=1.0, cost_weight=1.0, coverage_weight=0.0).keep_set(stats))
-    cover = np.asarray(ETS(temperature=1.0, cost_weight=1.0, coverage_weight=3.0).keep_set(stats))
+    plain = np.asarray(jitted(ETS(temperature=1.0, cost_weight=1.0, coverage_weight=0.0), "keep_set")(stats))
+    cover = np.asarray(jitted(ETS(temperature=1.0, cost_weight=1.0, coverage_weight=3.0), "keep_set")(stats))
     assert not plain[0, 2] and cover[0, 2]
 
 
@@ -129,7 +141,8 @@ def test_shared_ancestors_are_paid_once():
     v = np.asarray(prog.value(jnp.asarray([[1, 1, 0], [1, 0, 1], [1, 0, 0]], bool)))
     kappa = -1.0 / (3 + 3)  # M = {root, 1, 2}, N = 3
     np.testing.assert_allclose(v, [2 / 3 + kappa * 4, 2 / 3 + kappa * 5, 1 / 3 + kappa * 3], rtol=1e-6)
-    assert np.asarray(ETS(coverage_weight=0.0).keep_set(stats)).sum() >= 1
+    # each is worth O = 1/3 < 2 |kappa| for a new branch, but 1/3 > |kappa| next to a kept sibling: keep 0, 1
+    np.testing.assert_array_equal(np.asarray(jitted(ETS(coverage_weight=0.0), "keep_set")(stats)), [[1, 1, 0]])
 
 
 # ----------------------------------------------------------------------------------------------- edge cases
@@ -142,9 +155,10 @@ def test_all_rows_dead():
 def test_budget_smaller_than_live_rows():
     """allocate with total < A: every live path still gets >= 1 (the contract: sum <= max(total, A))."""
     stats = boundary([0.9, 0.6, 0.5, 0.1], [1, 1, 1, 1])
-    counts = np.asarray(ETS().allocate(stats, jnp.asarray([2])))
+    allocate = jax.jit(ETS().allocate)
+    counts = np.asarray(allocate(stats, jnp.asarray([2])))
     np.testing.assert_array_equal(counts, [[1, 1, 1, 1]])
-    counts = np.asarray(ETS().allocate(stats, jnp.asarray([6])))  # 1 each, then REBASE of 2: ceil(2 / 1.377) = 2
+    counts = np.asarray(allocate(stats, jnp.asarray([6])))  # 1 each, then REBASE of 2: ceil(2 / 1.377) = 2
     np.testing.assert_array_equal(counts, [[3, 1, 1, 1]])
     stats = boundary([0.9, 0.6, 0.5, 0.1], [1, 1, 1, 1], leaves=2)  # width 2 < A = 4: keeps the best path only
     prune, counts = run(ETS(coverage_weight=0.0), stats)
@@ -207,7 +221,7 @@ def random_boundary(rng, W, D=3, S=3, vocab=4):
 def test_jitted_rule_equals_the_reference_on_random_boundaries(solver):
     rng = np.random.RandomState(0 if solver == "exact" else 1)
     rule = ETS(temperature=0.3, cost_weight=1.0, coverage_weight=1.5, cluster_distance=0.2, solver=solver)
-    step = jax.jit(lambda s: run_jax(rule, s))
+    step = jitted(rule)
     checked = 0
     for _ in range(40):
         stats = random_boundary(rng, W=6)
@@ -219,24 +233,28 @@ def test_jitted_rule_equals_the_reference_on_random_boundaries(solver):
     assert checked >= 20
 
 
-def run_jax(rule, stats):
-    prune = rule.prune(stats)
-    kept = stats.replace(live_PxW=stats.live_PxW & ~prune, ended_PxW=stats.ended_PxW | prune)
-    total = stats.live_PxW.shape[-1] - stats.leaves_P - jnp.sum(kept.ended_PxW, -1)
-    return prune, rule.allocate(kept, total)
-
-
-def test_clusters_equal_scipy_average_linkage():
+@pytest.mark.parametrize("threshold", [0.05, 0.2, 0.5])
+def test_clusters_equal_scipy_average_linkage(threshold):
+    """Random vectors on 8 rows (some repeated), a random subset active: the flat clusters of the active rows equal scipy's
+    ``fcluster(linkage(e, 'average', 'cosine'), threshold, 'distance')``; inactive rows stay alone."""
     rng = np.random.RandomState(3)
-    for trial in range(30):
-        W = rng.randint(2, 9)
-        emb = rng.randint(0, 3, (W, 5)).astype(np.float64) + (rng.rand(W, 5) < 0.1)
-        emb[emb.sum(1) == 0, 0] = 1
-        thr = [0.05, 0.2, 0.5][trial % 3]
-        got = np.asarray(ets_lib.average_linkage_clusters(jnp.asarray(emb, jnp.float32), jnp.ones(W, bool), thr))
-        flat = fcluster(linkage(emb, method="average", metric="cosine"), thr, criterion="distance")
-        want = [min(j for j in range(W) if flat[j] == flat[i]) for i in range(W)]
+    W = 8
+    clusters = jax.jit(lambda e, a: ets_lib.average_linkage_clusters(e, a, threshold))
+    merged = 0
+    for trial in range(12):
+        emb = rng.rand(W, 5) ** 4  # continuous: no cosine distance sits exactly on the cut
+        emb[rng.randint(0, W, 3)] = emb[rng.randint(0, W)]  # a few identical steps
+        active = rng.rand(W) < 0.8
+        got = np.asarray(clusters(jnp.asarray(emb, jnp.float32), jnp.asarray(active)))
+        rows = np.nonzero(active)[0]
+        want = np.arange(W)
+        if len(rows) >= 2:
+            flat = fcluster(linkage(emb[rows], method="average", metric="cosine"), threshold, criterion="distance")
+            for k, i in enumerate(rows):
+                want[i] = min(rows[j] for j in range(len(rows)) if flat[j] == flat[k])
         np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+        merged += int(np.sum(want != np.arange(W)))
+    assert merged > 0
 
 
 # ----------------------------------------------------------------------------------------------- in the rollout

@@ -336,3 +336,98 @@ def test_ets_pruning_keeps_the_first_step_unbiased():
     assert np.all(h[:, :, 1:] == 0)
     z = z_scores(h, p)
     assert z.max() < 4.0, z.max()
+
+
+# ----------------------------------------------------------------------------------------------- the PRM in the loop
+def test_tagged_rows_by_hand():
+    """Prompt [7, 8] (length 2 of 3), two segments of S = 2 decoded, tag (9,): 7 8 | a b 9 | c d 9."""
+    seq, length, end = path_scores.tagged_rows(jnp.asarray([[7, 8, 0]]), jnp.asarray([2]),
+                                               jnp.asarray([[11, 12, 13, 14, 0, 0], [21, 22, 0, 0, 0, 0]]),
+                                               jnp.asarray([2, 1]), 2, (9,))
+    np.testing.assert_array_equal(np.asarray(seq)[0, :8], [7, 8, 11, 12, 9, 13, 14, 9])
+    np.testing.assert_array_equal(np.asarray(seq)[1, :5], [7, 8, 21, 22, 9])
+    np.testing.assert_array_equal(np.asarray(length), [8, 5])
+    np.testing.assert_array_equal(np.asarray(end), [7, 4])
+
+
+ETS_RECORDS: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedETS(ETS):
+    """ETS that records each boundary's inputs (PRM scores included) and pruning decision (test only)."""
+
+    def prune(self, stats):
+        out = super().prune(stats)
+        fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
+                  if f.name != "key" and f.metadata.get("pytree_node", True) and getattr(stats, f.name) is not None}
+        jax.debug.callback(lambda f, o: ETS_RECORDS.append((jax.tree.map(np.asarray, f), np.asarray(o))), fields,
+                           out)
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny_policy_and_prm(tiny_checkpoint):
+    from treejax.models.registry import load_model
+    from treejax.scorers import ScorerConfig
+    from treejax.scorers.model import load_scorer
+
+    config, params, tok = load_model(tiny_checkpoint)
+    prm = load_scorer(ScorerConfig(model="policy", step_tag="\nCorrect?"), policy_model=tiny_checkpoint)
+    return config, params, tok, prm
+
+
+def _direct_prm_score(prm, ids, width):
+    from treejax.models import transformer
+
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : len(ids)] = ids
+    seg = (np.arange(width) < len(ids)).astype(np.int32)[None]
+    h = jax.jit(transformer.forward, static_argnums=1)(prm.params, prm.model_config, jnp.asarray(tokens),
+                                                       jnp.arange(width, dtype=jnp.int32)[None], jnp.asarray(seg))
+    logp = np.asarray(jax.nn.log_softmax(transformer.logits(prm.params, prm.model_config, h[:, len(ids) - 1]), -1))[0]
+    py, pn = np.exp(logp[list(prm.yes_ids)]).sum(), np.exp(logp[list(prm.no_ids)]).sum()
+    return py / (py + pn)
+
+
+def test_ets_tree_rollout_with_a_prm_end_to_end(tiny_policy_and_prm):
+    """A tiny transformer policy, its frozen copy as the PRM, ETS with coverage: every boundary's PRM scores equal a
+    direct forward of ``prompt seg_1 TAG ... seg_d TAG`` per live row, its pruning equals the reference, and the
+    forest keeps W leaves whose path-mass weights sum to W."""
+    config, params, tok, prm = tiny_policy_and_prm
+    tc = tree.TreeConfig(num_leaves=4, max_depth=3, segment_length=3, branch_factor=4, init_divergence=4,
+                         fallback=False, row_buckets=1, stop_ids=tuple(tok.eos_ids),
+                         branching=RecordedETS(temperature=0.2, cost_weight=1.0, coverage_weight=1.5))
+    tc, weights = path_scores.bind_rule(tc, prm, tok)
+    assert tc.rule.prm.tag == tuple(tok.encode("\nCorrect?"))
+    rollout = path_scores.with_scorer(tree.make_tree_rollout(config, tc), weights)
+    texts = ["What is 2 + 3?", "Name a prime."]
+    ids = [tok.encode(t) for t in texts]
+    prompts = np.zeros((2, max(map(len, ids))), np.int32)
+    for i, x in enumerate(ids):
+        prompts[i, : len(x)] = x
+    ETS_RECORDS.clear()
+    forest, info = rollout(params, prompts, np.array([len(x) for x in ids]), jax.random.key(0))
+    jax.block_until_ready(forest.tokens)
+    assert ETS_RECORDS, "no boundary recorded"
+    S, tag = tc.segment_length, list(tc.rule.prm.tag)
+    width = 64
+    for s, prune in ETS_RECORDS:
+        for p, w in zip(*np.nonzero(s["live_PxW"])):
+            toks = s["tokens_PxWxT"][p, w][: s["depth_PxW"][p, w] * S].tolist()
+            row = ids[p] + sum((toks[k:k + S] + tag for k in range(0, len(toks), S)), [])
+            np.testing.assert_allclose(s["path_scores_PxW"][p, w], _direct_prm_score(prm, row, width), rtol=1e-4)
+        want, _ = ref.ets_boundary(s, 0.2, 1.0, 1.5, tc.rule.embed_dim, tc.rule.cluster_distance)
+        np.testing.assert_array_equal(prune, want)
+    weights_PxW = np.asarray(forest.leaf_weights())
+    np.testing.assert_allclose(weights_PxW.sum(1), tc.num_leaves, rtol=1e-5)
+    assert np.all(np.asarray(forest.leaf_length) > 0)
+    assert int(info.stops["pruned"]) == int(np.sum(np.asarray(forest.leaf_status) == NodeStatus.PRUNED))
+
+
+def test_prm_path_scorer_refuses_another_tokenizer(tiny_policy_and_prm):
+    from treejax.testing.tokenizers import CharTokenizer
+
+    *_, prm = tiny_policy_and_prm
+    with pytest.raises(ConfigError, match="fix: ScorerConfig.model = 'policy'"):
+        path_scores.prm_path_scorer(prm, CharTokenizer())

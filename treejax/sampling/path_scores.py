@@ -102,8 +102,8 @@ def prm_path_scorer(scorer, policy_tokenizer) -> PRMPathScorer:
     """The :class:`PRMPathScorer` of a loaded :class:`~treejax.scorers.model.Scorer`, which must share the
     policy's tokenizer (it reads the policy's token ids)."""
     probe = "Step 1: 12 + 30 = 42.\nThe answer is 42."
-    if (scorer.tokenizer.vocab_size != policy_tokenizer.vocab_size
-            or scorer.tokenizer.encode(probe) != policy_tokenizer.encode(probe)):
+    if (getattr(scorer.tokenizer, "vocab_size", None) != getattr(policy_tokenizer, "vocab_size", None)
+            or list(scorer.tokenizer.encode(probe)) != list(policy_tokenizer.encode(probe))):
         raise ConfigError(f"the in-loop PRM reads the policy's token ids, but scorer {scorer.config.model!r} has "
                           "another tokenizer; fix: ScorerConfig.model = 'policy' (or a scorer of the policy's family)")
     tag = tuple(int(t) for t in scorer.tokenizer.encode(scorer.config.step_tag))

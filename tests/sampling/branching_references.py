@@ -265,8 +265,9 @@ def ets_solve(O, live, path, depth, labels, cost_weight, coverage_weight, exact=
 
 
 def ets_boundary(s, T, cost_weight, coverage_weight, dim, threshold, exact=True):
-    """``(prune_PxW, counts_PxW)`` of ETS at one boundary (module docstring of treejax.sampling.branching.ets),
-    counts with the sampler's total for ``b = W`` (``W - F`` after pruning)."""
+    """``(prune_PxW, counts_PxW)`` of ETS at one boundary (module docstring of treejax.sampling.branching.ets):
+    the program's dropped paths are pruned, each kept path gets 1 child plus its REBASE share of the slots left
+    (the sampler's total for ``b = W``, ``W - F`` after pruning, minus one per kept path)."""
     live, P, W = s["live_PxW"], *s["live_PxW"].shape
     prune, counts = np.zeros((P, W), bool), np.zeros((P, W), int)
     for p in range(P):
@@ -281,18 +282,8 @@ def ets_boundary(s, T, cost_weight, coverage_weight, dim, threshold, exact=True)
                                                                int(s["length_PxW"][p, w]))] for w in range(W)]
         labels = ets_clusters(seg, lv, dim, threshold) if coverage_weight > 0 else list(range(W))
         keep = ets_solve(O, lv, s["path_PxWxD1"][p], s["depth_PxW"][p], labels, cost_weight, coverage_weight, exact)
-        while True:
-            w_left = width - (A - len(keep))
-            c = ets_rebase(sc, [w in keep for w in range(W)], w_left, T, ties_high_first=True)
-            new = {w for w in keep if c[w] >= 1}
-            if not new:
-                new = {max((w for w in range(W) if lv[w]), key=lambda w: (sc[w], -w))}
-            if new == keep:
-                break
-            keep = new
         prune[p] = [lv[w] and w not in keep for w in range(W)]
-        c = ets_rebase(sc, [w in keep for w in range(W)], width - (A - len(keep)), T, ties_high_first=True)
-        if any(c[w] < 1 for w in keep):  # never after the loop above; ETS.allocate's guard
-            c = [1 + x for x in ets_rebase(sc, [w in keep for w in range(W)], width - A, T, ties_high_first=True)]
-        counts[p] = [c[w] if w in keep else 0 for w in range(W)]
+        total = width - (A - len(keep))  # the sampler's W - F once the pruned paths are leaves
+        extra = ets_rebase(sc, [w in keep for w in range(W)], total - len(keep), T, ties_high_first=True)
+        counts[p] = [1 + extra[w] if w in keep else 0 for w in range(W)]
     return prune, counts

@@ -19,10 +19,10 @@ slots not yet used: ``W - F``, ``F`` the leaves so far, this boundary's included
    The KV term pays for every node the kept paths hold in the cache (a shared ancestor once), the coverage term
    rewards keeping paths whose steps differ. ``lambda_c = 0`` is replaced by a reward ``+1e-4`` per node, as the
    official code's guard does.
-3. **REBASE over the kept paths**: the same sequential ``ceil`` split of ``w`` with ties to the higher index
-   first (the official ``sorted(...)`` then ``reverse()``); a path with 0 children stops.
+3. **REBASE over the kept paths**: the same sequential ``ceil`` split with ties to the higher index first (the
+   official ``sorted(...)`` then ``reverse()``); the paths the program dropped are pruned.
 
-Reproduced exactly: both REBASE splits (``T = softmax_temperature``, the tie orders), the objective with the
+Reproduced exactly: the REBASE split (``T = softmax_temperature``, both tie orders), the objective with the
 official unit costs ``1/(M+N)`` and the ``lambda_c = 0`` guard, ``lambda_s / K``, and average-linkage clustering
 with the cosine distance cut at ``cluster_distance`` (scipy's ``fcluster(linkage(e, "average", "cosine"), 0.05,
 "distance")``; average linkage never inverts, so merging the closest pair while it is within the cut gives the same
@@ -39,11 +39,15 @@ Changed, and why:
     (``math-similarity/Bert-MLM_arXiv-MP-class_zbMath``), which cannot run here; each step is embedded as the
     count vector of its token ids (ids hashed modulo ``embed_dim``; no collisions when ``embed_dim`` is at least
     the vocabulary), so "similar" means "made of the same tokens".
-  * **pruned paths keep a leaf.** treejax keeps ``W`` leaves per prompt, and a pruned path is stored as a
-    ``PRUNED`` leaf (as for every pruning rule), so its slot is not free: step 3 splits ``w - (A - |kept|)``, and
-    a kept path that gets 0 children is pruned as well, repeated until every kept path gets ``>= 1`` (it ends in
-    at most ``W`` rounds and always keeps the best path). The sampler's own budget with ``branch_factor = W`` is
-    exactly this width, so :meth:`ETS.allocate` repeats step 3 on the survivors with the sampler's ``total``.
+  * **pruned paths keep a leaf, so step 3 splits only the slack.** treejax keeps ``W`` leaves per prompt and a
+    pruned path is stored as a ``PRUNED`` leaf (as for every pruning rule), so pruning frees no width: the
+    official code re-spends a dropped node's share on the kept ones, here the kept paths share what is left after
+    every live path has one slot, ``w - A`` (the sampler's ``total - A`` with ``branch_factor = W``). Step 3 is
+    therefore ``1 + `` REBASE of ``total - A`` over the survivors, and the official implicit pruning of a kept
+    node whose ``ceil`` share is 0 is not reproduced (here it would free nothing, and with no slack it would
+    prune every path but one). The slack is the ``W - init_divergence`` rows the root leaves free plus what
+    budget transfer hands back, so ETS needs ``init_divergence < W`` to branch at all (the shipped config: 4 of
+    16); with ``init_divergence = W`` it only prunes.
   * ``ceil`` is taken of ``x - 1e-5`` (float32 products that should be integers); the official step is one
     reasoning step (a stop string), here it is a segment of ``S`` tokens.
 
@@ -289,28 +293,12 @@ class ETS(BranchingRule):
 
         return jax.vmap(one)(O, live, stats.path_PxWxD1, stats.depth_PxW, labels)
 
-    def survivors(self, stats: PathStats) -> jax.Array:
-        """bool[P, W]: kept paths that get children once pruned paths hold their leaf slots (module docstring)."""
-        live, s, width0 = stats.live_PxW, self.scores(stats), self.width(stats)
-        A = jnp.sum(live, -1)
-        best = live & (jnp.arange(live.shape[-1])[None, :] == jnp.argmax(jnp.where(live, s, -jnp.inf), -1)[:, None])
-
-        def body(_, keep):
-            w = width0 - (A - jnp.sum(keep, -1))
-            keep = keep & (rebase_counts(s, keep, w, self.temperature, ties_high_first=True) >= 1)
-            return jnp.where(jnp.any(keep, -1, keepdims=True), keep, best)
-
-        return lax.fori_loop(0, live.shape[-1], body, self.keep_set(stats) & live)
-
     def prune(self, stats: PathStats) -> jax.Array:
-        return stats.live_PxW & ~self.survivors(stats)
+        return stats.live_PxW & ~self.keep_set(stats)
 
     def allocate(self, stats: PathStats, total_P: jax.Array) -> jax.Array:
-        """REBASE's split of ``total`` over the live paths (after :meth:`prune`, each gets ``>= 1``); a prompt
-        where some path would get 0 (a ``total`` below what :meth:`prune` planned for) gives each live path 1
-        and splits the ``total - A`` left by REBASE, so the sum stays ``<= max(total, A)``."""
-        live, s = stats.live_PxW, self.scores(stats)
-        n = rebase_counts(s, live, total_P, self.temperature, ties_high_first=True)
-        extra = rebase_counts(s, live, total_P - jnp.sum(live, -1), self.temperature, ties_high_first=True)
-        short = jnp.any(live & (n < 1), -1, keepdims=True)
-        return jnp.where(live, jnp.where(short, 1 + extra, n), 0).astype(jnp.int32)
+        """1 child per surviving path, plus its REBASE share of the ``total - A`` slots left (step 3)."""
+        live = stats.live_PxW
+        extra = rebase_counts(self.scores(stats), live, total_P - jnp.sum(live, -1), self.temperature,
+                              ties_high_first=True)
+        return jnp.where(live, 1 + extra, 0).astype(jnp.int32)

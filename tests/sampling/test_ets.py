@@ -432,3 +432,50 @@ def test_prm_path_scorer_refuses_another_tokenizer(tiny_policy_and_prm):
     *_, prm = tiny_policy_and_prm
     with pytest.raises(ConfigError, match="fix: ScorerConfig.model = 'policy'"):
         path_scores.prm_path_scorer(prm, CharTokenizer())
+
+
+# ----------------------------------------------------------------------------------------------- gin and the run
+CONFIG = "configs/efficacy_ets.gin"
+
+
+def test_shipped_config_builds_ets_with_its_prm():
+    from treejax import train
+    from treejax.scorers import ScorerConfig
+
+    cfg = train.parse([CONFIG], [])
+    rule = cfg.rollout.rule
+    assert isinstance(rule, ETS) and rule.solver == "exact" and rule.exact_max_paths == 16
+    assert rule.scorer == ScorerConfig(model="policy") and cfg.rollout.branch_factor == cfg.rollout.num_leaves == 16
+    with pytest.raises(ConfigError, match=r"fix: ETS.scorer = @ScorerConfig\(\)"):
+        train.parse([CONFIG], ["ETS.scorer = None"])
+    with pytest.raises(ConfigError, match="fix: TreeConfig.branch_factor = 16"):
+        train.parse([CONFIG], ["TreeConfig.branch_factor = 2"])
+
+
+def test_run_binds_the_prm_and_ships_its_weights(tiny_checkpoint, tiny_policy_and_prm):
+    """``treejax.rl.setup.path_scored``: the rule's scorer loads once, the rule gets its in-loop PRM, and every
+    rollout call's params carry the scorer's weights (the policy's own params are untouched)."""
+    from types import SimpleNamespace
+
+    from treejax.rl.setup import path_scored
+    from treejax.scorers import ScorerConfig
+
+    *_, tok, prm = tiny_policy_and_prm
+    calls = []
+
+    def make(tc):
+        def rollout(params, *args):
+            calls.append((tc, params))
+        rollout.core = rollout.tree_config = rollout.model_fns = rollout.continuations = None
+        return rollout
+
+    build = path_scored(SimpleNamespace(model=tiny_checkpoint), tok, make)
+    tc = tree.TreeConfig(num_leaves=4, branch_factor=4, branching=ETS(scorer=ScorerConfig(model="policy")))
+    build(tc)({"w": 1})
+    (bound, params), = calls
+    assert isinstance(bound.rule.prm, path_scores.PRMPathScorer) and bound.rule.prm.yes_ids == prm.yes_ids
+    rest, weights = path_scores.detach(params)
+    assert rest == {"w": 1} and jax.tree.structure(weights) == jax.tree.structure(prm.params)
+    plain = tree.TreeConfig(num_leaves=4, branch_factor=2)
+    build(plain)({"w": 2})
+    assert calls[-1] == (plain, {"w": 2})

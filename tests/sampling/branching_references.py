@@ -264,18 +264,21 @@ def ets_solve(O, live, path, depth, labels, cost_weight, coverage_weight, exact=
     return x
 
 
-def ets_boundary(s, T, cost_weight, coverage_weight, dim, threshold, exact=True):
+def ets_boundary(s, T, cost_weight, coverage_weight, dim, threshold, exact=True, b=None):
     """``(prune_PxW, counts_PxW)`` of ETS at one boundary (module docstring of treejax.sampling.branching.ets):
-    the program's dropped paths are pruned, each kept path gets 1 child plus its REBASE share of the slots left
-    (the sampler's total for ``b = W``, ``W - F`` after pruning, minus one per kept path)."""
+    the width is the sampler's budget with transfer and branch factor ``b`` (default ``W``), the program's dropped
+    paths are pruned, each kept path gets 1 child plus its REBASE share of the budget after pruning minus one per
+    kept path."""
     live, P, W = s["live_PxW"], *s["live_PxW"].shape
+    b = W if b is None else b
     prune, counts = np.zeros((P, W), bool), np.zeros((P, W), int)
     for p in range(P):
         lv, sc = [bool(x) for x in live[p]], [float(x) for x in s["path_scores_PxW"][p]]
         A = sum(lv)
         if A == 0:
             continue
-        width = W - int(s["leaves_P"][p]) - int(s["ended_PxW"][p].sum())
+        f = int(s["ended_PxW"][p].sum())
+        width = max(min(W - int(s["leaves_P"][p]) - f, b * (A + f)), A)  # the sampler's budget, transfer
         n = ets_rebase(sc, lv, width, T)
         O = [x / max(sum(n), 1) for x in n]
         seg = [[int(s["tokens_PxWxT"][p, w, t]) for t in range(int(s["segment_start_PxW"][p, w]),
@@ -283,7 +286,8 @@ def ets_boundary(s, T, cost_weight, coverage_weight, dim, threshold, exact=True)
         labels = ets_clusters(seg, lv, dim, threshold) if coverage_weight > 0 else list(range(W))
         keep = ets_solve(O, lv, s["path_PxWxD1"][p], s["depth_PxW"][p], labels, cost_weight, coverage_weight, exact)
         prune[p] = [lv[w] and w not in keep for w in range(W)]
-        total = width - (A - len(keep))  # the sampler's W - F once the pruned paths are leaves
+        pruned = A - len(keep)  # leaves now: the sampler's budget after pruning
+        total = max(min(W - int(s["leaves_P"][p]) - f - pruned, b * (A + f)), len(keep))
         extra = ets_rebase(sc, [w in keep for w in range(W)], total - len(keep), T, ties_high_first=True)
         counts[p] = [1 + extra[w] if w in keep else 0 for w in range(W)]
     return prune, counts

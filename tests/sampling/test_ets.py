@@ -22,7 +22,7 @@ from treejax.sampling.path_scores import PathScorer
 from tests.sampling import branching_references as ref
 
 
-def boundary(scores, live, *, path=None, depth=None, tokens=None, leaves=0, ended=None, S=2):
+def boundary(scores, live, *, path=None, depth=None, tokens=None, leaves=0, ended=None, S=2, b=None):
     """One prompt's PathStats (P = 1) from hand-made lists; default: every path a child of the root at depth 1."""
     W = len(scores)
     live = np.asarray(live, bool)[None]
@@ -43,15 +43,19 @@ def boundary(scores, live, *, path=None, depth=None, tokens=None, leaves=0, ende
         segment_start_PxW=jnp.zeros((1, W), jnp.int32), tokens_PxWxT=jnp.asarray(toks), logp_PxWxT=z,
         entropy_PxWxT=z, topk_PxWxTxK=jnp.zeros((1, W, T, 0)), path_PxWxD1=jnp.asarray(path),
         leaves_P=jnp.asarray([leaves], jnp.int32), step=jnp.int32(0), segment=jnp.int32(0), key=jax.random.key(0),
-        path_scores_PxW=jnp.asarray([scores], jnp.float32), branch_factor=W, segment_length=S)
+        path_scores_PxW=jnp.asarray([scores], jnp.float32), branch_factor=W if b is None else b, segment_length=S)
 
 
 def run_jax(rule, stats):
-    """One boundary as the sampler runs it with ``b = W``: prune, then allocate the total ``W - F`` left."""
+    """One boundary as the sampler runs it: prune, then allocate the sampler's budget (``tree_stages.branch_budget``
+    with transfer: ``max(min(W - F, b A + b f), A)``, pruned paths among the ``f`` that ended)."""
+    from treejax.sampling.tree_stages import branch_budget
+
     prune = rule.prune(stats)
     kept = stats.replace(live_PxW=stats.live_PxW & ~prune, ended_PxW=stats.ended_PxW | prune)
-    total = stats.live_PxW.shape[-1] - stats.leaves_P - jnp.sum(kept.ended_PxW, -1)
-    return prune, rule.allocate(kept, total)
+    f = jnp.sum(kept.ended_PxW, -1).astype(jnp.int32)
+    tc = tree.TreeConfig(num_leaves=stats.live_PxW.shape[-1], branch_factor=stats.branch_factor)
+    return prune, rule.allocate(kept, branch_budget(kept.live_PxW, f, stats.leaves_P + f, tc=tc))
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,8 +193,8 @@ def test_config_checks():
         ETS(solver="cbc")
     with pytest.raises(ConfigError, match="exact_max_paths must be in"):
         ETS(exact_max_paths=20)
-    with pytest.raises(ConfigError, match="fix: TreeConfig.branch_factor = 8"):
-        tree.TreeConfig(num_leaves=8, branch_factor=2, branching=ETS())
+    with pytest.raises(ConfigError, match="fix: TreeConfig.budget_transfer = True"):
+        tree.TreeConfig(num_leaves=8, branch_factor=2, budget_transfer=False, branching=ETS())
     with pytest.raises(ConfigError, match="fix: ETS.solver = 'greedy'"):
         tree.TreeConfig(num_leaves=16, branch_factor=16, branching=ETS(solver="exact"))
     with pytest.raises(ValueError, match="cannot use the pruning rule"):
@@ -212,8 +216,12 @@ def random_boundary(rng, W, D=3, S=3, vocab=4):
     for w in range(W):
         for d in range(1, depth[w] + 1):
             path[w, d] = 1 + (d - 1) * 3 + rng.randint(0, 3) if d < depth[w] else 100 + w
+    n_ended = rng.randint(0, W - n_live - n_leaves + 1)
+    ended = np.zeros(W, bool)
+    ended[rng.choice(np.nonzero(~live)[0], n_ended, replace=False)] = True
     stats = boundary(rng.rand(W).round(2) if rng.rand() < 0.3 else rng.rand(W), live, path=path, depth=depth,
-                     tokens=rng.randint(0, vocab, (W, S)), leaves=n_leaves, S=S)
+                     tokens=rng.randint(0, vocab, (W, S)), leaves=n_leaves, ended=ended, S=S,
+                     b=int(rng.choice([1, 2, W])))
     return stats
 
 
@@ -226,7 +234,8 @@ def test_jitted_rule_equals_the_reference_on_random_boundaries(solver):
     for _ in range(40):
         stats = random_boundary(rng, W=6)
         prune, counts = step(stats)
-        want = ref.ets_boundary(host(stats), 0.3, 1.0, 1.5, rule.embed_dim, 0.2, exact=solver == "exact")
+        want = ref.ets_boundary(host(stats), 0.3, 1.0, 1.5, rule.embed_dim, 0.2, exact=solver == "exact",
+                                b=stats.branch_factor)
         np.testing.assert_array_equal(np.asarray(prune), want[0])
         np.testing.assert_array_equal(np.asarray(counts), want[1])
         checked += int(np.asarray(stats.live_PxW).sum() > 1)
@@ -418,7 +427,8 @@ def test_ets_tree_rollout_with_a_prm_end_to_end(tiny_policy_and_prm):
             toks = s["tokens_PxWxT"][p, w][: s["depth_PxW"][p, w] * S].tolist()
             row = ids[p] + sum((toks[k:k + S] + tag for k in range(0, len(toks), S)), [])
             np.testing.assert_allclose(s["path_scores_PxW"][p, w], _direct_prm_score(prm, row, width), rtol=1e-4)
-        want, _ = ref.ets_boundary(s, 0.2, 1.0, 1.5, tc.rule.embed_dim, tc.rule.cluster_distance)
+        want, _ = ref.ets_boundary(s, 0.2, 1.0, 1.5, tc.rule.embed_dim, tc.rule.cluster_distance,
+                                   b=tc.branch_factor)
         np.testing.assert_array_equal(prune, want)
     weights_PxW = np.asarray(forest.leaf_weights())
     np.testing.assert_allclose(weights_PxW.sum(1), tc.num_leaves, rtol=1e-5)
@@ -445,11 +455,11 @@ def test_shipped_config_builds_ets_with_its_prm():
     cfg = train.parse([CONFIG], [])
     rule = cfg.rollout.rule
     assert isinstance(rule, ETS) and rule.solver == "exact" and rule.exact_max_paths == 16
-    assert rule.scorer == ScorerConfig(model="policy") and cfg.rollout.branch_factor == cfg.rollout.num_leaves == 16
+    assert rule.scorer == ScorerConfig(model="policy") and cfg.rollout.num_leaves == 16
     with pytest.raises(ConfigError, match=r"fix: ETS.scorer = @ScorerConfig\(\)"):
         train.parse([CONFIG], ["ETS.scorer = None"])
-    with pytest.raises(ConfigError, match="fix: TreeConfig.branch_factor = 16"):
-        train.parse([CONFIG], ["TreeConfig.branch_factor = 2"])
+    with pytest.raises(ConfigError, match="fix: TreeConfig.budget_transfer = True"):
+        train.parse([CONFIG], ["TreeConfig.budget_transfer = False"])
 
 
 def test_run_binds_the_prm_and_ships_its_weights(tiny_checkpoint, tiny_policy_and_prm):

@@ -3,8 +3,10 @@ code ``SqueezeAILab/ETS``, ``rebase.py``, ``Tree.select_softmax_costmodel``): PR
 boundary that trades the search's coverage against its KV-cache footprint.
 
 At a boundary a prompt has ``A`` live paths ``i`` with PRM scores ``s_i`` of the step just decoded (the scorer's
-per-step score in ``PathStats.path_scores_PxW``, :mod:`treejax.sampling.path_scores`) and a width ``w`` (leaf
-slots not yet used: ``W - F``, ``F`` the leaves so far, this boundary's included). ETS then
+per-step score in ``PathStats.path_scores_PxW``, :mod:`treejax.sampling.path_scores`) and a width ``w``: the
+sampler's budget ``max(min(W - F, b (A + f)), A)`` (TreePO's budget transfer; ``F`` the leaves so far, ``f`` those
+of this boundary). With ``b = W`` it is the official width, the leaf slots not yet used ``W - F``; a smaller ``b``
+lets the tree widen at most ``b``-fold per boundary. ETS then
 
 1. **REBASE outcome scores.** Paths in descending ``s`` (ties: lower index first, as Python's ``sorted(...,
    reverse=True)``) take ``n_k = ceil(w_k e_k / sum_{j >= k} e_j)`` with ``e = exp(s / T)`` and ``w_k`` the width
@@ -20,7 +22,8 @@ slots not yet used: ``W - F``, ``F`` the leaves so far, this boundary's included
    rewards keeping paths whose steps differ. ``lambda_c = 0`` is replaced by a reward ``+1e-4`` per node, as the
    official code's guard does.
 3. **REBASE over the kept paths**: the same sequential ``ceil`` split with ties to the higher index first (the
-   official ``sorted(...)`` then ``reverse()``); the paths the program dropped are pruned.
+   official ``sorted(...)`` then ``reverse()``), of the slots left once each kept path has one (below); the paths
+   the program dropped are pruned.
 
 Reproduced exactly: the REBASE split (``T = softmax_temperature``, both tie orders), the objective with the
 official unit costs ``1/(M+N)`` and the ``lambda_c = 0`` guard, ``lambda_s / K``, and average-linkage clustering
@@ -39,15 +42,14 @@ Changed, and why:
     (``math-similarity/Bert-MLM_arXiv-MP-class_zbMath``), which cannot run here; each step is embedded as the
     count vector of its token ids (ids hashed modulo ``embed_dim``; no collisions when ``embed_dim`` is at least
     the vocabulary), so "similar" means "made of the same tokens".
-  * **pruned paths keep a leaf, so step 3 splits only the slack.** treejax keeps ``W`` leaves per prompt and a
-    pruned path is stored as a ``PRUNED`` leaf (as for every pruning rule), so pruning frees no width: the
-    official code re-spends a dropped node's share on the kept ones, here the kept paths share what is left after
-    every live path has one slot, ``w - A`` (the sampler's ``total - A`` with ``branch_factor = W``). Step 3 is
-    therefore ``1 + `` REBASE of ``total - A`` over the survivors, and the official implicit pruning of a kept
-    node whose ``ceil`` share is 0 is not reproduced (here it would free nothing, and with no slack it would
-    prune every path but one). The slack is the ``W - init_divergence`` rows the root leaves free plus what
-    budget transfer hands back, so ETS needs ``init_divergence < W`` to branch at all (the shipped config: 4 of
-    16); with ``init_divergence = W`` it only prunes.
+  * **pruned paths keep a leaf.** treejax keeps ``W`` leaves per prompt and a pruned path is stored as a
+    ``PRUNED`` leaf (as for every pruning rule), so it still holds a slot: after pruning the sampler's budget is
+    ``total = max(min(W - F', b (A + f)), A')`` (``F'``, ``A'`` after pruning; a pruned path's ``b`` share moves
+    to the kept ones while ``W - F'`` allows, as the official code re-spends a dropped node's width). Step 3 gives
+    each kept path 1 child plus its REBASE share of ``total - A'``: the official implicit pruning of a kept node
+    whose ``ceil`` share of the whole width is 0 is not reproduced (here it would free no slot, and with no slack
+    it would prune every path but one). Every path ends in one leaf, so a tree creates ``W - init_divergence``
+    paths in all: ETS needs ``init_divergence < W`` to branch, and ``b`` decides how fast it may spend them.
   * ``ceil`` is taken of ``x - 1e-5`` (float32 products that should be integers); the official step is one
     reasoning step (a stop string), here it is a segment of ``S`` tokens.
 
@@ -255,9 +257,9 @@ class ETS(BranchingRule):
 
     def check_tree(self, tc) -> None:
         W = tc.num_leaves
-        if tc.branch_factor != W:
-            raise ConfigError(f"ETS splits the whole width W - F at each boundary, which the sampler's budget allows "
-                              f"only with branch_factor = num_leaves; fix: TreeConfig.branch_factor = {W}")
+        if not tc.budget_transfer:
+            raise ConfigError("ETS's width is the sampler's budget with TreePO's budget transfer (a pruned path's "
+                              "share goes to the kept ones); fix: TreeConfig.budget_transfer = True")
         if self.solver == "exact" and W > self.exact_max_paths:
             raise ConfigError(f"ETS.solver = 'exact' enumerates 2^W subsets, W = {W} > ETS.exact_max_paths = "
                               f"{self.exact_max_paths}; fix: ETS.solver = 'greedy' (or 'auto')")
@@ -272,9 +274,11 @@ class ETS(BranchingRule):
         return jnp.where(stats.live_PxW, stats.path_scores_PxW.astype(jnp.float32), 0.0)
 
     def width(self, stats: PathStats) -> jax.Array:
-        """int32[P]: ``W - F`` before pruning (``F``: stored leaves and the paths that ended in this segment)."""
-        W = stats.live_PxW.shape[-1]
-        return (W - stats.leaves_P - jnp.sum(stats.ended_PxW, -1)).astype(jnp.int32)
+        """int32[P]: the sampler's budget before pruning, ``max(min(W - F, b (A + f)), A)`` (``F``: stored leaves
+        and the ``f`` paths that ended in this segment; pruning leaves ``b (A + f)`` unchanged)."""
+        W, b = stats.live_PxW.shape[-1], stats.branch_factor
+        A, f = jnp.sum(stats.live_PxW, -1), jnp.sum(stats.ended_PxW, -1)
+        return jnp.maximum(jnp.minimum(W - stats.leaves_P - f, b * (A + f)), A).astype(jnp.int32)
 
     def keep_set(self, stats: PathStats) -> jax.Array:
         """bool[P, W]: the program's kept paths (module docstring, steps 1-2)."""

@@ -5,6 +5,7 @@ PRM end to end, and the path-mass-weighted estimate at the base policy against t
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -445,7 +446,8 @@ def test_prm_path_scorer_refuses_another_tokenizer(tiny_policy_and_prm):
 
 
 # ----------------------------------------------------------------------------------------------- gin and the run
-CONFIG = "configs/efficacy_ets.gin"
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                      "efficacy_ets.gin")
 
 
 def test_shipped_config_builds_ets_with_its_prm():
@@ -489,3 +491,19 @@ def test_run_binds_the_prm_and_ships_its_weights(tiny_checkpoint, tiny_policy_an
     plain = tree.TreeConfig(num_leaves=4, branch_factor=2)
     build(plain)({"w": 2})
     assert calls[-1] == (plain, {"w": 2})
+
+
+@pytest.mark.slow  # one step of the whole loop with ETS and its in-loop PRM on the tiny model (~1-2 min on 2 cores)
+def test_one_loop_step_with_ets(tiny_checkpoint, tmp_path):
+    from treejax import train
+
+    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
+              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
+              "TreeConfig.init_divergence = 2", "TreeConfig.max_depth = 3", "TreeConfig.segment_length = 4",
+              "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2", "EvalConfig.batch_size = 2",
+              "RunConfig.eval_every = 0", "RunConfig.mini_batches = 1", "RunConfig.dynamic_sampling = False"]
+    summary = train.main(["--gin_file", CONFIG, "--quiet"] + sum((["--gin_param", p] for p in params), []))
+    row = summary["history"][0]
+    assert np.isfinite(row["update/loss"])
+    assert sum(v for k, v in row.items() if k.startswith("rollout/stops/")) == 2 * 4  # W leaves per prompt
+    assert 1 <= row["rollout/forks"] <= 2 * (4 - 2)  # ETS spends at most the W - init_divergence free rows

@@ -194,6 +194,8 @@ def test_config_checks():
         ETS(solver="cbc")
     with pytest.raises(ConfigError, match="exact_max_paths must be in"):
         ETS(exact_max_paths=20)
+    with pytest.raises(ConfigError, match=r"fix: ETS.scorer = @ScorerConfig\(\)"):
+        ETS(scorer="policy")
     with pytest.raises(ConfigError, match="fix: TreeConfig.budget_transfer = True"):
         tree.TreeConfig(num_leaves=8, branch_factor=2, budget_transfer=False, branching=ETS())
     with pytest.raises(ConfigError, match="fix: ETS.solver = 'greedy'"):

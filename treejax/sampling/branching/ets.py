@@ -250,6 +250,11 @@ class ETS(BranchingRule):
         if not 1 <= self.exact_max_paths <= EXACT_LIMIT:
             raise ConfigError(f"ETS.exact_max_paths must be in [1, {EXACT_LIMIT}] (2^W subsets are enumerated), got "
                               f"{self.exact_max_paths}; fix: ETS.exact_max_paths = 12")
+        from treejax.scorers.config import ScorerConfig
+
+        if self.scorer is not None and not isinstance(self.scorer, ScorerConfig):
+            raise ConfigError(f"ETS.scorer must be a ScorerConfig (the PRM), got {self.scorer!r}; fix: "
+                              "ETS.scorer = @ScorerConfig()")
 
     @property
     def path_scorer(self):  # type: ignore[override]

@@ -153,7 +153,8 @@ def bench_tree(cfg, params, prompts: int, prompt_len: int, W: int, b: int, D: in
 
 def synthetic_path_stats(rows: int, W: int, S: int, D: int, K: int, seed: int = 0):
     """A :class:`PathStats` of ``rows`` paths (``rows / W`` prompts) half-way through a tree: random tokens,
-    log-probs, entropies and top-k log-probs over ``D * S`` slots, lengths at segment boundaries, 3/4 live."""
+    log-probs, entropies and top-k log-probs over ``D * S`` slots, lengths at segment boundaries, 3/4 live, and a
+    random PRM score per path (for rules that read one, e.g. ETS; the PRM's forward itself is not timed here)."""
     from treejax.sampling.branching import PathStats
 
     P, T = rows // W, D * S
@@ -170,7 +171,7 @@ def synthetic_path_stats(rows: int, W: int, S: int, D: int, K: int, seed: int = 
                      tokens_PxWxT=jax.random.randint(k[5], (P, W, T), 0, 50000, dtype=jnp.int32), logp_PxWxT=logp,
                      entropy_PxWxT=-logp, topk_PxWxTxK=topk, path_PxWxD1=path, leaves_P=jnp.full((P,), W // 4),
                      step=jnp.int32(3), segment=jnp.int32(2), key=jax.random.key(1), branch_factor=2,
-                     segment_length=S)
+                     segment_length=S, path_scores_PxW=jax.random.uniform(jax.random.key(2), (P, W)))
 
 
 def bench_boundary(rule, rows: int, W: int, S: int, D: int, repeats: int = 20) -> float:

@@ -190,3 +190,104 @@ def echo_prune(s, rule):
                     out[p, w] = True
                     break
     return out
+
+
+# ----------------------------------------------------------------------------------------------- ETS
+def ets_rebase(scores, keep, width, T, ties_high_first=False):
+    """REBASE's sequential ceil split of ``width`` over the kept entries of one prompt (list of ints)."""
+    idx = [i for i in range(len(scores)) if keep[i]]
+    idx.sort(key=lambda i: (-scores[i], -i if ties_high_first else i))
+    top = max((scores[i] / T for i in idx), default=0.0)
+    e = {i: math.exp(scores[i] / T - top) for i in idx}
+    out, left = [0] * len(scores), max(int(width), 0)
+    for k, i in enumerate(idx):
+        rest = sum(e[j] for j in idx[k:])
+        n = min(max(math.ceil(left * e[i] / rest - 1e-5), 0), left)
+        out[i], left = n, left - n
+    return out
+
+
+def ets_clusters(seg_tokens, live, dim, threshold):
+    """Cluster label (lowest member row) of each live row: scipy's average linkage on cosine distances of the
+    rows' token-count vectors, cut at ``threshold`` (``fcluster(..., 'distance')``)."""
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    rows = [w for w in range(len(live)) if live[w]]
+    labels = list(range(len(live)))
+    if len(rows) < 2:
+        return labels
+    emb = np.zeros((len(rows), dim))
+    for k, w in enumerate(rows):
+        for t in seg_tokens[w]:
+            if t >= 0:
+                emb[k, t % dim] += 1
+    flat = fcluster(linkage(emb, method="average", metric="cosine"), threshold, criterion="distance")
+    for k, w in enumerate(rows):
+        labels[w] = min(rows[j] for j in range(len(rows)) if flat[j] == flat[k])
+    return labels
+
+
+def ets_objective(chosen, O, live, path, depth, labels, cost_weight, coverage_weight):
+    """The ETS program's objective of the set ``chosen`` of rows (sets of ancestors and clusters, float64)."""
+    cand = [w for w in range(len(live)) if live[w]]
+
+    def anc(rows):
+        return {(d, int(path[w][d])) for w in rows for d in range(int(depth[w]))}
+
+    M, K = len(anc(cand)), len({labels[w] for w in cand})
+    kappa = (-cost_weight if cost_weight > 0 else 1e-4) / max(M + len(cand), 1)
+    return (sum(O[w] for w in chosen) + kappa * (len(chosen) + len(anc(chosen)))
+            + coverage_weight / max(K, 1) * len({labels[w] for w in chosen}))
+
+
+def ets_solve(O, live, path, depth, labels, cost_weight, coverage_weight, exact=True):
+    """The kept rows: every non-empty subset in binary order (first best), or greedy backward elimination."""
+    W = len(live)
+    f = lambda rows: ets_objective(rows, O, live, path, depth, labels, cost_weight, coverage_weight)  # noqa: E731
+    cand = [w for w in range(W) if live[w]]
+    if not cand:
+        return set()
+    if exact:
+        subsets = [{w for w in range(W) if m >> w & 1} for m in range(1, 2 ** W)]
+        subsets = [s for s in subsets if s <= set(cand)]
+        values = [f(s) for s in subsets]
+        return subsets[int(np.argmax(values))]
+    x = set(cand)
+    for _ in range(W):
+        if len(x) == 1:
+            break
+        gains = [(f(x - {w}) - f(x), -w) for w in sorted(x)]
+        g, w = max(gains)
+        if g <= 0:
+            break
+        x = x - {-w}
+    return x
+
+
+def ets_boundary(s, T, cost_weight, coverage_weight, dim, threshold, exact=True, b=None):
+    """``(prune_PxW, counts_PxW)`` of ETS at one boundary (module docstring of treejax.sampling.branching.ets):
+    the width is the sampler's budget with transfer and branch factor ``b`` (default ``W``), the program's dropped
+    paths are pruned, each kept path gets 1 child plus its REBASE share of the budget after pruning minus one per
+    kept path."""
+    live, P, W = s["live_PxW"], *s["live_PxW"].shape
+    b = W if b is None else b
+    prune, counts = np.zeros((P, W), bool), np.zeros((P, W), int)
+    for p in range(P):
+        lv, sc = [bool(x) for x in live[p]], [float(x) for x in s["path_scores_PxW"][p]]
+        A = sum(lv)
+        if A == 0:
+            continue
+        f = int(s["ended_PxW"][p].sum())
+        width = max(min(W - int(s["leaves_P"][p]) - f, b * (A + f)), A)  # the sampler's budget, transfer
+        n = ets_rebase(sc, lv, width, T)
+        O = [x / max(sum(n), 1) for x in n]
+        seg = [[int(s["tokens_PxWxT"][p, w, t]) for t in range(int(s["segment_start_PxW"][p, w]),
+                                                               int(s["length_PxW"][p, w]))] for w in range(W)]
+        labels = ets_clusters(seg, lv, dim, threshold) if coverage_weight > 0 else list(range(W))
+        keep = ets_solve(O, lv, s["path_PxWxD1"][p], s["depth_PxW"][p], labels, cost_weight, coverage_weight, exact)
+        prune[p] = [lv[w] and w not in keep for w in range(W)]
+        pruned = A - len(keep)  # leaves now: the sampler's budget after pruning
+        total = max(min(W - int(s["leaves_P"][p]) - f - pruned, b * (A + f)), len(keep))
+        extra = ets_rebase(sc, [w in keep for w in range(W)], total - len(keep), T, ties_high_first=True)
+        counts[p] = [1 + extra[w] if w in keep else 0 for w in range(W)]
+    return prune, counts

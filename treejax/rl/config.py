@@ -181,6 +181,7 @@ class RunConfig(LegacySourceFields):
         for s in self.shapers:  # each shaper's own checks against the run (Shaper.check_run)
             s.check_run(self)
         self._check_probe()
+        self._check_path_scorer()
         self._check_continuations()
         check_chain(stages, self.facts())
         self._check_proximal()
@@ -260,6 +261,17 @@ class RunConfig(LegacySourceFields):
             raise ConfigError(f"branching rule {rule.rule_name!r} prunes by the probe of shaper {name!r}, which "
                               f"RunConfig.shapers does not train; fix: RunConfig.shapers = [@QualityHead()] "
                               f"(shapers now: {[s.name for s in self.shapers]})")
+
+    def _check_path_scorer(self) -> None:
+        """A branching rule that reads PRM scores in the loop (ETS) needs the scorer the run loads for it."""
+        from treejax.scorers import ScorerConfig
+
+        rule = self.rollout.rule
+        if rule.needs_path_scores and rule.path_scorer is None and not isinstance(getattr(rule, "scorer", None),
+                                                                                  ScorerConfig):
+            raise ConfigError(f"branching rule {rule.rule_name!r} reads a PRM's step scores at every boundary, but "
+                              f"{type(rule).__name__}.scorer is {getattr(rule, 'scorer', None)!r}; fix: "
+                              f"{type(rule).__name__}.scorer = @ScorerConfig() (e.g. ScorerConfig.model = 'policy')")
 
     def _check_async(self) -> None:
         a = self.async_rollouts

@@ -44,6 +44,7 @@ from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
 from treejax.rl.train_state import TrainState
 from treejax.rl.update import make_update_fn
+from treejax.sampling import path_scores
 from treejax.sampling.decode import bucket_length, make_model_fns, resolve_stop_ids
 from treejax.sampling.tree import make_tree_rollout
 
@@ -187,7 +188,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)
     del params
     pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    make_rollout = lambda tc: make_tree_rollout(rollout_fns, tc, continuations=cfg.continuation_config())  # noqa: E731
+    make_rollout = path_scored(cfg, tokenizer, lambda tc: make_tree_rollout(rollout_fns, tc,
+                                                                         continuations=cfg.continuation_config()))
     source = build_chain(cfg.rollouts, SourceContext(
         cfg, tokenizer, task, pipeline, make_rollout(cfg.rollout), make_rollout, rollout_fns, model_config,
         prompt_width, pad_id, learner.estimator_inputs, task_rollouts))
@@ -210,6 +212,28 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
     return Run(cfg, prec, model_config, tokenizer, task, sampler_fns, source, learner, state, ref_params,
                eval_examples, prompt_width, writer, checkpointer, int(data_state["rl_step"]), data_state, t_start,
                mesh, sampler_mesh, memory_plan=planned)
+
+
+def path_scored(cfg: RunConfig, tokenizer, make_rollout):
+    """``make_rollout`` for a branching rule that reads a PRM's scores in the loop (ETS): the rule's ``scorer``
+    (:class:`~treejax.scorers.ScorerConfig`; ``"policy"``: ``RunConfig.model`` again, frozen) loads once, the rule
+    gets its in-loop scorer (:func:`treejax.sampling.path_scores.bind_rule`) and every call's params carry the
+    scorer's weights (:func:`~treejax.sampling.path_scores.with_scorer`); other rules are left as they are."""
+    loaded = {}
+
+    def make(tc):
+        rule = tc.rule
+        if not rule.needs_path_scores or rule.path_scorer is not None:
+            return make_rollout(tc)
+        if "scorer" not in loaded:
+            from treejax.scorers.model import load_scorer
+
+            log.info("loading the PRM of branching rule %r: %s", rule.rule_name, rule.scorer.model)
+            loaded["scorer"] = load_scorer(rule.scorer, cfg.model)
+        bound, weights = path_scores.bind_rule(tc, loaded["scorer"], tokenizer)
+        return path_scores.with_scorer(make_rollout(bound), weights)
+
+    return make
 
 
 def sampler_mesh_of(cfg: RunConfig, mesh, sampler_devices: list, learner_devices: list):

@@ -93,7 +93,7 @@ from treejax.models.config import ModelConfig
 from treejax.parallel.axis_rules import DEFAULT_RULES, Rules
 from treejax.sampling import attention as attention_lib
 from treejax.sampling import cache as cache_lib
-from treejax.sampling import decode
+from treejax.sampling import decode, path_scores
 from treejax.sampling import probe as probe_lib
 from treejax.sampling.continuation import ContinuationConfig, leaf_continuations
 from treejax.sampling.tree_config import TreeConfig, independent_config
@@ -179,7 +179,11 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     shared = tc.resolved_prefix_cache(Lb, model.init_shared_cache is not None, model.attention,
                                       model.cascade_attention) == "shared"
     params, probes = probe_lib.detach(params)  # a stateful shaper's probe travels with the weights
+    params, scorer = path_scores.detach(params)  # so do the rule's path scorer's weights (a PRM in the loop)
     probe = _rule_probe(tc, probes)
+    if tc.rule.needs_path_scores and scorer is None:
+        raise ValueError(f"branching rule {tc.rule.rule_name!r} reads path scores, but the rollout's params carry "
+                         "no scorer weights: call it through treejax.sampling.path_scores.with_scorer(rollout, weights)")
     params = model.prepare(params)  # e.g. unstack the layers once, outside the decode loops
     if shared:  # prompt KV once per prompt, rows hold their suffix (pending prompt token + response) only
         Lpre = attention_lib.round_cache_length(Lb, model.cache_multiple)
@@ -197,7 +201,8 @@ def _rollout_core(params, prompts, lengths, key, step, *, model: decode.ModelFns
     n_init = initial_divergence(key, P, tc)
     state = shard_state(model, initial_state(cache, last_tok_P, last_pos_P, n_init, tc=tc))
     inputs = RolloutInputs(params=params, key=key, step=step, prompt_token_P=last_tok_P, prompt_position_P=last_pos_P,
-                           probe=probe)
+                           probe=probe, **(dict(scorer=scorer, prompts_PxL=prompts, prompt_len_P=lengths)
+                                           if tc.rule.needs_path_scores else {}))
 
     def cond(s):
         return jnp.any(s.nodes.leaves_P < W) & (s.counters.segment < tc.max_segments)
@@ -261,6 +266,9 @@ def make_tree_rollout(model: ModelConfig | decode.ModelFns, tree_config: TreeCon
     """
     fns = decode.as_model_fns(model, mesh, rules)
     tc = tree_config
+    if tc.rule.needs_path_scores and tc.rule.path_scorer is None:
+        raise ValueError(f"branching rule {tc.rule.rule_name!r} reads path scores but has no path scorer: bind one "
+                         "(treejax.sampling.path_scores.bind_rule, done by the run when ETS.scorer is set)")
     tc.resolved_prefix_cache(0, fns.init_shared_cache is not None)  # "shared" on fns without it: raise now
     stop_ids = decode.resolve_stop_ids(tc.stop_ids, model)
     core = _jitted_core(fns, tc, stop_ids, continuations)

@@ -154,6 +154,7 @@ class TreeConfig:
             raise ConfigError(f"TreeConfig.branching must be a branching rule, got {self.branching!r}; valid: "
                               f"{', '.join(f'@{c.__name__}()' for c in rule_classes().values())}")
         check_choice("TreeConfig.allocation", self.allocation, ALLOCATIONS)
+        self.rule.check_tree(self)
         if self.allocation == "slots":
             rule = self.rule
             if rule.prunes:

@@ -5,7 +5,8 @@
 1. :func:`open_nodes`        every live row opens a node at depth ``d + 1``;
 2. :func:`decode_segment`    up to ``S`` tokens for every live row (on a compacted prefix of rows);
 3. :func:`classify_paths`    stop token / repetition / length / depth -> a :class:`NodeStatus` per path;
-4. :func:`path_stats`        the per-path statistics a branching rule sees, and :func:`prune_paths` (the rule's
+4. :func:`path_stats`        the per-path statistics a branching rule sees, :func:`score_paths` (the rule's
+                             path scorer, e.g. a PRM, if it reads one) and :func:`prune_paths` (the rule's
                              pruning, if it prunes);
 5. :func:`store_leaves`      ended (and pruned) paths go to the leaf store;
 6. :func:`branch_budget`     TreePO's budget transfer; the rule's :meth:`allocate` gives child counts (slot
@@ -46,7 +47,9 @@ class RolloutInputs:
     """The dynamic inputs every segment step reads: ``params`` (prepared), the rollout ``key``, the training
     ``step``, and each prompt's pending token and position after prefill (``prompt_token_P``,
     ``prompt_position_P``: where a fallback from the root restarts); ``probe``: the quality probe the rule's
-    ``"probe"`` statistic reads (``None`` unless it asks; :mod:`treejax.sampling.token_stats`)."""
+    ``"probe"`` statistic reads (``None`` unless it asks; :mod:`treejax.sampling.token_stats`); ``scorer``: the
+    rule's path scorer's weights, with the right-padded ``prompts_PxL`` and ``prompt_len_P`` it reads (``None``
+    unless the rule reads path scores; :mod:`treejax.sampling.path_scores`)."""
 
     params: Any
     key: jax.Array
@@ -54,6 +57,9 @@ class RolloutInputs:
     prompt_token_P: jax.Array
     prompt_position_P: jax.Array
     probe: Any = None
+    scorer: Any = None
+    prompts_PxL: Any = None
+    prompt_len_P: Any = None
 
 
 def bucket_sizes(R: int, buckets: int) -> tuple[int, ...]:
@@ -240,6 +246,14 @@ def path_stats(rows: Rows, status_R: jax.Array, segment_start_R: jax.Array, node
         probe_ready=(jnp.asarray(inputs.probe["ready"], bool) if isinstance(inputs.probe, dict)
                      and "ready" in inputs.probe else jnp.asarray(inputs.probe is not None)),
         branch_factor=tc.branch_factor, segment_length=tc.segment_length, token_stat_names=tc.rule.token_stats)
+
+
+def score_paths(stats: PathStats, rows: Rows, inputs: RolloutInputs, *, tc: TreeConfig) -> PathStats:
+    """``stats`` with ``path_scores_PxW``: the rule's path scorer on every row (0 where no path is live)."""
+    p = rows.paths
+    score_R = tc.rule.path_scorer.score(inputs.scorer, inputs.prompts_PxL, inputs.prompt_len_P, p.tokens_RxT,
+                                        p.length_R, rows.depth_R, tc.segment_length)
+    return stats.replace(path_scores_PxW=jnp.where(stats.live_PxW, score_R.reshape(stats.live_PxW.shape), 0.0))
 
 
 def prune_paths(stats: PathStats, rule: BranchingRule) -> PathStats:
@@ -461,6 +475,8 @@ def segment_step(state: TreeState, inputs: RolloutInputs, *, model: decode.Model
     rows = rows.replace(depth_R=rows.depth_R + alive.astype(jnp.int32), alive_R=alive)
     status = classify_paths(rows, eos, seg_start, tc=tc)
     stats = path_stats(rows, status, seg_start, nodes, counters, inputs, tc=tc)
+    if rule.needs_path_scores:
+        stats = score_paths(stats, rows, inputs, tc=tc)
     if rule.prunes:
         stats = prune_paths(stats, rule)
         status = jnp.where(alive, stats.status_PxW.reshape(-1), status)

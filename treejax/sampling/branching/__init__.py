@@ -10,7 +10,8 @@ its class name, e.g. ``TreeConfig.branching = @EntropyGuided()``).
   ``latr``           :class:`LATR`             top-2 closeness branching, similarity pruning after a lookahead;
   ``echo``           :class:`ECHO`             entropy-confidence branching with a width rule, three prune rules;
   ``arrol``          :class:`QualityPrune`     ARRoL: correctness-balanced pruning by an online quality head;
-  ``rose``           :class:`RoseBranching`    ROSE: branch where likely next tokens are uncertain and dissimilar.
+  ``rose``           :class:`RoseBranching`    ROSE: branch where likely next tokens are uncertain and dissimilar;
+  ``ets``            :class:`ETS`              ETS: PRM-scored REBASE split with a KV-cost / coverage program.
 """
 
 from treejax.sampling.branching.base import (RULES, BranchingRule, PathStats, capped_allocation, get_rule, register,
@@ -21,7 +22,8 @@ from treejax.sampling.branching.latr import LATR
 from treejax.sampling.branching.echo import ECHO
 from treejax.sampling.branching.arrol import QualityPrune
 from treejax.sampling.branching.rose import RoseBranching
+from treejax.sampling.branching.ets import ETS
 
-__all__ = ["RULES", "BranchingRule", "ECHO", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
+__all__ = ["RULES", "BranchingRule", "ECHO", "ETS", "EntropyGuided", "FixedAverage", "LATR", "LogProbWeighted", "PathStats",
            "QualityPrune", "RoseBranching", "capped_allocation", "get_rule", "register", "rule_classes",
            "windowed_mean"]

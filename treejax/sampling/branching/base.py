@@ -55,7 +55,9 @@ class PathStats:
     ``depth - 1``). ``leaves_P`` leaves stored before this segment's; ``step`` the training step, ``segment``
     the loop iteration, ``key`` a PRNG key for this boundary (a stream of its own). ``extra_PxWxTxC`` the rule's
     :attr:`BranchingRule.token_stats` (read them with :meth:`token_stat`); ``probe_ready`` whether the probe
-    those statistics read has been trained (a rule should not act on an untrained probe). ``branch_factor``
+    those statistics read has been trained (a rule should not act on an untrained probe). ``path_scores_PxW``
+    the rule's path scorer's score of each path's last segment (:attr:`BranchingRule.path_scorer`, e.g. a PRM;
+    ``None`` unless the rule has one; only live paths are meaningful). ``branch_factor``
     ``b``, ``segment_length`` ``S`` and ``token_stat_names`` are static.
     """
 
@@ -75,6 +77,7 @@ class PathStats:
     segment: jax.Array
     key: jax.Array
     extra_PxWxTxC: jax.Array | None = None
+    path_scores_PxW: jax.Array | None = None
     probe_ready: jax.Array | bool = False
     branch_factor: int = struct.field(pytree_node=False, default=2)
     segment_length: int = struct.field(pytree_node=False, default=1)
@@ -143,6 +146,16 @@ class BranchingRule:
     prunes: ClassVar[bool] = False
     restarts: ClassVar[bool] = False
     splits_slots: ClassVar[bool] = False
+    needs_path_scores: ClassVar[bool] = False
+
+    @property
+    def path_scorer(self):
+        """The :class:`~treejax.sampling.path_scores.PathScorer` that fills ``PathStats.path_scores_PxW`` (None)."""
+        return None
+
+    def check_tree(self, tc) -> None:
+        """Refuses a :class:`~treejax.sampling.tree_config.TreeConfig` the rule cannot run in (a one-line
+        ``ConfigError`` with the fix; default: any)."""
 
     def prune(self, stats: PathStats) -> jax.Array:
         """bool[P, W]: live paths to end here as ``PRUNED`` leaves (default: none)."""

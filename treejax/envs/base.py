@@ -57,6 +57,33 @@ class Environment(Protocol):
     def clone(self) -> "Environment": ...
 
 
+def tool_step(env: Any, action: str, parse: Callable[[str], Any], run: Callable[[Any], tuple[str, dict]],
+              calls_word: str = "tool calls") -> StepResult:
+    """One step of a tool protocol (the code tool, retrieval, the shell): ``parse(action)`` is the call that ends
+    the turn or ``None`` for the answer turn, which ends the episode with ``env.task.score(action, env.example)``;
+    a call past ``env.max_calls`` ends it with that turn's score and an error observation; otherwise
+    ``run(call) -> (body, info)`` answers ``"\\n<output>\\nbody\\n</output>\\n"`` with reward 0 and
+    ``{"tool_calls": n, **info}``. ``env`` holds ``task, example, calls, done, max_calls`` (updated here)."""
+    name = type(env).__name__
+    if env.example is None:
+        raise RuntimeError(f"{name}.step before reset")
+    if env.done:
+        raise RuntimeError(f"{name}.step after the episode ended")
+    call = parse(action)
+    if call is None:  # the answer turn
+        env.done = True
+        return StepResult("", float(env.task.score(action, env.example)), True,
+                          {"tool_calls": env.calls, "answered": True})
+    if env.calls >= env.max_calls:
+        env.done = True
+        return StepResult(f"\n<output>\n[error] no {calls_word} left ({env.max_calls} per episode)\n</output>\n",
+                          float(env.task.score(action, env.example)), True,
+                          {"tool_calls": env.calls, "answered": False, "call_limit": True})
+    body, info = run(call)
+    env.calls += 1
+    return StepResult(f"\n<output>\n{body}\n</output>\n", 0.0, False, {"tool_calls": env.calls, **info})
+
+
 def turn_ended(text: str, stop_strings: tuple[str, ...]) -> bool:
     """Whether an action's text (so far) ends a turn: it ends with one of ``stop_strings`` (trailing whitespace
     ignored)."""
@@ -140,4 +167,4 @@ class GymnasiumText(ReplayClone):
 
 
 __all__ = ["ENVS", "Environment", "GymnasiumText", "ReplayClone", "StepResult", "env_names", "get_env", "register_env",
-           "turn_ended"]
+           "tool_step", "turn_ended"]

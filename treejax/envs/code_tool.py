@@ -22,7 +22,7 @@ import dataclasses
 import re
 from typing import Any
 
-from treejax.envs.base import StepResult, register_env
+from treejax.envs.base import StepResult, register_env, tool_step
 from treejax.envs.sandbox import SandboxConfig, check_isolation, run_python
 
 INSTRUCTIONS = ("You can run Python code: write it between <code> and </code> and print what you need; the printed "
@@ -72,25 +72,12 @@ class CodeToolEnv:
         return ""
 
     def step(self, action: str) -> StepResult:
-        if self.example is None:
-            raise RuntimeError("CodeToolEnv.step before reset")
-        if self.done:
-            raise RuntimeError("CodeToolEnv.step after the episode ended")
-        code = extract_code(action)
-        if code is None:  # the answer turn
-            self.done = True
-            return StepResult("", float(self.task.score(action, self.example)), True,
-                              {"tool_calls": self.calls, "answered": True})
-        if self.calls >= self.max_calls:
-            self.done = True
-            return StepResult(f"\n<output>\n[error] no tool calls left ({self.max_calls} per episode)\n</output>\n",
-                              float(self.task.score(action, self.example)), True,
-                              {"tool_calls": self.calls, "answered": False, "call_limit": True})
+        return tool_step(self, action, extract_code, self._run)
+
+    def _run(self, code: str) -> tuple[str, dict]:
         result = run_python(code, self.sandbox)
-        self.calls += 1
-        return StepResult(f"\n<output>\n{result.observation().rstrip()}\n</output>\n", 0.0, False,
-                          {"tool_calls": self.calls, "tool_seconds": result.seconds, "tool_error": not result.ok,
-                           "tool_timed_out": result.timed_out})
+        return result.observation().rstrip(), {"tool_seconds": result.seconds, "tool_error": not result.ok,
+                                               "tool_timed_out": result.timed_out}
 
     def clone(self) -> "CodeToolEnv":
         return dataclasses.replace(self)  # plain data; the task and the sandbox limits are shared, read-only

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from treejax.envs.base import StepResult, register_env
+from treejax.envs.base import StepResult, register_env, tool_step
 from treejax.errors import ConfigError
 
 #: The tools: name -> the name of its one argument.
@@ -180,26 +180,12 @@ class RetrievalEnv:
         return "\n".join(f"[{r}] {docs[i].title}: {docs[i].text}" for r, (i, _) in enumerate(hits, 1)), False
 
     def step(self, action: str) -> StepResult:
-        if self.example is None:
-            raise RuntimeError("RetrievalEnv.step before reset")
-        if self.done:
-            raise RuntimeError("RetrievalEnv.step after the episode ended")
-        call = parse_call(action)
-        if call is None:  # the answer turn
-            self.done = True
-            return StepResult("", float(self.task.score(action, self.example)), True,
-                              {"tool_calls": self.calls, "answered": True})
-        if self.calls >= self.max_calls:
-            self.done = True
-            return StepResult(f"\n<output>\n[error] no tool calls left ({self.max_calls} per episode)\n</output>\n",
-                              float(self.task.score(action, self.example)), True,
-                              {"tool_calls": self.calls, "answered": False, "call_limit": True})
+        return tool_step(self, action, parse_call, self._run)
+
+    def _run(self, call: dict) -> tuple[str, dict]:
         t = time.perf_counter()
         body, error = self.run_tool(call)
-        self.calls += 1
-        return StepResult(f"\n<output>\n{body}\n</output>\n", 0.0, False,
-                          {"tool_calls": self.calls, "tool_call": call, "tool_seconds": time.perf_counter() - t,
-                           "tool_error": error})
+        return body, {"tool_call": call, "tool_seconds": time.perf_counter() - t, "tool_error": error}
 
     def clone(self) -> "RetrievalEnv":
         return dataclasses.replace(self)  # plain immutable state; the task and its index are shared, read-only

@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
-from treejax.envs.base import StepResult, register_env
+from treejax.envs.base import StepResult, register_env, tool_step
 from treejax.envs.shell_lang import FileSystem, ShellSyntaxError, execute, parse, signature
 from treejax.errors import ConfigError, DataError
 
@@ -239,26 +239,13 @@ class ShellEnv:
         return body.rstrip("\n"), result.status != 0, signature(script)
 
     def step(self, action: str) -> StepResult:
-        if self.example is None:
-            raise RuntimeError("ShellEnv.step before reset")
-        if self.done:
-            raise RuntimeError("ShellEnv.step after the episode ended")
-        command = parse_command(action)
-        if command is None:  # the answer turn
-            self.done = True
-            return StepResult("", float(self.task.score(action, self.example)), True,
-                              {"tool_calls": self.calls, "answered": True})
-        if self.calls >= self.max_calls:
-            self.done = True
-            return StepResult(f"\n<output>\n[error] no commands left ({self.max_calls} per episode)\n</output>\n",
-                              float(self.task.score(action, self.example)), True,
-                              {"tool_calls": self.calls, "answered": False, "call_limit": True})
+        return tool_step(self, action, parse_command, self._run, calls_word="commands")
+
+    def _run(self, command: str) -> tuple[str, dict]:
         t = time.perf_counter()
         body, error, sig = self.run(command)
-        self.calls += 1
-        return StepResult(f"\n<output>\n{body}\n</output>\n", 0.0, False,
-                          {"tool_calls": self.calls, "tool_seconds": time.perf_counter() - t, "tool_error": error,
-                           "tool_call": {"name": "shell", "args": {"command": command}}, "action_signature": sig})
+        return body, {"tool_seconds": time.perf_counter() - t, "tool_error": error,
+                      "tool_call": {"name": "shell", "args": {"command": command}}, "action_signature": sig}
 
     def clone(self) -> "ShellEnv":
         return dataclasses.replace(self)  # plain immutable state; the file system is shared, read-only

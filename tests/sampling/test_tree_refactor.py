@@ -20,7 +20,7 @@ from treejax.sampling import branching, decode, tree
 _FIELDS = [f.name for f in dataclasses.fields(legacy.TreeConfig)]
 
 
-# info the rollout reports that the legacy code did not have (ROSE's epsilon-root restarts, 36b68d7; the stop
+# info the rollout reports that the legacy code did not have (ROSE's epsilon-root restarts, 36b68d7; the
 # leaves per stop status, `TreeInfo.stops`): named, so that any other difference in the info's keys still fails
 ADDED_INFO = {"root_restarts", "stops"}
 

@@ -105,6 +105,22 @@ class Task(abc.ABC):
 
 
 #: Every task factory by name (:mod:`treejax.data.tasks` looks names up, with its own error for unknown ones).
+def check_generated_task_options(name: str, templates: Optional[tuple], known: Any, size: int, eval_size: int,
+                                 extraction: str) -> tuple:
+    """The options every generated question set shares (the retrieval and shell worlds' tasks): ``templates`` a
+    non-empty subset of ``known`` (``None``: all of them, returned as a tuple), ``size, eval_size >= 0`` with at
+    least one question, ``extraction = 'answer_line'``; a :class:`DataError` naming the task ``name`` otherwise."""
+    templates = tuple(known) if templates is None else tuple(templates)
+    if not templates or any(t not in known for t in templates):
+        raise DataError(f"{name}: templates must be a non-empty subset of {tuple(known)}, got {templates!r}")
+    if size < 0 or eval_size < 0 or size + eval_size == 0:
+        raise DataError(f"{name}: size, eval_size >= 0 and size + eval_size > 0 required, got {size}, {eval_size}")
+    if extraction != "answer_line":
+        raise DataError(f"{name}: extraction must be 'answer_line' (the last 'Answer:' line), got {extraction!r}; "
+                        "fix: RunConfig.task_options['extraction'] = 'answer_line'")
+    return templates
+
+
 TASKS: Registry[Callable[..., Task]] = Registry("task", error=DataError)
 
 

@@ -42,7 +42,7 @@ from typing import Optional
 import numpy as np
 
 from treejax.data.splits import check_split
-from treejax.data.task_base import Example, Task, register_task
+from treejax.data.task_base import Example, Task, check_generated_task_options, register_task
 from treejax.errors import DataError
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr", "vel")
@@ -199,17 +199,8 @@ class RetrievalTask(Task):
     def __init__(self, *, size: int = 512, eval_size: int = 64, seed: int = 0, templates: Optional[tuple] = None,
                  system_prompt: Optional[str] = None, instruction: Optional[str] = INSTRUCTION,
                  extraction: str = "answer_line", top_k: int = 3, name: str = "retrieval_multihop"):
-        templates = tuple(TEMPLATES) if templates is None else tuple(templates)
-        unknown = [t for t in templates if t not in TEMPLATES]
-        if unknown or not templates:
-            raise DataError(f"retrieval_multihop: templates must be a non-empty subset of {tuple(TEMPLATES)}, got "
-                            f"{templates!r}")
-        if size < 0 or eval_size < 0 or size + eval_size == 0:
-            raise DataError(f"retrieval_multihop: size, eval_size >= 0 and size + eval_size > 0 required, got {size}, "
-                            f"{eval_size}")
-        if extraction != "answer_line":
-            raise DataError(f"retrieval_multihop: extraction must be 'answer_line' (the last 'Answer:' line), got "
-                            f"{extraction!r}; fix: RunConfig.task_options['extraction'] = 'answer_line'")
+        templates = check_generated_task_options("retrieval_multihop", templates, TEMPLATES, size, eval_size,
+                                                 extraction)
         if top_k < 1:
             raise DataError(f"retrieval_multihop: top_k must be >= 1, got {top_k}")
         self.size, self.eval_size, self.seed, self.templates, self.top_k = size, eval_size, seed, templates, top_k

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from treejax.data.splits import check_split
-from treejax.data.task_base import Example, Task, register_task
+from treejax.data.task_base import Example, Task, check_generated_task_options, register_task
 from treejax.envs.shell import INSTRUCTION, TEMPLATES, final_answer, generate_fs, make_question
 from treejax.errors import DataError
 
@@ -28,16 +28,7 @@ class ShellTask(Task):
     def __init__(self, *, size: int = 512, eval_size: int = 64, seed: int = 0, templates: Optional[tuple] = None,
                  num_files: int = 24, max_output_chars: int = 800, system_prompt: Optional[str] = None,
                  instruction: Optional[str] = INSTRUCTION, extraction: str = "answer_line", name: str = "shell_files"):
-        templates = tuple(TEMPLATES) if templates is None else tuple(templates)
-        if not templates or any(t not in TEMPLATES for t in templates):
-            raise DataError(f"shell_files: templates must be a non-empty subset of {tuple(TEMPLATES)}, got "
-                            f"{templates!r}")
-        if size < 0 or eval_size < 0 or size + eval_size == 0:
-            raise DataError(f"shell_files: size, eval_size >= 0 and size + eval_size > 0 required, got {size}, "
-                            f"{eval_size}")
-        if extraction != "answer_line":
-            raise DataError(f"shell_files: extraction must be 'answer_line' (the last 'Answer:' line), got "
-                            f"{extraction!r}; fix: RunConfig.task_options['extraction'] = 'answer_line'")
+        templates = check_generated_task_options("shell_files", templates, TEMPLATES, size, eval_size, extraction)
         generate_fs(0, num_files)  # checks num_files
         if max_output_chars < 1:
             raise DataError(f"shell_files: max_output_chars must be >= 1, got {max_output_chars}")

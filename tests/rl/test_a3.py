@@ -4,6 +4,7 @@ checks' one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -150,56 +151,20 @@ def test_config_checks_name_the_fix():
                   task="retrieval_multihop")
 
 
-class _ShellLikeEnv:
-    """A scripted world a tiny random policy over CharTokenizer's characters can drive: a turn ends on ``'5'``; the
-    first turn is the command ``grep`` (its info carries the signature), the second is the answer."""
-
-    stop_strings = ("5",)
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, example):
-        self.n = 0
-        return ""
-
-    def step(self, action):
-        from treejax.envs.base import StepResult
-
-        self.n += 1
-        if self.n == 1:
-            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": False,
-                                                 "action_signature": "grep"})
-        return StepResult("", 1.0, True, {"answered": True})
-
-    def clone(self):
-        c = _ShellLikeEnv()
-        c.n = self.n
-        return c
-
-
 @pytest.mark.slow  # a tiny model's multi-turn rollout: ~40 s on the shared 2-core machine
 def test_the_multiturn_source_supplies_action_signatures():
     """The multi-turn source hands A³ ``action_signature_PxWxD`` [P, W, D]: id 0 ("grep", the first signature of
     each prompt) on the first turn wherever the episode made the call, -1 everywhere else; the estimator runs."""
-    from treejax.models import presets, transformer
     from treejax.rl.multiturn import MultiTurnConfig, MultiTurnRollouts
-    from treejax.sampling import decode, tree
-    from treejax.sampling.strategies import Temperature
-    from treejax.testing.tokenizers import CharTokenizer
+    from treejax.testing.envs import ScriptedToolEnv, tiny_multiturn_base
 
-    cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
     examples = [types.SimpleNamespace(metadata={}, ground_truth="1") for _ in range(2)]
-    base = types.SimpleNamespace(pipeline=None, task=None, tokenizer=CharTokenizer(),
-                                 sampler_fns=decode.make_model_fns(cfg, attention="dense", cache_dtype="float32"),
-                                 rollout=types.SimpleNamespace(tree_config=tree.independent_config(
-                                     2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,))),
-                                 draw=lambda: (examples, np.array([[1, 2, 3], [1, 4, 0]], np.int32),
-                                               np.array([3, 2], np.int32)),
-                                 rewards=lambda s, n: (2.0 * s - 1.0).astype(np.float32))
-    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=_ShellLikeEnv,
+    base, params = tiny_multiturn_base(examples)
+    # one call ("grep"), then the answer
+    env = functools.partial(ScriptedToolEnv, 1, win=True, tool_info={"action_signature": "grep"})
+    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=env,
                             estimator_inputs=("action_signature_PxWxD",))
-    ro = src.sample(transformer.init_params(cfg, jax.random.key(5)), jax.random.key(0), 0)
+    ro = src.sample(params, jax.random.key(0), 0)
     sig = np.asarray(ro.estimator_inputs["action_signature_PxWxD"])
     assert sig.shape == (2, 2, 3) and sig.dtype == np.int32
     made = sig >= 0

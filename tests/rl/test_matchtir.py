@@ -5,6 +5,7 @@ the config checks' one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -166,56 +167,20 @@ def test_config_checks_name_the_fix():
         MultiTurnConfig(tool_match_assignment="greedy")
 
 
-class _CallEnv:
-    """A scripted world a tiny random policy over CharTokenizer's characters can drive: a turn ends on ``'5'``; the
-    first turn is the call ``search("Velor Systems")`` (observation ``"OK"``), the second is the answer."""
-
-    stop_strings = ("5",)
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, example):
-        self.n = 0
-        return ""
-
-    def step(self, action):
-        from treejax.envs.base import StepResult
-
-        self.n += 1
-        if self.n == 1:
-            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": False, "tool_call": REF[0]})
-        return StepResult("", 1.0, True, {"answered": True})
-
-    def clone(self):
-        c = _CallEnv()
-        c.n = self.n
-        return c
-
-
 @pytest.mark.slow  # a tiny model's multi-turn rollout: ~40 s on the shared 2-core machine
 def test_the_multiturn_source_supplies_tool_matches():
     """The multi-turn source hands the estimator ``tool_match_PxWxD`` [P, W, D]: the first turn's call matches
     the first reference call exactly (1.0) wherever the episode made it, every other entry is NaN; the estimator
     runs on it."""
-    from treejax.models import presets, transformer
     from treejax.rl.multiturn import MultiTurnConfig, MultiTurnRollouts
-    from treejax.sampling import decode, tree
-    from treejax.sampling.strategies import Temperature
-    from treejax.testing.tokenizers import CharTokenizer
+    from treejax.testing.envs import ScriptedToolEnv, tiny_multiturn_base
 
-    cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
     examples = [types.SimpleNamespace(metadata={"reference_calls": REF}, ground_truth="1") for _ in range(2)]
-    base = types.SimpleNamespace(pipeline=None, task=None, tokenizer=CharTokenizer(),
-                                 sampler_fns=decode.make_model_fns(cfg, attention="dense", cache_dtype="float32"),
-                                 rollout=types.SimpleNamespace(tree_config=tree.independent_config(
-                                     2, 32, 8, strategy=Temperature(1.0), stop_ids=(63,))),
-                                 draw=lambda: (examples, np.array([[1, 2, 3], [1, 4, 0]], np.int32),
-                                               np.array([3, 2], np.int32)),
-                                 rewards=lambda s, n: (2.0 * s - 1.0).astype(np.float32))
-    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=_CallEnv,
+    base, params = tiny_multiturn_base(examples)
+    env = functools.partial(ScriptedToolEnv, 1, win=True, tool_info={"tool_call": REF[0]})  # one call, then the answer
+    src = MultiTurnRollouts(base, MultiTurnConfig(max_turns=3, turn_tokens=10, chunk=4), make_env=env,
                             estimator_inputs=("tool_match_PxWxD",))
-    ro = src.sample(transformer.init_params(cfg, jax.random.key(5)), jax.random.key(0), 0)
+    ro = src.sample(params, jax.random.key(0), 0)
     match = np.asarray(ro.estimator_inputs["tool_match_PxWxD"])
     assert match.shape == (2, 2, 3)
     made = np.isfinite(match)

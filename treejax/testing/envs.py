@@ -79,12 +79,16 @@ class ScriptedToolEnv:
     """A scripted environment for tests of multi-turn sources: a turn ends on ``'5'``; the first ``tool_turns``
     turns are tool calls answered ``"OK"`` (``info``: ``tool_seconds`` 0 and ``tool_error`` on the turns listed in
     ``error_turns``, 1-based), the next turn is the answer (``answered``), scoring 1 when ``win`` is None and the
-    answer holds a ``'3'``, else ``float(win)``. Plain-data state: ``clone()`` copies it."""
+    answer holds a ``'3'``, else ``float(win)``; ``tool_info`` is merged into every tool turn's info (e.g. a
+    ``tool_call`` or an ``action_signature`` for the sources that read them). Plain-data state: ``clone()`` copies
+    it."""
 
     stop_strings = ("5",)
 
-    def __init__(self, tool_turns: int = 2, error_turns: tuple[int, ...] = (), win: bool | None = None):
+    def __init__(self, tool_turns: int = 2, error_turns: tuple[int, ...] = (), win: bool | None = None,
+                 tool_info: dict | None = None):
         self.tool_turns, self.error_turns, self.win, self.n = tool_turns, tuple(error_turns), win, 0
+        self.tool_info = dict(tool_info or {})
 
     def reset(self, example):
         self.n = 0
@@ -93,14 +97,40 @@ class ScriptedToolEnv:
     def step(self, action: str):
         self.n += 1
         if self.n <= self.tool_turns:
-            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": self.n in self.error_turns})
+            return StepResult("OK", 0.0, False, {"tool_seconds": 0.0, "tool_error": self.n in self.error_turns,
+                                                 **self.tool_info})
         score = float("3" in action) if self.win is None else float(self.win)
         return StepResult("", score, True, {"answered": True})
 
     def clone(self) -> "ScriptedToolEnv":
-        c = ScriptedToolEnv(self.tool_turns, self.error_turns, self.win)
+        c = ScriptedToolEnv(self.tool_turns, self.error_turns, self.win, self.tool_info)
         c.n = self.n
         return c
 
 
-__all__ = ["ScriptedToolEnv", "TOOL_ERROR_CHARS", "ToyToolEnv"]
+def tiny_multiturn_base(examples: list, seed: int = 5):
+    """``(base, params)`` for a :class:`~treejax.rl.multiturn.MultiTurnRollouts` over a tiny random model and
+    :class:`~treejax.testing.tokenizers.CharTokenizer`: two prompts (``examples`` their examples), two independent
+    slots of at most 32 tokens, token 63 ends a sequence, rewards ``2 s - 1``; ``params`` from ``seed``."""
+    import types
+
+    import jax
+    import numpy as np
+
+    from treejax.models import presets, transformer
+    from treejax.sampling import decode, tree
+    from treejax.sampling.strategies import Temperature
+    from treejax.testing.tokenizers import CharTokenizer
+
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=64)
+    rollout = types.SimpleNamespace(tree_config=tree.independent_config(2, 32, 8, strategy=Temperature(1.0),
+                                                                        stop_ids=(63,)))
+    base = types.SimpleNamespace(pipeline=None, task=None, tokenizer=CharTokenizer(), rollout=rollout,
+                                 sampler_fns=decode.make_model_fns(cfg, attention="dense", cache_dtype="float32"),
+                                 draw=lambda: (examples, np.array([[1, 2, 3], [1, 4, 0]], np.int32),
+                                               np.array([3, 2], np.int32)),
+                                 rewards=lambda s, n: (2.0 * s - 1.0).astype(np.float32))
+    return base, transformer.init_params(cfg, jax.random.key(seed))
+
+
+__all__ = ["ScriptedToolEnv", "TOOL_ERROR_CHARS", "ToyToolEnv", "tiny_multiturn_base"]

@@ -42,12 +42,18 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from treejax.errors import UserError
 from treejax.parallel.multihost import any_process
 
 log = logging.getLogger(__name__)
+
+
+def _ocp():
+    """``orbax.checkpoint``, imported on first use: 0.3 s that the CLI's fail-fast config check should not pay."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 class CheckpointSaveError(UserError, OSError):
@@ -132,14 +138,14 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         self._pending: tuple[int, int] | None = None  # (step, bytes) of the save in flight
         _install_noise_filter()
-        options = ocp.CheckpointManagerOptions(
+        options = _ocp().CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save, create=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self._manager = _ocp().CheckpointManager(self.directory, options=options, item_names=("state", "data"))
 
     def save(self, step: int, state: Any, data_state: dict | None = None, *, force: bool = False) -> bool:
         """Saves ``state`` and ``data_state`` (JSON-serialisable dict) as ``step``; returns whether it saved."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}))
+        args = _ocp().args.Composite(state=_ocp().args.StandardSave(state), data=_ocp().args.JsonSave(data_state or {}))
         nbytes = _tree_bytes(state)
         with self._failures(int(step), nbytes):
             saved = self._manager.save(int(step), args=args, force=force)
@@ -169,7 +175,7 @@ class Checkpointer:
                              "(TrainState.aux); pass new_aux={name: initial state} to start them fresh")
         target = abstract_state.replace(aux={k: v for k, v in abstract_state.aux.items() if k not in missing}) \
             if missing else abstract_state
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+        args = _ocp().args.Composite(state=_ocp().args.StandardRestore(target), data=_ocp().args.JsonRestore())
         out = self._manager.restore(int(step), args=args)
         state = out["state"]
         if missing:
@@ -183,7 +189,7 @@ class Checkpointer:
         aux = getattr(abstract_state, "aux", None)
         if not isinstance(aux, dict) or not aux:
             return []
-        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+        meta = _ocp().PyTreeCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
         meta = getattr(meta, "item_metadata", meta)  # StepMetadata (newer orbax) or the tree metadata itself
         meta = getattr(meta, "tree", meta)
         saved = meta.get("aux") if isinstance(meta, dict) else None
@@ -263,7 +269,8 @@ class PreemptionHandler:
     """Turns SIGTERM and SIGINT (Ctrl-C) into a flag the training loop polls at step boundaries.
 
     The handler only sets a flag (and writes one line to stderr); the loop saves and exits cleanly at the next
-    step boundary. A second SIGINT aborts at once (``KeyboardInterrupt``), as Ctrl-C does without the handler. On multi-process runs :meth:`should_stop` combines the flags of all processes and the checkpointer's
+    step boundary. A second SIGINT aborts at once (``KeyboardInterrupt``), as Ctrl-C does without the handler.
+    On multi-process runs :meth:`should_stop` combines the flags of all processes and the checkpointer's
     preemption sync point, so all processes stop at the same step.
     """
 
@@ -321,7 +328,7 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any, step: int
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory not found: {directory}")
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    manager = _ocp().CheckpointManager(directory, options=_ocp().CheckpointManagerOptions(read_only=True, create=False))
     steps = sorted(manager.all_steps())
     if not steps:
         raise FileNotFoundError(f"no checkpoint steps in {directory}")
@@ -329,7 +336,7 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any, step: int
     if step not in steps:
         raise FileNotFoundError(f"no checkpoint for step {step} in {directory}; have {steps}")
     path = os.path.join(directory, str(step), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
+    checkpointer = _ocp().PyTreeCheckpointer()
     # Check names and shapes against the checkpoint's metadata first: a partial restore does not.
     meta = checkpointer.metadata(path)
     meta = getattr(meta, "item_metadata", meta)  # StepMetadata (newer orbax) or the tree metadata itself
@@ -347,7 +354,7 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any, step: int
         raise ValueError(f"the params saved in {path} do not match the model's ({len(saved)} saved, {len(wanted)} "
                          f"expected arrays); first differences (name, shape): {diff}")
     target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)}
-    restore_args = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype), target)
+    restore_args = jax.tree.map(lambda x: _ocp().RestoreArgs(restore_type=np.ndarray, dtype=x.dtype), target)
     out = checkpointer.restore(
-        path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
+        path, args=_ocp().args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
     return out["params"], step

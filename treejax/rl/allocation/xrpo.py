@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from scipy import stats as sp_stats
 
 from treejax.errors import ConfigError
 from treejax.rl.allocation.base import Allocator, Budget, PromptStats, register
@@ -35,6 +34,8 @@ from treejax.rl.allocation.base import Allocator, Budget, PromptStats, register
 
 def ci_half_width(n, s, alpha: float) -> np.ndarray:
     """``t_{1 - alpha/2, n - 1} s / sqrt(n)``; ``inf`` for ``n < 2`` (no interval yet)."""
+    from scipy import stats as sp_stats  # here, not at the top: 0.5 s the CLI's fail-fast config check should not pay
+
     n = np.asarray(n, np.float64)
     s = np.asarray(s, np.float64)
     t = sp_stats.t.ppf(1.0 - alpha / 2.0, np.maximum(n - 1.0, 1.0))

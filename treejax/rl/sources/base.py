@@ -13,8 +13,9 @@ that subclasses :class:`Stage` and declares, as class attributes:
   ``"task_tree"``: the plain task source's tree rollout, which the shape search swaps; ``"turn_forest"``:
   multi-turn episodes). A wrapper needs its ``needs`` from the stages before it; ``keeps`` says which of those
   survive it (``None``: all);
-* ``supplies`` (planners): the estimator inputs (``EstimatorSpec.inputs``) its rollouts carry; ``passes_inputs``
-  (wrappers): whether the inputs of the chain before it survive it;
+* ``supplies``: the estimator inputs (``EstimatorSpec.inputs``) its rollouts carry (a planner computes them; a
+  wrapper adds them to the rollouts it wraps, e.g. a judge's step scores); ``passes_inputs`` (wrappers): whether
+  the inputs of the chain before it survive it;
 * ``dynamic_sampling`` (planners): whether it honours ``RunConfig.dynamic_sampling``;
 * ``check(facts)``: its own checks; ``added_rows()`` / ``rows_per_problem()``: its share of a step's rows;
 * ``build(inner, ctx)``: the runtime :class:`RolloutSource` (planners get ``inner = None``).
@@ -151,7 +152,7 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
        ``keeps``);
     3. every stage's ``requires`` hold;
     4. the estimator's inputs are supplied by the chain (the planner's ``supplies``, cleared by a wrapper that
-       does not pass inputs);
+       does not pass inputs, plus each wrapper's own ``supplies``);
     5. ``RunConfig.dynamic_sampling`` only with a planner that honours it;
     6. every stage's own ``check``.
     """
@@ -174,7 +175,7 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
                               f"before it, e.g. RunConfig.rollouts = [@{providers[0] if providers else '?'}(), "
                               f"@{s.stage_name}()]")
         caps = (caps if s.keeps is None else caps & set(s.keeps)) | set(s.provides)
-        inputs = inputs if s.passes_inputs else set()
+        inputs = (inputs if s.passes_inputs else set()) | set(s.supplies)
     for s in stages:
         for req in s.requires:
             if not req.holds(facts):
@@ -182,6 +183,11 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
     unsupplied = [i for i in facts.estimator_inputs if i not in inputs]
     if unsupplied:
         suppliers = sorted(n for n, c in STAGES.classes().items() if c.role == "planner" and set(unsupplied) <= set(c.supplies))
+        wrappers = sorted(n for n, c in STAGES.classes().items() if c.role == "wrapper" and set(unsupplied) <= set(c.supplies))
+        if wrappers and not suppliers:
+            raise ConfigError(f"RunConfig.rollouts: estimator {facts.estimator!r} reads {unsupplied}, which the chain "
+                              f"{names} does not supply; fix: an estimator without them, or a chain with a wrapper "
+                              f"that supplies them ({wrappers}), e.g. RunConfig.rollouts = [@{wrappers[0]}()]")
         raise ConfigError(f"RunConfig.rollouts: estimator {facts.estimator!r} reads {unsupplied}, which the chain "
                           f"{names} does not supply; fix: an estimator without them, or a chain whose planner "
                           f"supplies them ({suppliers}) and no wrapper that drops them")
@@ -194,9 +200,13 @@ def check_chain(stages, facts: RunFacts) -> tuple[Stage, ...]:
 
 
 def build_chain(stages, ctx: SourceContext) -> RolloutSource:
-    """The runtime source of a checked chain: the planner's, then each wrapper's around it, in order."""
+    """The runtime source of a checked chain: the planner's, then each wrapper's around it, in order. The planner
+    is built without the estimator inputs a wrapper supplies (they are that wrapper's to add)."""
     stages = normalize_chain(stages)
-    source = stages[0].build(None, ctx)
+    added = set().union(*(s.supplies for s in stages[1:]))
+    planner_ctx = ctx if not added & set(ctx.estimator_inputs) else dataclasses.replace(
+        ctx, estimator_inputs=tuple(i for i in ctx.estimator_inputs if i not in added))
+    source = stages[0].build(None, planner_ctx)
     for s in stages[1:]:
         source = s.build(source, ctx)
     return source

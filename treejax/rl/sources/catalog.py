@@ -14,3 +14,5 @@ from treejax.rl.replay import ReplayConfig  # noqa: F401
 from treejax.rl.spear import SpearConfig  # noqa: F401
 from treejax.rl.judges.fapo import FAPOConfig  # noqa: F401
 from treejax.rl.judges.ssl import SSLConfig  # noqa: F401
+from treejax.rl.judges.slate import SLATEConfig  # noqa: F401
+from treejax.rl.judges.mapo import MAPOConfig  # noqa: F401

@@ -106,12 +106,13 @@ shorter blocks instead of larger tiles.
 
 On a device mesh (:func:`shard_decode_attention`)
 -------------------------------------------------
-XLA's SPMD partitioner cannot split a Pallas custom call (Triton on GPU, Mosaic on TPU): given a cache sharded over
-rows it gathers the whole cache onto every device and runs the kernel replicated -- correct, but every device then reads every row's
-KV, so more GPUs decode no faster. The sampler therefore wraps the kernel in ``jax.shard_map`` over the cache's
-own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query heads with their KV heads): each
-device runs the kernel on its rows and heads, and the attention is per row and per KV-head group, so the result
-is exactly the unsharded one. ``"pallas_tpu"`` takes the same wrapper. The XLA paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
+XLA's SPMD partitioner cannot split a Pallas custom call (Triton on GPU, Mosaic on TPU): given a cache sharded
+over rows it gathers the whole cache onto every device and runs the kernel replicated -- correct, but every device
+then reads every row's KV, so more devices decode no faster. The sampler therefore wraps the kernel in
+``jax.shard_map`` over the cache's own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query
+heads with their KV heads): each device runs the kernel on its rows and heads, and the attention is per row and
+per KV-head group, so the result is exactly the unsharded one. ``"pallas_tpu"`` takes the same wrapper. The XLA
+paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
 The cascade has no such wrapper (a row's prompt prefix need not sit on the row's shard: rows are permuted and
 sliced), so on a mesh of more than one device it takes the XLA passes (:func:`resolve_cascade_impl`).
 """

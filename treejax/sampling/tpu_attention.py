@@ -173,7 +173,8 @@ def tpu_attention_lse(q_BxKxGxH: jax.Array, k_BxKxLxH: jax.Array, v_BxKxLxH: jax
     length_B = jnp.clip(length_B.astype(jnp.int32), 0, L)
     precision = lax.Precision.HIGHEST if k_BxKxLxH.dtype == jnp.float32 else None
     q_spec = pl.BlockSpec((None, None, G, H), lambda b, h, t, lens: (b, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, None, block_k, H), lambda b, h, t, lens: (b, h, kv_block_index(t, lens[b], block_k), 0))
+    kv_spec = pl.BlockSpec((None, None, block_k, H),
+                           lambda b, h, t, lens: (b, h, kv_block_index(t, lens[b], block_k), 0))
     lse_spec = pl.BlockSpec((None, None, G, 1), lambda b, h, t, lens: (b, h, 0, 0))
     kernel = functools.partial(_decode_kernel, scale=1.0 / math.sqrt(H), block_k=block_k, steps=steps,
                                precision=precision)

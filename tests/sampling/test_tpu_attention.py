@@ -249,3 +249,24 @@ def test_lowers_for_the_tpu_platform(dtype):
     assert len(dots) == 2
     want = (jax.lax.Precision.HIGHEST,) * 2 if dtype == jnp.float32 else None
     assert all(eqn.params["precision"] == want for eqn in dots)
+
+
+# ----------------------------------------------------------------------------------------------- on a mesh
+@pytest.mark.devices(8)
+def test_on_a_mesh_runs_per_shard_and_matches():
+    """On a 2 x 2 x 2 mesh the TPU kernel runs inside ``shard_map`` on each device's rows and KV heads (XLA cannot
+    partition the Mosaic custom call either) and gives the unsharded result bit for bit."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from treejax.parallel.mesh import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    q, k, v, pos, live = _inputs(6, [0, 15, 16, 31, 32, 40, 7, 20], 2, 2, 32, 64, jnp.bfloat16)
+    made = functools.partial(attn.make_decode_attention, "pallas_tpu", 16, head_dim=64, cache_dtype="bfloat16",
+                             backend="tpu", interpret=True)
+    sharded = made(mesh=mesh)
+    assert "shard_decode_attention" in sharded.__qualname__
+    cache_sh = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+    got = jax.jit(sharded)(q, jax.device_put(k, cache_sh), jax.device_put(v, cache_sh), pos)
+    want = jax.jit(made())(q, k, v, pos)
+    np.testing.assert_array_equal(np.asarray(got)[live], np.asarray(want)[live])

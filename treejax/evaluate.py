@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not examples:
         raise DataError(f"task {task_name!r} has no {args.split!r} examples")
     width = prompt_width_for(tokenizer, examples, system_prompt, instruction)
-    sampler_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
+    sampler_fns = make_model_fns(model_config, attention=run_cfg.decode_attention, cache_dtype=prec.cache_dtype)
     with prec.matmul_context():
         metrics = evaluate(params, sampler_fns, tokenizer, task, examples, width, config,
                            system_prompt=system_prompt, instruction=instruction, with_details=args.details)

@@ -71,9 +71,9 @@ def test_auto_choice_on_gpu(H, dtype, want):
 
 
 def test_auto_choice_off_gpu_and_forced_choices():
-    for backend in ("cpu", "tpu"):
-        got = attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=256, backend=backend)
-        assert got == "ragged"
+    # on a TPU "auto" takes the TPU kernel (tests/sampling/test_tpu_attention.py); on a CPU the XLA loop
+    assert attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=256, backend="cpu") == "ragged"
+    assert attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=256, backend="tpu") == "pallas_tpu"
     assert attn.resolve_impl("auto", head_dim=64, cache_dtype="bfloat16", block_size=8, backend="gpu") == "ragged"
     for name in ("ragged", "dense"):  # any head size, dtype, backend
         assert attn.resolve_impl(name, head_dim=80, cache_dtype="float32", block_size=8, backend="cpu") == name

@@ -28,6 +28,7 @@ from treejax.rl.optimizer import OptimizerConfig
 from treejax.rl.packing import PackingConfig
 from treejax.rl.pseudo_labels import REWARD_SOURCES
 from treejax.rl.shaping import Shaper
+from treejax.sampling.attention import ATTENTION_IMPLS
 from treejax.rl.sources.base import Stage, chain_rows, check_chain, normalize_chain
 from treejax.rl.sources.legacy import LegacySourceFields, apply_legacy_fields
 from treejax.rl.sources.requirements import RunFacts
@@ -91,6 +92,10 @@ class RunConfig(LegacySourceFields):
     ``packed_update``: train on tree-packed batches (:mod:`treejax.rl.packing`: every shared prompt and segment
     token computed once, same loss and gradient; mini-batches are then groups of prompts, so
     ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
+    ``decode_attention``: the sampler's per-row decode attention (rollouts and held-out evaluation;
+    :mod:`treejax.sampling.attention`): ``"auto"`` (the Pallas kernel on GPU, the Pallas TPU kernel on TPU where
+    their constraints hold, the XLA ragged loop otherwise), ``"ragged"``, ``"pallas"``, ``"pallas_tpu"`` or
+    ``"dense"``; a kernel forced where it cannot run is a ``ValueError`` when the sampler is built.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -123,6 +128,7 @@ class RunConfig(LegacySourceFields):
     micro_batches: int = 1
     nonfinite: str = "skip"
     attention_impl: str = "auto"  # training attention: cudnn flash on GPU (bf16), XLA elsewhere
+    decode_attention: str = "auto"  # the sampler's decode attention (treejax.sampling.attention.ATTENTION_IMPLS)
     packed_update: bool = False  # tree-packed update: each shared prompt/segment token computed once
     packing: PackingConfig = PackingConfig()  # the packed batch's settings (used when packed_update is True)
     remat: bool | str = False  # per-layer rematerialisation in the update's forward: False/True or 'none'/'full'/'dots'
@@ -299,6 +305,7 @@ class RunConfig(LegacySourceFields):
         check_choice("RunConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_choice("RunConfig.remat", self.remat, (False, True, *REMAT_POLICIES))
         check_choice("RunConfig.attention_impl", self.attention_impl, TRAIN_ATTENTION_IMPLS)
+        check_choice("RunConfig.decode_attention", self.decode_attention, ATTENTION_IMPLS)
         check_choice("RunConfig.old_logp", self.old_logp, OLD_LOGP_SOURCES)
         check_choice("RunConfig.reward_style", self.reward_style, ("pm1", "01"))
         check_choice("RunConfig.reward_source", self.reward_source, REWARD_SOURCES)

@@ -181,8 +181,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
         log.info("the sampler decodes on its own layout of the %d device(s): data x fsdp x tensor = %s (the "
                  "learner's: %s); its weights are re-laid out after each update", len(sampler_devices),
                  " x ".join(map(str, sampler_mesh.devices.shape)), " x ".join(map(str, mesh.devices.shape)))
-    model_fns = lambda m: make_model_fns(model_config, cache_dtype=prec.cache_dtype,  # noqa: E731
-                                         mesh=m if m.size > 1 else None)
+    model_fns = lambda m: make_model_fns(model_config, attention=cfg.decode_attention,  # noqa: E731
+                                         cache_dtype=prec.cache_dtype, mesh=m if m.size > 1 else None)
     sampler_fns = model_fns(mesh)  # held-out evaluation: on the learner's devices, in the loop's thread
     rollout_fns = sampler_fns if sampler_mesh is mesh else model_fns(sampler_mesh)
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)

@@ -2,7 +2,7 @@
 
 One decode step of row ``b`` attends its query ``q_b`` to cache slots ``0..pos_b``. The cache is allocated for the
 longest possible rollout (``L`` slots), so a plain masked attention reads all ``L`` slots of every row at every
-step. Three implementations share the ``attention_fn`` hook of :func:`treejax.models.transformer.decode_step`
+step. Four implementations share the ``attention_fn`` hook of :func:`treejax.models.transformer.decode_step`
 (``fn(q [B, 1, Q, H], k_cache [B, K, L, H], v_cache [B, K, L, H], positions [B]) -> [B, 1, Q, H]``):
 
 * ``"ragged"`` (XLA, any backend): slots are visited in blocks of ``C`` with an online (streaming) softmax
@@ -16,6 +16,13 @@ step. Three implementations share the ``attention_fn`` hook of :func:`treejax.mo
   so the KV bytes read per step are ``n * C`` slots per row instead of ``L``.
 * ``"pallas"`` (GPU): JAX's Pallas/Triton split-K decode kernel (``jax.experimental.pallas.ops.gpu``) with the
   per-row length ``pos_b + 1``: blocks past a row's length are skipped, so cost follows each row's own length.
+* ``"pallas_tpu"`` (TPU): treejax's Pallas TPU (Mosaic) kernel, :mod:`treejax.sampling.tpu_attention`: one
+  program per (row, KV head) with that KV head's ``G`` query heads, the row lengths ``pos_b + 1`` scalar-prefetched
+  so the KV block index stops at each row's last live block (blocks past it are neither copied nor computed), the
+  same online softmax in fp32 VMEM scratch, and the log-sum-exp returned with the output. It reads the
+  ``[B, K, L, H]`` cache in place; JAX's ``ragged_paged_attention`` would need an interleaved, token-major paged
+  copy of the cache every step and returns no log-sum-exp (that module's docstring). Tested in Pallas' TPU
+  interpreter and lowered for the TPU platform (``jax.export``); not yet compiled by Mosaic or run on TPU hardware.
 * ``"dense"``: masked attention over the whole cache (the reference).
 
 Shared-prefix caches (``TreeConfig.prefix_cache = "shared"``, :class:`treejax.sampling.cache.SharedPrefixCache`)
@@ -23,8 +30,10 @@ take :func:`cascade_decode_attention` instead: a prefix pass per prompt (queries
 prompt's KV is read once per step) and a suffix pass per row, each returning its log-sum-exp, merged exactly
 (:func:`merge_attention`). The two passes run as the per-row implementation does (:func:`resolve_cascade_impl`):
 the Pallas kernel where the per-row attention resolved to ``"pallas"`` (``gqa(..., return_residuals=True)``
-returns the softmax statistics ``(l, m)``, so ``lse = m + log l``: :func:`_pallas_attention_lse`), the ragged
-online-softmax loop otherwise (:func:`_ragged_attention_lse`). The prefix pass puts all ``W G`` queries of a
+returns the softmax statistics ``(l, m)``, so ``lse = m + log l``: :func:`_pallas_attention_lse`), the TPU kernel
+where it resolved to ``"pallas_tpu"`` (it returns ``lse`` itself: :func:`_tpu_cascade_passes`; the prefix pass
+holds a prompt's ``W G`` queries of a KV head in one program), the ragged online-softmax loop otherwise
+(:func:`_ragged_attention_lse`). The prefix pass puts all ``W G`` queries of a
 prompt's KV head into one program where it can (``block_h``, :func:`default_prefix_block_h`): the kernel pads
 the heads of a (row, KV head) to ``block_h`` and reads the row's KV once per ``block_h`` heads.
 
@@ -38,8 +47,32 @@ l. 2431-2435 in jax 0.10.2).
 Choosing the implementation (:func:`resolve_impl`, once, when the sampler is built)
 ----------------------------------------------------------------------------------
 ``"auto"`` takes ``"pallas"`` on a GPU where all of the kernel's constraints hold and the cache is 16-bit,
-``"ragged"`` otherwise; a forced ``"pallas"`` whose constraints do not hold raises a ``ValueError`` then, not
-inside a trace. The constraints (:func:`pallas_problem`):
+``"pallas_tpu"`` on a TPU where all of the TPU kernel's constraints hold and the cache is bfloat16, ``"ragged"``
+otherwise (CPU, other head sizes, float32 caches); a forced ``"pallas"`` or ``"pallas_tpu"`` whose constraints do
+not hold raises a ``ValueError`` then, not inside a trace.
+
+On a TPU, ``"auto"`` picks a kernel that has run only in Pallas' TPU interpreter: the issue asked that the decode
+path on a TPU use a TPU kernel, and the kernel passes Pallas' Mosaic lowering for the TPU platform (block shapes,
+scalar prefetch, in-kernel ops; tests/sampling/test_tpu_attention.py), but Mosaic's own compile and the kernel's
+speed have not been checked on a chip. If it fails to compile there, ``attention="ragged"``
+(``make_model_fns``; ``RunConfig.decode_attention`` for training runs) is the exact XLA fallback. (The packed
+update's TPU tree kernel is stricter: its ``"auto"`` keeps XLA on a TPU, :mod:`treejax.models.tree_attention`.)
+
+The TPU kernel's constraints (:func:`tpu_problem`):
+
+* the backend a TPU, or ``interpret=True`` (Pallas' TPU interpreter, any backend: how the tests run it).
+* head size ``H`` a multiple of 64. Pallas' lowering takes any ``H`` (the K/V block's last dim is the full head),
+  but ``H`` is the lane dim of every K/V tile: 64 fills half of the 128 lanes (qwen2.5-0.5b, smollm2), multiples
+  of 128 fill them; 24, 80, 96, ... would pad lanes and have not been tried, so they take ``"ragged"``.
+* cache dtype bfloat16 or float32 (float16 has no native TPU matmul path; not tried). A float32 cache gets both
+  dots at ``Precision.HIGHEST`` (Mosaic's fp32 contract precision); ``"auto"`` leaves float32 caches to
+  ``"ragged"`` as on the GPU (the fp32 kernel was never timed).
+* ``block_size`` a multiple of 128 (8 in the interpreter): the KV block (:func:`treejax.sampling.tpu_attention.
+  tpu_block`, the largest such divisor of the cache length up to ``block_size``) is the lane dim of the
+  ``[G, block]`` score tile.
+* any number of query heads per KV head (``Q % K == 0``) and of KV heads.
+
+The GPU kernel's constraints (:func:`pallas_problem`):
 
 * head size ``H`` a power of two in [16, 256]. The kernel loads ``[16, H]`` query and ``[block, H]`` K/V tiles,
   and the Triton lowering needs every array size to be a power of two (``lowering.py`` l. 286-300); heads below
@@ -73,12 +106,13 @@ shorter blocks instead of larger tiles.
 
 On a device mesh (:func:`shard_decode_attention`)
 -------------------------------------------------
-XLA's SPMD partitioner cannot split a Pallas (Triton) custom call: given a cache sharded over rows it gathers the
-whole cache onto every device and runs the kernel replicated -- correct, but every device then reads every row's
-KV, so more GPUs decode no faster. The sampler therefore wraps the kernel in ``jax.shard_map`` over the cache's
-own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query heads with their KV heads): each
-device runs the kernel on its rows and heads, and the attention is per row and per KV-head group, so the result
-is exactly the unsharded one. The XLA paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
+XLA's SPMD partitioner cannot split a Pallas custom call (Triton on GPU, Mosaic on TPU): given a cache sharded
+over rows it gathers the whole cache onto every device and runs the kernel replicated -- correct, but every device
+then reads every row's KV, so more devices decode no faster. The sampler therefore wraps the kernel in
+``jax.shard_map`` over the cache's own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query
+heads with their KV heads): each device runs the kernel on its rows and heads, and the attention is per row and
+per KV-head group, so the result is exactly the unsharded one. ``"pallas_tpu"`` takes the same wrapper. The XLA
+paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
 The cascade has no such wrapper (a row's prompt prefix need not sit on the row's shard: rows are permuted and
 sliced), so on a mesh of more than one device it takes the XLA passes (:func:`resolve_cascade_impl`).
 """
@@ -96,14 +130,18 @@ from jax.sharding import PartitionSpec as P
 from treejax.models.dense_attention import windowed_decode_attention
 from treejax.parallel.axis_rules import DEFAULT_RULES
 from treejax.parallel.mesh import rows_and_heads
+from treejax.sampling import tpu_attention as tpu_lib
 
-ATTENTION_IMPLS = ("ragged", "pallas", "dense", "auto")
-#: ``cascade`` choices (:func:`resolve_cascade_impl`; "auto": the Pallas passes where the per-row attention is Pallas).
+ATTENTION_IMPLS = ("ragged", "pallas", "pallas_tpu", "dense", "auto")
+#: ``cascade`` choices (:func:`resolve_cascade_impl`; "auto": the kernel's passes where the per-row attention is a
+#: kernel, ``"pallas"`` or ``"pallas_tpu"``).
 CASCADE_IMPLS = ("auto", "xla")
 #: Head sizes and cache dtypes the Pallas kernel takes, and its K/V tile cap in bytes (module docstring).
 PALLAS_HEAD_DIMS = (16, 32, 64, 128, 256)
 PALLAS_CACHE_DTYPES = ("bfloat16", "float16", "float32")
 PALLAS_TILE_BYTES = 128 * 128 * 2
+#: The passes :func:`cascade_decode_attention` can run (:func:`resolve_cascade_impl` picks one).
+CASCADE_PASSES = ("xla", "pallas", "pallas_tpu")
 
 
 def round_cache_length(length: int, block_size: int) -> int:
@@ -238,14 +276,19 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
       :func:`default_prefix_block_h` of ``W G``) with ``prefix_num_warps`` warps (``None``: the kernel's 4), the
       suffix pass the kernel's 16. Both cache lengths must be multiples of 16 (:func:`_pallas_tiling`); traced
       under ``default_matmul_precision("highest")`` (module docstring: fp32 caches get IEEE fp32 dots, not TF32).
+    * ``"pallas_tpu"``: treejax's Pallas TPU kernel, which returns ``lse`` (:func:`_tpu_cascade_passes`; TPU, or
+      Pallas' TPU interpreter with ``interpret``): KV blocks :func:`treejax.sampling.tpu_attention.tpu_block` of
+      each cache length and ``block_size`` (multiples of 128 on a TPU, of 8 in the interpreter); the prefix pass
+      holds a prompt's ``W G`` queries of a KV head in one program (``prefix_block_h`` / ``prefix_num_warps`` do
+      not apply).
     """
     R, _, Q, H = q_Rx1xQxH.shape
     P, K = k_pre_PxKxLpxH.shape[:2]
     G, W = Q // K, rows_per_prompt
     if k_suf_RxKxLsxH.shape[0] != R or k_suf_RxKxLsxH.shape[1] != K:
         raise ValueError(f"suffix cache must be [R={R}, K={K}, Ls, H], got {k_suf_RxKxLsxH.shape}")
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"cascade impl must be 'xla' or 'pallas', got {impl!r}")
+    if impl not in CASCADE_PASSES:
+        raise ValueError(f"cascade impl must be one of {CASCADE_PASSES}, got {impl!r}")
     flat_R = row_prompt_R * W + row_rank_R
     if impl == "xla":
         Lp, Ls = k_pre_PxKxLpxH.shape[2], k_suf_RxKxLsxH.shape[2]
@@ -258,6 +301,10 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
         q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
         o1_PxKxWGxH, lse1_PxKxWG = _ragged_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
                                                          prefix_len_P - 1, _attention_block(Lp, block_size))
+    elif impl == "pallas_tpu":
+        o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG = _tpu_cascade_passes(
+            q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P,
+            flat_R, P, W, block_size, interpret)
     else:
         qg_RxKxGxH = q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(k_suf_RxKxLsxH.dtype)  # the kernel scales
         pallas = functools.partial(_pallas_attention_lse, block_size=block_size, target_programs=target_programs,
@@ -273,6 +320,29 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
     idx_R = jnp.clip(flat_R, 0, P * W - 1)
     out = merge_attention(o1_PWxKxGxH[idx_R], lse1_PWxKxG[idx_R], o2_RxKxGxH, lse2_RxKxG)
     return out.reshape(R, 1, Q, H).astype(q_Rx1xQxH.dtype)
+
+
+def _tpu_cascade_passes(q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
+                        prefix_len_P, flat_R, P: int, W: int, block_size: int, interpret):
+    """The cascade's two passes through the TPU kernel (:func:`treejax.sampling.tpu_attention.tpu_attention_lse`),
+    ``(o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG)``: the suffix pass per row over slots
+    ``0..suffix_pos_R`` (dead rows, ``suffix_pos_R >= Ls``: length 0, ``o = 0``, ``lse = -inf``), the prefix pass
+    per prompt over ``prefix_len_P`` slots with the prompt's ``W G`` queries of a KV head in one program (the
+    prompt's prefix is read once per step and KV head). Queries unscaled in the cache dtype (the kernel scales the
+    fp32 scores); KV blocks :func:`treejax.sampling.tpu_attention.tpu_block` of each cache length."""
+    R, _, Q, H = q_Rx1xQxH.shape
+    K = k_suf_RxKxLsxH.shape[1]
+    Lp, Ls = k_pre_PxKxLpxH.shape[2], k_suf_RxKxLsxH.shape[2]
+    qg_RxKxGxH = q_Rx1xQxH[:, 0].reshape(R, K, Q // K, H).astype(k_suf_RxKxLsxH.dtype)
+    suffix_len_R = jnp.where(suffix_pos_R < Ls, suffix_pos_R + 1, 0)
+    o2_RxKxGxH, lse2_RxKxG = tpu_lib.tpu_attention_lse(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_len_R,
+                                                       block_k=tpu_lib.tpu_block(Ls, block_size, interpret),
+                                                       interpret=interpret)
+    q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
+    o1_PxKxWGxH, lse1_PxKxWG = tpu_lib.tpu_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P,
+                                                         block_k=tpu_lib.tpu_block(Lp, block_size, interpret),
+                                                         interpret=interpret)
+    return o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG
 
 
 def _group_queries_by_prompt(qg_RxKxGxH: jax.Array, flat_R: jax.Array, P: int, W: int) -> jax.Array:
@@ -412,6 +482,25 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return windowed_decode_attention(q, k_cache, v_cache, positions)
 
 
+def tpu_problem(head_dim: int, cache_dtype, block_size: int, backend: str, interpret: bool = False) -> str | None:
+    """Why the TPU kernel (:mod:`treejax.sampling.tpu_attention`) cannot run this attention (a sentence), or
+    ``None`` if it can (module docstring). ``interpret``: it will run in Pallas' TPU interpreter (any backend;
+    KV blocks multiples of 8 instead of the 128 lanes)."""
+    if backend != "tpu" and not interpret:
+        return (f"the TPU decode kernel is a Pallas TPU (Mosaic) kernel, the backend is {backend!r} (off a TPU it "
+                "runs only in Pallas' TPU interpreter: make_decode_attention(..., interpret=True))")
+    if head_dim % tpu_lib.TPU_HEAD_MULTIPLE:
+        return (f"head_dim {head_dim} is not a multiple of {tpu_lib.TPU_HEAD_MULTIPLE} (the lane dim of every K/V "
+                "tile; other head sizes have not been tried)")
+    if jnp.dtype(cache_dtype).name not in tpu_lib.TPU_CACHE_DTYPES:
+        return f"cache dtype {jnp.dtype(cache_dtype).name} is not one of {tpu_lib.TPU_CACHE_DTYPES}"
+    multiple = tpu_lib.block_multiple(interpret)
+    if block_size % multiple:
+        return (f"block_size {block_size} is not a multiple of {multiple} (the kernel's KV block, a divisor of the "
+                f"cache length, is the lane dim of its score tile)")
+    return None
+
+
 def pallas_problem(head_dim: int, cache_dtype, block_size: int, backend: str) -> str | None:
     """Why the Pallas kernel cannot run this attention (a sentence), or ``None`` if it can (module docstring)."""
     if backend != "gpu":
@@ -425,21 +514,33 @@ def pallas_problem(head_dim: int, cache_dtype, block_size: int, backend: str) ->
     return None
 
 
-def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, backend: str | None = None) -> str:
+def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, backend: str | None = None,
+                 interpret: bool = False) -> str:
     """``"auto"`` -> ``"pallas"`` on a GPU when :func:`pallas_problem` finds none and the cache is 16-bit,
-    ``"ragged"`` otherwise (module docstring); ``"pallas"`` where the kernel cannot run raises ``ValueError``.
+    ``"pallas_tpu"`` on a TPU when :func:`tpu_problem` finds none and the cache is bfloat16, ``"ragged"``
+    otherwise (module docstring); a kernel (``"pallas"``, ``"pallas_tpu"``) where it cannot run raises
+    ``ValueError``.
 
-    ``backend``: ``jax.default_backend()`` if ``None`` (tests pass ``"gpu"`` to check the GPU choice anywhere).
+    ``backend``: ``jax.default_backend()`` if ``None`` (tests pass ``"gpu"`` / ``"tpu"`` to check those choices
+    anywhere). ``interpret``: the TPU kernel will run in Pallas' TPU interpreter (allowed off a TPU, smaller KV
+    blocks); ``"auto"`` never picks a kernel for an interpreter.
     """
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {name!r}")
     if name in ("ragged", "dense"):
         return name
-    problem = pallas_problem(head_dim, cache_dtype, block_size, jax.default_backend() if backend is None else backend)
-    if name == "pallas":
+    backend = jax.default_backend() if backend is None else backend
+    if name == "pallas_tpu":
+        problem = tpu_problem(head_dim, cache_dtype, block_size, backend, interpret)
+    else:
+        problem = pallas_problem(head_dim, cache_dtype, block_size, backend)
+    if name in ("pallas", "pallas_tpu"):
         if problem is not None:
-            raise ValueError(f"attention='pallas' cannot be used: {problem}; use 'auto' or 'ragged'")
+            raise ValueError(f"attention={name!r} cannot be used: {problem}; use 'auto' or 'ragged'")
         return name
+    if backend == "tpu":
+        tpu_ok = tpu_problem(head_dim, cache_dtype, block_size, backend) is None
+        return "pallas_tpu" if tpu_ok and jnp.dtype(cache_dtype).itemsize == 2 else "ragged"
     return "pallas" if problem is None and jnp.dtype(cache_dtype).itemsize == 2 else "ragged"
 
 
@@ -468,38 +569,45 @@ def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim
                           backend: str | None = None, interpret: bool = False, mesh=None, rules=None):
     """The ``attention_fn`` that :func:`resolve_impl` picks for this head size, cache dtype and block size.
 
-    ``interpret``: run the Pallas kernel in Pallas' interpreter (tests off the GPU, with ``backend="gpu"``).
-    ``mesh`` / ``rules``: a sampler on a device mesh; the Pallas kernel is then run per shard
+    ``interpret``: run the kernel in Pallas' interpreter (tests off the GPU / TPU, with ``backend="gpu"`` /
+    ``"tpu"``; the TPU kernel in Pallas' TPU interpreter, ``pltpu.InterpretParams``).
+    ``mesh`` / ``rules``: a sampler on a device mesh; a kernel (Pallas on GPU or TPU) is then run per shard
     (:func:`shard_decode_attention`); the XLA paths are partitioned by GSPMD as they are.
     """
-    impl = resolve_impl(name, head_dim=head_dim, cache_dtype=cache_dtype, block_size=block_size, backend=backend)
+    impl = resolve_impl(name, head_dim=head_dim, cache_dtype=cache_dtype, block_size=block_size, backend=backend,
+                        interpret=interpret)
     if impl == "ragged":
         return functools.partial(ragged_decode_attention, block_size=block_size)
-    if impl == "pallas":
-        fn = functools.partial(pallas_decode_attention, block_size=pallas_block(block_size, head_dim, cache_dtype),
-                               interpret=interpret)
+    if impl in ("pallas", "pallas_tpu"):
+        if impl == "pallas":
+            fn = functools.partial(pallas_decode_attention, block_size=pallas_block(block_size, head_dim, cache_dtype),
+                                   interpret=interpret)
+        else:
+            fn = functools.partial(tpu_lib.tpu_decode_attention, block_size=block_size, interpret=interpret)
         return fn if mesh is None or mesh.size == 1 else shard_decode_attention(fn, mesh, rules)
     return dense_decode_attention
 
 
 def resolve_cascade_impl(name: str, per_row_impl: str, mesh=None) -> str:
-    """The passes of :func:`cascade_decode_attention`: ``"pallas"`` where ``name`` is ``"auto"``, the per-row
-    attention resolved to ``"pallas"`` (:func:`resolve_impl`: GPU, head size, dtype, block size all fit the kernel)
-    and no mesh of more than one device is given (module docstring: no per-shard wrapper), else ``"xla"``;
-    ``name = "xla"`` forces the XLA passes (e.g. to compare them)."""
+    """The passes of :func:`cascade_decode_attention`: the per-row attention's kernel (``"pallas"`` or
+    ``"pallas_tpu"``) where ``name`` is ``"auto"``, the per-row attention resolved to that kernel
+    (:func:`resolve_impl`: backend, head size, dtype, block size all fit it) and no mesh of more than one device is
+    given (module docstring: no per-shard wrapper), else ``"xla"``; ``name = "xla"`` forces the XLA passes (e.g.
+    to compare them)."""
     if name not in CASCADE_IMPLS:
         raise ValueError(f"cascade must be one of {CASCADE_IMPLS}, got {name!r}")
     single = mesh is None or mesh.size == 1
-    return "pallas" if name == "auto" and per_row_impl == "pallas" and single else "xla"
+    return per_row_impl if name == "auto" and per_row_impl in ("pallas", "pallas_tpu") and single else "xla"
 
 
 def make_cascade_attention(impl: str, block_size: int = 256, *, interpret: bool = False,
                            prefix_block_h: int | None = None, prefix_num_warps: int | None = None):
-    """:func:`cascade_decode_attention` with its static settings bound: ``impl`` ``"xla"`` | ``"pallas"``
-    (:func:`resolve_cascade_impl`), ``block_size`` (the cache multiple; the Pallas passes cap their K/V block,
-    :func:`pallas_block`), ``interpret`` (Pallas' interpreter, tests off the GPU), the prefix pass's
-    ``prefix_block_h`` / ``prefix_num_warps`` (Pallas only). The caller binds the cache's row/prompt fields."""
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"cascade impl must be 'xla' or 'pallas', got {impl!r}")
+    """:func:`cascade_decode_attention` with its static settings bound: ``impl`` ``"xla"`` | ``"pallas"`` |
+    ``"pallas_tpu"`` (:func:`resolve_cascade_impl`), ``block_size`` (the cache multiple; the Pallas passes cap
+    their K/V block, :func:`pallas_block`; the TPU passes take :func:`treejax.sampling.tpu_attention.tpu_block`),
+    ``interpret`` (Pallas' interpreter, tests off the GPU / TPU), the prefix pass's ``prefix_block_h`` /
+    ``prefix_num_warps`` (GPU Pallas only). The caller binds the cache's row/prompt fields."""
+    if impl not in CASCADE_PASSES:
+        raise ValueError(f"cascade impl must be one of {CASCADE_PASSES}, got {impl!r}")
     return functools.partial(cascade_decode_attention, impl=impl, block_size=block_size, interpret=interpret,
                              prefix_block_h=prefix_block_h, prefix_num_warps=prefix_num_warps)

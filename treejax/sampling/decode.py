@@ -98,8 +98,8 @@ class ModelFns:
     step_hidden: Callable | None = None
     extend: Callable | None = None
     init_shared_cache: Callable | None = None
-    attention: str = "custom"  # the per-row decode attention make_model_fns resolved ("pallas", "ragged", "dense")
-    cascade_attention: str | None = None  # the shared-prefix cascade's passes ("pallas" | "xla"; None: no cascade)
+    attention: str = "custom"  # the per-row decode attention make_model_fns resolved ("pallas", "pallas_tpu", ...)
+    cascade_attention: str | None = None  # the cascade's passes ("pallas" | "pallas_tpu" | "xla"; None: no cascade)
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -118,9 +118,12 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     """:class:`ModelFns` of the treejax transformer.
 
     ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
-    blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"dense"``
-    (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU for power-of-two head sizes
-    and 16-bit caches, ragged otherwise; a ``"pallas"`` the kernel cannot run raises ``ValueError`` here).
+    blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"pallas_tpu"``
+    (treejax's Pallas TPU kernel with per-row lengths, :mod:`treejax.sampling.tpu_attention`; tested in the TPU
+    interpreter only), ``"dense"`` (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU
+    for power-of-two head sizes and 16-bit caches, pallas_tpu on TPU for head sizes that are multiples of 64,
+    bf16 caches and ``block_size`` a multiple of 128, ragged otherwise; a kernel that cannot run raises
+    ``ValueError`` here).
     ``fuse``: decode with fused q|k|v and gate|up projections (:func:`treejax.models.transformer.
     fuse_projections`); ``None`` = fuse on a single device, or on a mesh whose ``tensor`` axis is 1 (rows split
     over ``data``/``fsdp``); not with tensor parallelism (the concatenation would cross a tensor-sharded heads
@@ -128,8 +131,8 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     ``jax.sharding.Mesh``) / ``rules``: run sharded (see
     :class:`ModelFns`; :mod:`treejax.sampling.cache` says how the cache is laid out).
     ``cascade``: the passes of the shared-prefix cache's cascade attention
-    (:func:`treejax.sampling.attention.resolve_cascade_impl`): ``"auto"`` = the Pallas kernel where ``attention``
-    resolved to ``"pallas"`` (and no multi-device mesh), XLA otherwise; ``"xla"`` forces XLA.
+    (:func:`treejax.sampling.attention.resolve_cascade_impl`): ``"auto"`` = the per-row kernel where ``attention``
+    resolved to ``"pallas"`` or ``"pallas_tpu"`` (and no multi-device mesh), XLA otherwise; ``"xla"`` forces XLA.
     ``cascade_block_h`` / ``cascade_num_warps``: the Pallas prefix pass's queries per program and warps
     (``None``: :func:`treejax.sampling.attention.default_prefix_block_h`, the kernel's 4 warps).
     """

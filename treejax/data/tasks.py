@@ -18,7 +18,7 @@ dataset name directly (``get_task("chain_sum", ...)`` == ``get_task("reasoning_g
 the easy presets of ``reasoning_gym_tasks.EASY_PRESETS``, and the local-file tasks ``"gsm8k_file"``,
 ``"math_file"``, the retrieval world's multi-hop questions ``"retrieval_multihop"``
 (:mod:`treejax.envs.retrieval_corpus`) and the shell world's file-system questions ``"shell_files"``
-(:mod:`treejax.envs.shell_task`).
+(:mod:`treejax.envs.shell_task`) and chains of any task's problems ``"task_chain"`` (:mod:`treejax.envs.task_chain_task`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def _load_builtins() -> None:
         from treejax.data import file_tasks, reasoning_gym_tasks  # noqa: F401
         from treejax.envs import retrieval_corpus  # noqa: F401  (the retrieval world's questions)
         from treejax.envs import shell_task  # noqa: F401  (the shell world's questions)
+        from treejax.envs import task_chain_task  # noqa: F401  (chains of any task's problems)
 
 
 def task_names() -> list[str]:

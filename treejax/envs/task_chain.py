@@ -79,7 +79,7 @@ def parse_skill(action: str, max_chars: int) -> Optional[str]:
 
 def skills_text(skills: tuple[str, ...]) -> str:
     """The skill library as the observations list it (``""`` when empty)."""
-    return "" if not skills else "\nSkills so far:\n" + "".join(f"- {s}\n" for s in skills)
+    return "" if not skills else "\nSkills so far:" + "".join(f"\n- {s}" for s in skills)
 
 
 @register_env("task_chain")

@@ -78,8 +78,9 @@ class TaskChain(Task):
     ``"none"``), ``skills`` (a skill library from ``<skill>`` tags) with ``max_skill_chars``, ``next_format`` (the
     observation bringing the next problem: ``{index}``, ``{length}``, ``{question}``), ``stop_strings`` (end a turn:
     ``("</answer>",)`` for reasoning-gym's tags), ``inner_environment`` (each problem an episode of that
-    environment, e.g. ``"shell"`` for ``shell_files``; ``None``: one answer turn per problem). ``inner`` may also
-    be a :class:`Task` instance (Python use)."""
+    environment, e.g. ``"shell"`` for ``shell_files``; ``None``: one answer turn per problem). ``inner``: a task
+    name (build the chain with ``get_task("task_chain", ...)``, which loads the built-in tasks) or a :class:`Task`
+    instance (Python use)."""
 
     eval_options = "give task_options eval_size=N (> 0) for N held-out chains"
     world = "task_chain"  # the environment 'task_chain' runs this task's chains
@@ -128,18 +129,16 @@ class TaskChain(Task):
 
     @staticmethod
     def _build_inner(name: str, options: dict, chain_length: int, size: int, eval_size: int) -> Task:
-        from treejax.data.task_base import TASKS
-        from treejax.data.tasks import check_task_name, get_task
+        from treejax.data.task_base import TASKS, build_task
 
         if name == "task_chain":
             raise DataError("task_chain: the inner task is itself a chain; fix: a single-turn inner task "
                             "(RunConfig.task_options['inner'])")
-        check_task_name(name)
-        factory = TASKS.get(name)
+        factory = TASKS.get(name)  # registered: get_task('task_chain', ...) loaded the built-in tasks first
         for key, n in (("size", size), ("eval_size", eval_size)):
             if _accepts(factory, key):
                 options.setdefault(key, n * chain_length)
-        return get_task(name, **options)
+        return build_task(name, **options)
 
     def __repr__(self) -> str:
         return f"TaskChain(inner={self.inner.name!r}, chain_length={self.chain_length})"

@@ -195,7 +195,7 @@ def test_registered_and_checked_by_the_run_config():
         RunConfig(**world)
 
 
-@pytest.mark.slow  # one RL step of the whole loop on a tiny random model (~150 s on the shared 2-core machine); the
+@pytest.mark.slow  # one RL step of the whole loop on a tiny random model (196 s on the shared 2-core machine); the
 # default run covers its parts: tests/rl/test_sage.py::test_the_learner_trains_on_sage_advantages and this file
 def test_the_shipped_sage_config_runs_one_step(tiny_checkpoint, tmp_path):
     """configs/multiturn_chain_sage.gin end to end (chains of reasoning-gym problems, the chain environment with

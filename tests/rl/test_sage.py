@@ -248,7 +248,7 @@ def test_the_learner_trains_on_sage_advantages():
     _learn_once(learner, optimizer, transformer.init_params(cfg, jax.random.key(5)), ro)
 
 
-@pytest.mark.slow  # a tiny model's multi-turn rollout and update: ~55 s on the shared 2-core machine; the default
+@pytest.mark.slow  # a tiny model's multi-turn rollout and update: 53-87 s on the shared 2-core machine; the default
 # run covers its parts: test_the_learner_trains_on_sage_advantages (the learner on SAGE's inputs),
 # test_chain_arrays_from_episodes (the source's arrays) and tests/envs/test_task_chain.py (the environment)
 def test_one_learner_step_on_chain_episodes():

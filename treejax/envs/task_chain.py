@@ -119,8 +119,8 @@ class TaskChainEnv:
         K = task.chain_length
         if K > config.max_turns:
             more = "" if task.inner_environment is None else " (or more: the inner environment's calls are turns too)"
-            raise ConfigError(f"task_chain: a chain of {K} problems needs at least {K} turns, MultiTurnConfig.max_turns "
-                              f"is {config.max_turns}; fix: MultiTurnConfig.max_turns = {K}{more}")
+            raise ConfigError(f"task_chain: a chain of {K} problems needs at least {K} turns, "
+                              f"MultiTurnConfig.max_turns is {config.max_turns}; fix: MultiTurnConfig.max_turns = {K}{more}")
         stops, make_inner = tuple(task.stop_strings), None
         if task.inner_environment is not None:
             from treejax.envs.base import get_env

@@ -65,7 +65,8 @@ def cut_chains(families: list[str], chain_length: int, rng: np.random.Generator)
     per = []
     for f in sorted(by):
         idx = np.asarray(by[f])[rng.permutation(len(by[f]))]
-        per.append([list(map(int, idx[j:j + chain_length])) for j in range(0, len(idx) - chain_length + 1, chain_length)])
+        starts = range(0, len(idx) - chain_length + 1, chain_length)
+        per.append([list(map(int, idx[j:j + chain_length])) for j in starts])
     out = []
     for r in range(max(map(len, per), default=0)):
         out += [chains[r] for chains in per if r < len(chains)]
@@ -120,7 +121,8 @@ class TaskChain(Task):
         if getattr(self.inner, "world", None) == "task_chain":
             raise DataError("task_chain: the inner task is itself a chain; fix: a single-turn inner task "
                             "(RunConfig.task_options['inner'])")
-        self.chain_length, self.size, self.eval_size, self.seed, self.family = chain_length, size, eval_size, seed, family
+        self.chain_length, self.size, self.eval_size = chain_length, size, eval_size
+        self.seed, self.family = seed, family
         self.feedback, self.skills, self.max_skill_chars = feedback, bool(skills), max_skill_chars
         self.inner_environment, self.stop_strings = inner_environment, tuple(stop_strings)
         self.header, self.next_format, self.name = header, next_format, name

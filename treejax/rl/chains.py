@@ -34,7 +34,8 @@ def chain_arrays(trees, depth: int) -> dict[str, np.ndarray]:
         for w, ep in enumerate(tr.slot_episode):
             lengths = {int(i["chain_length"]) for i in ep.infos if "chain_length" in i}
             if len(lengths) > 1:
-                raise ValueError(f"chain_arrays: slot {w} of prompt {p} has turns of chains of lengths {sorted(lengths)}")
+                raise ValueError(f"chain_arrays: slot {w} of prompt {p} has turns of chains of lengths "
+                                 f"{sorted(lengths)}")
             if not lengths:
                 continue
             K = lengths.pop()

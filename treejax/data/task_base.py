@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
+import inspect
 import json
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -14,7 +16,7 @@ from treejax.data.splits import check_split
 from treejax.errors import DataError
 from treejax.registry import Registry
 
-__all__ = ["RECORD_FIELDS", "TASKS", "Example", "Task", "decode_record", "register_task"]
+__all__ = ["RECORD_FIELDS", "TASKS", "Example", "Task", "build_task", "decode_record", "register_task"]
 
 RECORD_FIELDS = ("uid", "question", "answer", "metadata")
 
@@ -127,3 +129,19 @@ TASKS: Registry[Callable[..., Task]] = Registry("task", error=DataError)
 def register_task(name: str, factory: Callable[..., Task], *, overwrite: bool = False) -> None:
     """Register ``factory(**config) -> Task`` under ``name``."""
     TASKS.add(name, factory, overwrite=overwrite)
+
+
+def build_task(name: str, **config: Any) -> Task:
+    """The task registered under ``name`` built with ``config``; an option its factory does not take (or a required
+    one that is missing) is a :class:`DataError` naming it and the closest option. :func:`treejax.data.tasks.get_task`
+    is the entry point (it loads the built-in tasks and checks the name first)."""
+    factory = TASKS.get(name)
+    try:
+        inspect.signature(factory).bind(**config)
+    except TypeError as e:
+        names = [p.name for p in inspect.signature(factory).parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        close = [c for key in config if key not in names for c in difflib.get_close_matches(key, names, n=1)]
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise DataError(f"task {name!r}: {e}{hint} (its options: {', '.join(names)})") from None
+    return factory(**config)

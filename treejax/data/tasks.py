@@ -18,16 +18,15 @@ dataset name directly (``get_task("chain_sum", ...)`` == ``get_task("reasoning_g
 the easy presets of ``reasoning_gym_tasks.EASY_PRESETS``, and the local-file tasks ``"gsm8k_file"``,
 ``"math_file"``, the retrieval world's multi-hop questions ``"retrieval_multihop"``
 (:mod:`treejax.envs.retrieval_corpus`) and the shell world's file-system questions ``"shell_files"``
-(:mod:`treejax.envs.shell_task`).
+(:mod:`treejax.envs.shell_task`) and chains of any task's problems ``"task_chain"`` (:mod:`treejax.envs.task_chain_task`).
 """
 
 from __future__ import annotations
 
 import difflib
-import inspect
 from typing import Any
 
-from treejax.data.task_base import RECORD_FIELDS, TASKS, Example, Task, decode_record, register_task
+from treejax.data.task_base import RECORD_FIELDS, TASKS, Example, Task, build_task, decode_record, register_task
 from treejax.errors import DataError
 
 __all__ = [
@@ -52,6 +51,7 @@ def _load_builtins() -> None:
         from treejax.data import file_tasks, reasoning_gym_tasks  # noqa: F401
         from treejax.envs import retrieval_corpus  # noqa: F401  (the retrieval world's questions)
         from treejax.envs import shell_task  # noqa: F401  (the shell world's questions)
+        from treejax.envs import task_chain_task  # noqa: F401  (chains of any task's problems)
 
 
 def task_names() -> list[str]:
@@ -73,13 +73,4 @@ def get_task(name: str, **config: Any) -> Task:
     """Build the task registered under ``name`` with its config; an unknown name suggests the closest ones, and an
     option the factory does not take (or a required one that is missing) is a :class:`DataError` naming it."""
     check_task_name(name)
-    factory = TASKS.get(name)
-    try:
-        inspect.signature(factory).bind(**config)
-    except TypeError as e:
-        names = [p.name for p in inspect.signature(factory).parameters.values()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        close = [c for key in config if key not in names for c in difflib.get_close_matches(key, names, n=1)]
-        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise DataError(f"task {name!r}: {e}{hint} (its options: {', '.join(names)})") from None
-    return factory(**config)
+    return build_task(name, **config)

@@ -22,7 +22,7 @@ for math / reasoning-gym tasks), :mod:`treejax.envs.guess` (a number-guessing ga
 Multi-turn rollouts (``MultiTurnConfig.environment``) name an environment registered with :func:`register_env`:
 a class whose ``from_config(config, task, sandbox)`` builds one episode's environment from the
 ``MultiTurnConfig``, the run's task and the code sandbox's limits (``SandboxConfig``). Registered here:
-``"code_tool"``, ``"guess_number"``, ``"retrieval"`` and ``"shell"``.
+``"code_tool"``, ``"guess_number"``, ``"retrieval"``, ``"shell"`` and ``"task_chain"``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ import numpy as np
 from treejax.envs import env_names, get_env
 from treejax.envs.sandbox import ISOLATION, SandboxConfig, check_isolation
 from treejax.errors import ConfigError
+from treejax.rl.chains import CHAIN_INPUTS, chain_arrays
 from treejax.rl.sources.base import Stage
 from treejax.rl.sources.requirements import NO_SHAPERS, SYNCHRONOUS, VERIFIER
 from treejax.forest import NodeStatus
@@ -51,7 +52,7 @@ from treejax.sampling.partial import check_chains
 
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
-                    "action_signature_PxWxD")
+                    "action_signature_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,10 @@ class MultiTurnConfig(Stage):
     :mod:`treejax.rl.tool_match`). ``environment = "shell"`` (:class:`~treejax.envs.shell.ShellEnv`: a small
     shell language, parsed to an AST, over the generated file systems of ``RunConfig.task = "shell_files"``); its
     command turns carry their AST's command-name chain, which A³ (``a3``) reads as ``action_signature_PxWxD``
-    (:func:`action_signatures`)."""
+    (:func:`action_signatures`). ``environment = "task_chain"`` (:class:`~treejax.envs.task_chain.TaskChainEnv`:
+    the related problems of ``RunConfig.task = "task_chain"`` in one episode, each verified); its turns carry
+    their problem's index, outcome and skill, which SAGE (``sage``) reads as ``chain_link_PxWxD``,
+    ``chain_outcome_PxWxD`` and ``chain_skill_PxWxD`` (:func:`treejax.rl.chains.chain_arrays`)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -151,6 +155,10 @@ class MultiTurnConfig(Stage):
                               f"calls, which environment {self.environment!r} does not ship; fix: "
                               f"MultiTurnConfig.environment = {with_calls[0] if with_calls else '?'!r} (with its "
                               "task)")
+        if "chain_outcome_PxWxD" in facts.estimator_inputs and not getattr(env, "chain_links", False):
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} reads the problems of a task chain, "
+                              f"which environment {self.environment!r} does not run; fix: MultiTurnConfig.environment "
+                              "= 'task_chain' (with RunConfig.task = 'task_chain')")
         if "action_signature_PxWxD" in facts.estimator_inputs and not getattr(env, "ast_actions", False):
             with_ast = [n for n in env_names() if getattr(get_env(n), "ast_actions", False)]
             fix = with_ast[0] if with_ast else "?"
@@ -289,7 +297,9 @@ class MultiTurnRollouts:
     def inputs(self, params, trees, forest, examples, prompts, lens, metrics: dict) -> dict:
         """The estimator's inputs this step (those it declared, of :data:`MULTITURN_INPUTS`); adds their metrics
         (``multiturn/truth_scoring_s``, ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
-        ``multiturn/action_signatures_mean``: distinct action sub-chains per prompt)."""
+        ``multiturn/action_signatures_mean``: distinct action sub-chains per prompt, ``multiturn/chain_solved_mean``
+        / ``chain_skill_mean``: the mean score of a chain's problems, unfinished ones 0, and the share that passed a
+        skill on)."""
         cfg, N = self.config, forest.node_parent.shape[1]
         inputs = {}
         if "tool_success_PxN" in self.estimator_inputs:
@@ -308,6 +318,14 @@ class MultiTurnRollouts:
             sig, names = action_signatures(trees, forest.leaf_path.shape[2] - 1)
             inputs["action_signature_PxWxD"] = jnp.asarray(sig)
             metrics["multiturn/action_signatures_mean"] = float(np.mean([len(n) for n in names])) if names else 0.0
+        if any(i in self.estimator_inputs for i in CHAIN_INPUTS):
+            chains = chain_arrays(trees, forest.leaf_path.shape[2] - 1)
+            inputs.update({k: jnp.asarray(v) for k, v in chains.items() if k in self.estimator_inputs})
+            done = np.isfinite(chains["chain_outcome_PxWxD"])
+            metrics["multiturn/chain_solved_mean"] = (float(np.mean(chains["chain_outcome_PxWxD"][done]))
+                                                      if done.any() else 0.0)
+            metrics["multiturn/chain_skill_mean"] = (float(np.mean(chains["chain_skill_PxWxD"][done]))
+                                                     if done.any() else 0.0)
         if self.scorer is not None:
             t = time.perf_counter()
             inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
@@ -389,7 +407,11 @@ def answered(ep) -> bool:
 
 def episode_score(ep) -> float:
     """An episode's score in [0, 1]: for environments that mark answer turns (the code tool's ``answered``), the
-    verifier's score of the answer turn and 0 without one; otherwise (games) the episode's total reward, clipped."""
+    verifier's score of the answer turn and 0 without one; otherwise (games) the episode's total reward, clipped;
+    an environment that scores whole episodes puts the score in its last turn's ``info["episode_score"]`` (the
+    task chain: the mean of its problems' scores, unfinished ones 0)."""
+    if ep.infos and "episode_score" in ep.infos[-1]:  # the environment scores the whole episode (task chains)
+        return float(ep.infos[-1]["episode_score"])
     if ep.infos and "answered" in ep.infos[-1]:
         return float(ep.rewards[-1]) if ep.infos[-1]["answered"] else 0.0
     return float(np.clip(sum(ep.rewards), 0.0, 1.0))

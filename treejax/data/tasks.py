@@ -52,6 +52,7 @@ def _load_builtins() -> None:
         from treejax.data import file_tasks, reasoning_gym_tasks  # noqa: F401
         from treejax.envs import retrieval_corpus  # noqa: F401  (the retrieval world's questions)
         from treejax.envs import shell_task  # noqa: F401  (the shell world's questions)
+        from treejax.envs import user_task  # noqa: F401  (the simulated users' goals)
 
 
 def task_names() -> list[str]:

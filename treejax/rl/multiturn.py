@@ -51,7 +51,7 @@ from treejax.sampling.partial import check_chains
 
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
-                    "action_signature_PxWxD")
+                    "action_signature_PxWxD", "feedback_gain_PxN")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,10 @@ class MultiTurnConfig(Stage):
     :mod:`treejax.rl.tool_match`). ``environment = "shell"`` (:class:`~treejax.envs.shell.ShellEnv`: a small
     shell language, parsed to an AST, over the generated file systems of ``RunConfig.task = "shell_files"``); its
     command turns carry their AST's command-name chain, which A³ (``a3``) reads as ``action_signature_PxWxD``
-    (:func:`action_signatures`)."""
+    (:func:`action_signatures`). ``environment = "simulated_user"``
+    (:class:`~treejax.envs.simulated_user.SimulatedUserEnv`: a user with a persona and a hidden goal, played by a
+    model or by rules, for the goals of ``RunConfig.task = "user_goals"``); InfoPO (``infopo``) reads each turn's
+    counterfactual feedback gain ``feedback_gain_PxN`` (any environment whose turns get observations)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -191,10 +194,14 @@ class MultiTurnRollouts:
     ``make_env``: a factory of the episodes' environment (default: the code tool on the base's task);
     ``estimator_inputs``: the estimator's declared inputs; ``truth_logp_PxN`` needs ``model_config`` (the
     learner's forward scores the ground truth, :func:`treejax.rl.info_gain.make_truth_scorer`) and
-    ``truth_prefix``, the text before the answer in the environment's answer format (the code tool's ``Answer:``)."""
+    ``truth_prefix``, the text before the answer in the environment's answer format (the code tool's ``Answer:``);
+    ``feedback_gain_PxN`` (InfoPO) needs ``model_config`` too (two learner forwards per node slot,
+    :func:`treejax.rl.info_gain.feedback_gains`), with ``feedback_placeholder`` the text that replaces a masked
+    observation (default :data:`treejax.rl.info_gain.FEEDBACK_PLACEHOLDER`, the official code's)."""
 
     def __init__(self, base, config: MultiTurnConfig, make_env=None, estimator_inputs: tuple[str, ...] = (),
-                 model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: "):
+                 model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: ",
+                 feedback_placeholder: str | None = None):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
         self.make_env = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
         self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
@@ -213,6 +220,17 @@ class MultiTurnRollouts:
             from treejax.rl.info_gain import make_truth_scorer
 
             self.scorer = make_truth_scorer(model_config, pad_id=pad_id)
+        self.feedback_scorer = None
+        if "feedback_gain_PxN" in self.estimator_inputs:
+            if model_config is None:
+                raise ConfigError("MultiTurnRollouts: feedback_gain_PxN needs the model_config to score the turns")
+            from treejax.rl.info_gain import FEEDBACK_PLACEHOLDER, make_feedback_scorer
+
+            text = FEEDBACK_PLACEHOLDER if feedback_placeholder is None else feedback_placeholder
+            self.placeholder = np.asarray(base.tokenizer.encode(text), np.int32)
+            if self.placeholder.size == 0:
+                raise ConfigError(f"MultiTurnRollouts: the feedback placeholder {text!r} encodes to no tokens")
+            self.feedback_scorer = make_feedback_scorer(model_config, pad_id=pad_id)
         self.tree_config = base.rollout.tree_config
         config.check_tree(self.tree_config)
         if base.sampler_fns.extend is None:
@@ -288,7 +306,9 @@ class MultiTurnRollouts:
 
     def inputs(self, params, trees, forest, examples, prompts, lens, metrics: dict) -> dict:
         """The estimator's inputs this step (those it declared, of :data:`MULTITURN_INPUTS`); adds their metrics
-        (``multiturn/truth_scoring_s``, ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
+        (``multiturn/truth_scoring_s``, ``multiturn/feedback_scoring_s`` / ``feedback_gain_mean`` /
+        ``feedback_turns``: InfoPO's counterfactual pass, the mean gain and the number of nodes with one,
+        ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
         ``multiturn/action_signatures_mean``: distinct action sub-chains per prompt)."""
         cfg, N = self.config, forest.node_parent.shape[1]
         inputs = {}
@@ -308,6 +328,14 @@ class MultiTurnRollouts:
             sig, names = action_signatures(trees, forest.leaf_path.shape[2] - 1)
             inputs["action_signature_PxWxD"] = jnp.asarray(sig)
             metrics["multiturn/action_signatures_mean"] = float(np.mean([len(n) for n in names])) if names else 0.0
+        if self.feedback_scorer is not None:
+            t = time.perf_counter()
+            gain = np.asarray(jax.device_get(self.feedback_scorer(params, jnp.asarray(prompts), jnp.asarray(lens),
+                                                                  forest, jnp.asarray(self.placeholder))))
+            inputs["feedback_gain_PxN"] = jnp.asarray(gain)
+            metrics["multiturn/feedback_scoring_s"] = time.perf_counter() - t
+            metrics["multiturn/feedback_gain_mean"] = float(np.nanmean(gain)) if np.isfinite(gain).any() else 0.0
+            metrics["multiturn/feedback_turns"] = int(np.isfinite(gain).sum())
         if self.scorer is not None:
             t = time.perf_counter()
             inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)

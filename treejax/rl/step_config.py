@@ -17,7 +17,7 @@ OLD_LOGP_SOURCES = ("trainer", "sampler", "ewma")
 #: Estimator inputs (``EstimatorSpec.inputs``) a rollout source can supply (:class:`treejax.rl.rollouts.Rollouts`).
 KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_PxWxB", "nudge_problem_PxW",
                 "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN",
-                "state_cluster_PxN", "tool_match_PxWxD", "action_signature_PxWxD")
+                "state_cluster_PxN", "tool_match_PxWxD", "action_signature_PxWxD", "feedback_gain_PxN")
 #: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
 #: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
 #: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum

@@ -4,7 +4,7 @@ Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mo
 Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
 Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain. Hinted contexts: nudge.
 Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool;
-matchtir (matched tool-call turn rewards), a3 (episode feedback, AST action sub-chain residuals, tree-level margins).
+matchtir (matched tool-call turn rewards), infopo (counterfactual feedback gains, variance-gated), a3 (episode feedback, AST action sub-chain residuals, tree-level margins).
 """
 
 from treejax.rl.advantages.agentic import GiGPOOptions, HGPOOptions, SALTOptions, gigpo, gigpo_similar, hgpo, salt
@@ -20,7 +20,8 @@ from treejax.rl.advantages.agentic_tree import (
 )
 from treejax.rl.advantages.common import masked_whiten
 from treejax.rl.advantages.decs import DECSOptions, decs
-from treejax.rl.advantages import info_gain  # noqa: F401  (registers "igpo" and "a2tgpo")
+from treejax.rl.advantages import info_gain  # noqa: F401  (registers "igpo", "a2tgpo" and "infopo")
+from treejax.rl.advantages.info_gain import InfoPOOptions, infopo
 from treejax.rl.advantages.matchtir import MatchTIROptions, matchtir
 from treejax.rl.advantages.a3 import A3Options, a3
 from treejax.rl.advantages.flat import (
@@ -59,5 +60,5 @@ __all__ = [
     "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
     "gigpo", "gigpo_similar", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool",
     "GiGPOOptions", "HGPOOptions", "SALTOptions", "TreeGRPOOptions", "TreePSOptions", "PORToolOptions",
-    "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options",
+    "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options", "infopo", "InfoPOOptions",
 ]

@@ -180,7 +180,8 @@ def test_asking_is_necessary(task):
 @pytest.fixture(scope="module")
 def model_task():
     """The model user on a tiny random model with SmolLM2's real tokenizer, built in memory (loading through
-    ``load_model``, the task's default path, runs in the slow end-to-end test of tests/rl/test_infopo_run.py)."""
+    ``load_model``, the task's default path, runs in the slow end-to-end test
+    tests/rl/test_infopo.py::test_the_shipped_infopo_config_runs_one_step)."""
     import jax
 
     from treejax.envs.simulated_user import ModelUser

@@ -253,3 +253,33 @@ def test_config_checks_name_the_fix():
         RunConfig(rollout=chains, task="user_goals", estimator="infopo")
     with pytest.raises(ConfigError, match="not 'chain_sum_2x1'; fix: RunConfig.task = 'user_goals'"):
         RunConfig(rollouts=[MultiTurnConfig(environment="simulated_user")], rollout=chains, estimator="grpo")
+
+
+@pytest.mark.slow  # one RL step of the whole loop on tiny random models: ~2-3 min on the shared 2-core machine; the
+# default run covers its parts (test_infopo_hand_computed, test_feedback_gains_match_direct_forwards and
+# tests/envs/test_simulated_user.py::test_the_model_user_replies_through_the_sampler)
+def test_the_shipped_infopo_config_runs_one_step(tiny_checkpoint, tmp_path):
+    """configs/multiturn_user_infopo.gin end to end (goals, the model user loaded by load_model and decoded by the
+    sampler, trees of turns with cloned environments, the counterfactual pass, the estimator, the update, the
+    evaluation with the environment) for one step, the policy and the user both a tiny random model with SmolLM2's
+    tokenizer."""
+    import os
+
+    from treejax import train
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    options = ("{'size': 8, 'eval_size': 4, 'seed': 0, 'revealed': 1, 'user': 'model', 'user_model': "
+               f"'{tiny_checkpoint}', 'user_max_tokens': 4, 'extraction': 'answer_line'}}")
+    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
+              f"RunConfig.task_options = {options}",
+              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
+              "TreeConfig.init_divergence = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
+              "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16", "MultiTurnConfig.roots = 2",
+              "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1",
+              "RunConfig.mini_batches = 1"]
+    summary = train.main(["--gin_file", os.path.join(root, "configs", "multiturn_user_infopo.gin"), "--quiet"]
+                         + sum((["--gin_param", p] for p in params), []))
+    last = summary["history"][-1]
+    assert len(summary["history"]) == 1
+    assert sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens")) == 2 * 4  # every slot ended
+    assert "multiturn/feedback_turns" in last and np.isfinite(last["reward/mean"])

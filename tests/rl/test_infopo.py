@@ -275,6 +275,7 @@ def test_the_shipped_infopo_config_runs_one_step(tiny_checkpoint, tmp_path):
               "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
               "TreeConfig.init_divergence = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
               "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16", "MultiTurnConfig.roots = 2",
+              "TreeConfig.max_depth = 8", "TreeConfig.segment_length = 16",
               "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1",
               "RunConfig.mini_batches = 1"]
     summary = train.main(["--gin_file", os.path.join(root, "configs", "multiturn_user_infopo.gin"), "--quiet"]

@@ -230,7 +230,8 @@ class MultiTurnRollouts:
             self.placeholder = np.asarray(base.tokenizer.encode(text), np.int32)
             if self.placeholder.size == 0:
                 raise ConfigError(f"MultiTurnRollouts: the feedback placeholder {text!r} encodes to no tokens")
-            self.feedback_scorer = make_feedback_scorer(model_config, pad_id=pad_id)
+            # 2048-token chunks of the vocabulary projection: the pass runs 2 P N full rows (memory, not speed)
+            self.feedback_scorer = make_feedback_scorer(model_config, pad_id=pad_id, chunk_size=2048)
         self.tree_config = base.rollout.tree_config
         config.check_tree(self.tree_config)
         if base.sampler_fns.extend is None:

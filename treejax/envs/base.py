@@ -22,12 +22,14 @@ for math / reasoning-gym tasks), :mod:`treejax.envs.guess` (a number-guessing ga
 Multi-turn rollouts (``MultiTurnConfig.environment``) name an environment registered with :func:`register_env`:
 a class whose ``from_config(config, task, sandbox)`` builds one episode's environment from the
 ``MultiTurnConfig``, the run's task and the code sandbox's limits (``SandboxConfig``). Registered here:
-``"code_tool"``, ``"guess_number"``, ``"retrieval"``, ``"shell"`` and ``"task_chain"``.
+``"code_tool"``, ``"guess_number"``, ``"retrieval"``, ``"shell"``, ``"task_chain"`` and ``"simulated_user"``
+(:mod:`treejax.envs.simulated_user`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Protocol
 
 from treejax.errors import ConfigError
@@ -58,12 +60,13 @@ class Environment(Protocol):
 
 
 def tool_step(env: Any, action: str, parse: Callable[[str], Any], run: Callable[[Any], tuple[str, dict]],
-              calls_word: str = "tool calls") -> StepResult:
+              calls_word: str = "tool calls", tag: str = "output") -> StepResult:
     """One step of a tool protocol (the code tool, retrieval, the shell): ``parse(action)`` is the call that ends
     the turn or ``None`` for the answer turn, which ends the episode with ``env.task.score(action, env.example)``;
     a call past ``env.max_calls`` ends it with that turn's score and an error observation; otherwise
     ``run(call) -> (body, info)`` answers ``"\\n<output>\\nbody\\n</output>\\n"`` with reward 0 and
-    ``{"tool_calls": n, **info}``. ``env`` holds ``task, example, calls, done, max_calls`` (updated here)."""
+    ``{"tool_calls": n, **info}`` (``tag``: the observation's tag, ``output`` by default; the simulated user's
+    replies come back in ``<user>``). ``env`` holds ``task, example, calls, done, max_calls`` (updated here)."""
     name = type(env).__name__
     if env.example is None:
         raise RuntimeError(f"{name}.step before reset")
@@ -76,12 +79,36 @@ def tool_step(env: Any, action: str, parse: Callable[[str], Any], run: Callable[
                           {"tool_calls": env.calls, "answered": True})
     if env.calls >= env.max_calls:
         env.done = True
-        return StepResult(f"\n<output>\n[error] no {calls_word} left ({env.max_calls} per episode)\n</output>\n",
+        return StepResult(f"\n<{tag}>\n[error] no {calls_word} left ({env.max_calls} per episode)\n</{tag}>\n",
                           float(env.task.score(action, env.example)), True,
                           {"tool_calls": env.calls, "answered": False, "call_limit": True})
     body, info = run(call)
     env.calls += 1
-    return StepResult(f"\n<output>\n{body}\n</output>\n", 0.0, False, {"tool_calls": env.calls, **info})
+    return StepResult(f"\n<{tag}>\n{body}\n</{tag}>\n", 0.0, False, {"tool_calls": env.calls, **info})
+
+
+def step_all(envs: list, actions: list[str]) -> tuple[list[StepResult], list[float]]:
+    """``(results, seconds)``: ``envs[i].step(actions[i])`` for every ``i`` and the host seconds each took. Envs
+    whose class has a ``step_batch(envs, actions)`` classmethod (the simulated user: one batched decode of the
+    users' replies) are stepped together, once per class at the position of its first env, their time shared
+    evenly; every other env is stepped on its own, in order (exactly the calls a loop of ``step`` makes)."""
+    results: list = [None] * len(envs)
+    seconds = [0.0] * len(envs)
+    groups: dict[type, list[int]] = {}
+    for i, env in enumerate(envs):
+        if callable(getattr(type(env), "step_batch", None)):
+            groups.setdefault(type(env), []).append(i)
+    for i, env in enumerate(envs):
+        if results[i] is not None:
+            continue
+        idx = groups.get(type(env), [i]) if type(env) in groups else [i]
+        t = time.perf_counter()
+        out = (type(env).step_batch([envs[j] for j in idx], [actions[j] for j in idx]) if type(env) in groups
+               else [env.step(actions[i])])
+        dt = (time.perf_counter() - t) / len(idx)
+        for j, r in zip(idx, out):
+            results[j], seconds[j] = r, dt
+    return results, seconds
 
 
 def turn_ended(text: str, stop_strings: tuple[str, ...]) -> bool:
@@ -167,4 +194,4 @@ class GymnasiumText(ReplayClone):
 
 
 __all__ = ["ENVS", "Environment", "GymnasiumText", "ReplayClone", "StepResult", "env_names", "get_env", "register_env",
-           "tool_step", "turn_ended"]
+           "step_all", "tool_step", "turn_ended"]

@@ -1,4 +1,5 @@
-"""Teacher-forced ground-truth scoring of a turn forest: IGPO's ``pi(a | q, o_<=t)`` for every node.
+"""Teacher-forced scoring passes over a turn forest: IGPO's ``pi(a | q, o_<=t)`` for every node, and InfoPO's
+counterfactual feedback gain (:func:`feedback_gains`: each turn's shift when its parent turn's observation is masked).
 
 IGPO (Wang et al. 2025, "Information Gain-based Policy Optimization", arXiv 2510.14967) and A2TGPO (Chen et al.
 2026, arXiv 2605.06200) reward a turn by how much it moved the policy's belief in the ground-truth answer ``a``.
@@ -190,5 +191,103 @@ def answer_tokens(encode: Callable[[str], Sequence[int]], answers: Sequence[str]
     return toks, lengths, scored
 
 
-__all__ = ["TruthBatch", "answer_tokens", "make_truth_scorer", "mean_scored_logprob", "node_ends", "node_leaves", "truth_logprobs",
+# ------------------------------------------------------------------------------------------------ InfoPO
+#: InfoPO's placeholder for a masked observation (the official code's ``observation_placeholder``).
+FEEDBACK_PLACEHOLDER = "No information found."
+
+
+@struct.dataclass
+class FeedbackBatch:
+    """The rows of :func:`feedback_sequences`, ``B = P * N`` rows of width ``L = Lp + T`` each, in two versions:
+    ``tokens`` (the conversation as it was) and ``masked`` (the parent turn's observation replaced by the
+    placeholder); ``positions`` / ``segment_ids`` as the sequence forward takes them (shared by both versions);
+    ``scored [B, L]`` 1.0 on the node's own policy tokens; ``has_gain [P, N]`` the nodes with a gain: a turn (depth
+    >= 2) on some leaf's path, with >= 1 policy token, whose parent turn has >= 1 observation token."""
+
+    tokens: jax.Array
+    masked: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    scored: jax.Array
+    has_gain: jax.Array
+
+
+def feedback_sequences(prompts_PxLp: jax.Array, prompt_lengths_P: jax.Array, forest: Forest,
+                       placeholder_K: jax.Array, pad_id: int = 0) -> FeedbackBatch:
+    """InfoPO's counterfactual rows: for every (prompt ``p``, node slot ``n``), row ``p * N + n`` is ``prompt_p ++
+    response tokens [0, end(n))`` of a leaf through ``n`` (:func:`node_leaves`), right-padded to ``Lp + T``; in the
+    ``masked`` version the observation tokens of ``n``'s parent turn (its span's tokens with ``policy_mask`` 0)
+    are replaced, position by position, by ``placeholder_K`` padded with its last token or cut to the
+    observation's length (the official code's rule: the positions of every later token stay as they were)."""
+    prompts = jnp.asarray(prompts_PxLp, jnp.int32)
+    ph = jnp.asarray(placeholder_K, jnp.int32)
+    P, Lp = prompts.shape
+    N, T, K = forest.node_parent.shape[1], forest.tokens.shape[2], ph.shape[0]
+    L = Lp + T
+    rep, used = node_leaves(forest)
+    span = forest.spans()
+    start, end = span[..., 0], span[..., 0] + span[..., 1]  # [P, N]
+    parent = jnp.clip(forest.node_parent, 0, N - 1)
+    pstart, pend = jnp.take_along_axis(start, parent, axis=1), jnp.take_along_axis(end, parent, axis=1)
+    resp = jnp.take_along_axis(forest.tokens, rep[:, :, None], axis=1)  # [P, N, T]
+    pm = jnp.take_along_axis(forest.policy_tokens(), rep[:, :, None], axis=1) > 0  # [P, N, T]
+    r = jnp.arange(T)[None, None, :]
+    own_policy = (r >= start[:, :, None]) & (r < end[:, :, None]) & pm
+    parent_obs = (r >= pstart[:, :, None]) & (r < pend[:, :, None]) & ~pm
+    obs_start = jnp.min(jnp.where(parent_obs, r, T), axis=-1)  # [P, N]
+    depth = forest.node_depth
+    has_gain = used & (depth >= 2) & jnp.any(own_policy, -1) & jnp.any(parent_obs, -1)
+    lp = jnp.asarray(prompt_lengths_P, jnp.int32)[:, None, None]
+    i = jnp.arange(L, dtype=jnp.int32)[None, None, :]
+    ri = jnp.clip(i - lp, 0, T - 1)  # the response index of position i
+    take = lambda x: jnp.take_along_axis(x, jnp.broadcast_to(ri, (P, N, L)), axis=2)  # noqa: E731
+    prompt_tok = jnp.take_along_axis(prompts[:, None, :], jnp.clip(i, 0, Lp - 1), axis=2)
+    in_prompt, real = i < lp, i < lp + end[:, :, None]
+    tokens = jnp.where(in_prompt, prompt_tok, jnp.where(real, take(resp), pad_id))
+    fill = ph[jnp.clip(i - lp - obs_start[:, :, None], 0, K - 1)]
+    masked = jnp.where(~in_prompt & real & take(parent_obs), fill, tokens)
+    scored = ~in_prompt & real & take(own_policy) & has_gain[:, :, None]
+    flat = lambda x: x.reshape((P * N, L))  # noqa: E731
+    positions = jnp.broadcast_to(jnp.where(real, i, 0), (P, N, L))
+    return FeedbackBatch(tokens=flat(tokens.astype(jnp.int32)), masked=flat(masked.astype(jnp.int32)),
+                         positions=flat(positions.astype(jnp.int32)), segment_ids=flat(
+                             jnp.broadcast_to(real, (P, N, L)).astype(jnp.int32)),
+                         scored=flat(scored.astype(jnp.float32)), has_gain=has_gain)
+
+
+def feedback_gains(logprob_fn: Callable, params: Any, prompts_PxLp: jax.Array, prompt_lengths_P: jax.Array,
+                   forest: Forest, placeholder_K: jax.Array, *, pad_id: int = 0) -> jax.Array:
+    """float32[P, N]: InfoPO's counterfactual information gain of each node's turn from its parent's feedback,
+
+        g(n) = (1 / |a_n|) sum_{j in a_n} [log pi(a_j | q, o_<n, a_<j) - log pi(a_j | q, o~_<n, a_<j)]
+
+    ``a_n`` node ``n``'s policy tokens (teacher-forced), ``o_<n`` the conversation before them as it was and
+    ``o~_<n`` the same with the parent turn's observation masked (:func:`feedback_sequences`): the sampled-token
+    estimate of ``KL(pi(. | with feedback) || pi(. | masked))`` on the next action that the official code computes
+    (``compute_batched_kl_divergence`` of kfq20/InfoPO). NaN where the node has no gain (the root, first turns,
+    unused slots, a parent turn without observation, a turn without policy tokens). ``logprob_fn`` as in
+    :func:`truth_logprobs`; two forwards of ``P * N`` rows."""
+    b = feedback_sequences(prompts_PxLp, prompt_lengths_P, forest, placeholder_K, pad_id)
+    P, N = b.has_gain.shape
+    with_fb = logprob_fn(params, b.tokens, b.positions, b.segment_ids)
+    without = logprob_fn(params, b.masked, b.positions, b.segment_ids)
+    gain = mean_scored_logprob(with_fb.astype(jnp.float32) - without.astype(jnp.float32), b.scored).reshape((P, N))
+    return jnp.where(b.has_gain, gain, jnp.nan)
+
+
+def make_feedback_scorer(model_config, *, pad_id: int = 0, chunk_size: int = 8192,
+                         attention_impl: str = "xla") -> Callable:
+    """A jitted ``scorer(params, prompts_PxLp, prompt_lengths_P, forest, placeholder_K) -> feedback_gain_PxN``
+    (:func:`feedback_gains`) with the learner's sequence forward of ``model_config``."""
+    from treejax.rl.layouts import sequence_logprobs
+
+    def logprob_fn(params, tokens, positions, segment_ids):
+        return sequence_logprobs(params, model_config, tokens, positions, segment_ids, chunk_size=chunk_size,
+                                 attention_impl=attention_impl)
+
+    return jax.jit(functools.partial(feedback_gains, logprob_fn, pad_id=pad_id))
+
+
+__all__ = ["FEEDBACK_PLACEHOLDER", "FeedbackBatch", "TruthBatch", "answer_tokens", "feedback_gains", "feedback_sequences",
+           "make_feedback_scorer", "make_truth_scorer", "mean_scored_logprob", "node_ends", "node_leaves", "truth_logprobs",
            "truth_sequences"]

@@ -52,7 +52,8 @@ from treejax.sampling.partial import check_chains
 
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
-                    "action_signature_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD")
+                    "action_signature_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD",
+                    "feedback_gain_PxN")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,11 @@ class MultiTurnConfig(Stage):
     (:func:`action_signatures`). ``environment = "task_chain"`` (:class:`~treejax.envs.task_chain.TaskChainEnv`:
     the related problems of ``RunConfig.task = "task_chain"`` in one episode, each verified); its turns carry
     their problem's index, outcome and skill, which SAGE (``sage``) reads as ``chain_link_PxWxD``,
-    ``chain_outcome_PxWxD`` and ``chain_skill_PxWxD`` (:func:`treejax.rl.chains.chain_arrays`)."""
+    ``chain_outcome_PxWxD`` and ``chain_skill_PxWxD`` (:func:`treejax.rl.chains.chain_arrays`).
+    ``environment = "simulated_user"`` (:class:`~treejax.envs.simulated_user.SimulatedUserEnv`: a user with a
+    persona and a hidden goal, played by a model or by rules, for the goals of ``RunConfig.task = "user_goals"``);
+    InfoPO (``infopo``) reads each turn's counterfactual feedback gain ``feedback_gain_PxN`` (any environment whose
+    turns get observations)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -199,10 +204,14 @@ class MultiTurnRollouts:
     ``make_env``: a factory of the episodes' environment (default: the code tool on the base's task);
     ``estimator_inputs``: the estimator's declared inputs; ``truth_logp_PxN`` needs ``model_config`` (the
     learner's forward scores the ground truth, :func:`treejax.rl.info_gain.make_truth_scorer`) and
-    ``truth_prefix``, the text before the answer in the environment's answer format (the code tool's ``Answer:``)."""
+    ``truth_prefix``, the text before the answer in the environment's answer format (the code tool's ``Answer:``);
+    ``feedback_gain_PxN`` (InfoPO) needs ``model_config`` too (two learner forwards per node slot,
+    :func:`treejax.rl.info_gain.feedback_gains`), with ``feedback_placeholder`` the text that replaces a masked
+    observation (default :data:`treejax.rl.info_gain.FEEDBACK_PLACEHOLDER`, the official code's)."""
 
     def __init__(self, base, config: MultiTurnConfig, make_env=None, estimator_inputs: tuple[str, ...] = (),
-                 model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: "):
+                 model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: ",
+                 feedback_placeholder: str | None = None):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
         self.make_env = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
         self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
@@ -221,6 +230,18 @@ class MultiTurnRollouts:
             from treejax.rl.info_gain import make_truth_scorer
 
             self.scorer = make_truth_scorer(model_config, pad_id=pad_id)
+        self.feedback_scorer = None
+        if "feedback_gain_PxN" in self.estimator_inputs:
+            if model_config is None:
+                raise ConfigError("MultiTurnRollouts: feedback_gain_PxN needs the model_config to score the turns")
+            from treejax.rl.info_gain import FEEDBACK_PLACEHOLDER, make_feedback_scorer
+
+            text = FEEDBACK_PLACEHOLDER if feedback_placeholder is None else feedback_placeholder
+            self.placeholder = np.asarray(base.tokenizer.encode(text), np.int32)
+            if self.placeholder.size == 0:
+                raise ConfigError(f"MultiTurnRollouts: the feedback placeholder {text!r} encodes to no tokens")
+            # 2048-token chunks of the vocabulary projection: the pass runs 2 P N full rows (memory, not speed)
+            self.feedback_scorer = make_feedback_scorer(model_config, pad_id=pad_id, chunk_size=2048)
         self.tree_config = base.rollout.tree_config
         config.check_tree(self.tree_config)
         if base.sampler_fns.extend is None:
@@ -296,7 +317,9 @@ class MultiTurnRollouts:
 
     def inputs(self, params, trees, forest, examples, prompts, lens, metrics: dict) -> dict:
         """The estimator's inputs this step (those it declared, of :data:`MULTITURN_INPUTS`); adds their metrics
-        (``multiturn/truth_scoring_s``, ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
+        (``multiturn/truth_scoring_s``, ``multiturn/feedback_scoring_s`` / ``feedback_gain_mean`` /
+        ``feedback_turns``: InfoPO's counterfactual pass, the mean gain and the number of nodes with one,
+        ``multiturn/tool_match_mean``: the mean matched score of the tool calls,
         ``multiturn/action_signatures_mean``: distinct action sub-chains per prompt, ``multiturn/chain_solved_mean``
         / ``chain_skill_mean``: the mean score of a chain's problems, unfinished ones 0, and the share that passed a
         skill on)."""
@@ -326,6 +349,14 @@ class MultiTurnRollouts:
                                                       if done.any() else 0.0)
             metrics["multiturn/chain_skill_mean"] = (float(np.mean(chains["chain_skill_PxWxD"][done]))
                                                      if done.any() else 0.0)
+        if self.feedback_scorer is not None:
+            t = time.perf_counter()
+            gain = np.asarray(jax.device_get(self.feedback_scorer(params, jnp.asarray(prompts), jnp.asarray(lens),
+                                                                  forest, jnp.asarray(self.placeholder))))
+            inputs["feedback_gain_PxN"] = jnp.asarray(gain)
+            metrics["multiturn/feedback_scoring_s"] = time.perf_counter() - t
+            metrics["multiturn/feedback_gain_mean"] = float(np.nanmean(gain)) if np.isfinite(gain).any() else 0.0
+            metrics["multiturn/feedback_turns"] = int(np.isfinite(gain).sum())
         if self.scorer is not None:
             t = time.perf_counter()
             inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)

@@ -4,14 +4,11 @@ Interface: ``fn(forest, rewards_PxW, options, **inputs) -> Advantages`` (see :mo
 Flat estimators: grpo (Dr.GRPO option), rloo, reinforce_pp_baseline, mc_grpo, remax, decs (token-level).
 Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_chain. Hinted contexts: nudge.
 Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool;
-<<<<<<< HEAD
-matchtir (matched tool-call turn rewards), a3 (episode feedback, AST action sub-chain residuals, tree-level margins).
+matchtir (matched tool-call turn rewards), infopo (counterfactual feedback gains, variance-gated), a3 (episode
+feedback, AST action sub-chain residuals, tree-level margins), sage (task chains: per-problem GRPO on a
+skill-integrated reward).
 Judged steps (a scorer model's scores as inputs): slate (step rewards z-scored among siblings), mapo (per-turn judge
 rewards, Monte-Carlo returns, turn- and batch-level normalisation mixed).
-=======
-matchtir (matched tool-call turn rewards), a3 (episode feedback, AST action sub-chain residuals, tree-level margins),
-sage (task chains: per-problem GRPO on a skill-integrated reward).
->>>>>>> chains-sage
 """
 
 from treejax.rl.advantages.agentic import GiGPOOptions, HGPOOptions, SALTOptions, gigpo, gigpo_similar, hgpo, salt
@@ -27,15 +24,13 @@ from treejax.rl.advantages.agentic_tree import (
 )
 from treejax.rl.advantages.common import masked_whiten
 from treejax.rl.advantages.decs import DECSOptions, decs
-from treejax.rl.advantages import info_gain  # noqa: F401  (registers "igpo" and "a2tgpo")
+from treejax.rl.advantages import info_gain  # noqa: F401  (registers "igpo", "a2tgpo" and "infopo")
+from treejax.rl.advantages.info_gain import InfoPOOptions, infopo
 from treejax.rl.advantages.matchtir import MatchTIROptions, matchtir
 from treejax.rl.advantages.a3 import A3Options, a3
-<<<<<<< HEAD
 from treejax.rl.advantages.mapo import MAPOOptions, mapo
-from treejax.rl.advantages.slate import SLATEOptions, slate
-=======
 from treejax.rl.advantages.sage import SAGEOptions, sage
->>>>>>> chains-sage
+from treejax.rl.advantages.slate import SLATEOptions, slate
 from treejax.rl.advantages.flat import (
     GRPOOptions,
     MCGRPOOptions,
@@ -72,10 +67,6 @@ __all__ = [
     "TreePOOptions", "TreePOSegmentOptions", "SPOTreeOptions",
     "gigpo", "gigpo_similar", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool",
     "GiGPOOptions", "HGPOOptions", "SALTOptions", "TreeGRPOOptions", "TreePSOptions", "PORToolOptions",
-<<<<<<< HEAD
     "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options", "slate", "SLATEOptions", "mapo",
-    "MAPOOptions",
-=======
-    "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options", "sage", "SAGEOptions",
->>>>>>> chains-sage
+    "MAPOOptions", "sage", "SAGEOptions", "infopo", "InfoPOOptions",
 ]

@@ -1,4 +1,5 @@
-"""Information-gain turn advantages over a turn forest: IGPO and A2TGPO.
+"""Information-gain turn advantages over a turn forest: IGPO and A2TGPO (from the ground truth's probability), and
+InfoPO (from the counterfactual shift of the next action when a turn's feedback is masked, :func:`infopo`).
 
 Both read ``truth_logp_PxN [P, N]`` (:func:`treejax.rl.info_gain.truth_logprobs`): for every node ``n`` the
 length-normalised log-probability of the ground-truth answer after the response through ``n`` (the root: after
@@ -267,5 +268,121 @@ def a2tgpo_clip_scale(forest: Forest, rewards_PxW: jax.Array, options: A2TGPOOpt
     return clip, _clip_tokens(forest, clip)
 
 
-__all__ = ["A2TGPOOptions", "IGPOOptions", "a2tgpo", "a2tgpo_clip_scale", "a2tgpo_turns", "discounted_to_go",
+# ------------------------------------------------------------------------------------------------ InfoPO
+@dataclasses.dataclass(frozen=True)
+class InfoPOOptions:
+    """``intrinsic_weight`` (beta): the information term's weight (official default 0.1; its decay over epochs,
+    ``intrinsic_decay_rate``, is 0 in the official scripts and not built); ``gate_temperature`` (tau, official
+    0.05); ``baseline_std``: the floor of the magnitude bound's target (official 1.0); ``scale_by_std`` / ``eps``:
+    both group normalisations divide by ``std + eps`` (official 1e-6)."""
+
+    intrinsic_weight: float = 0.1
+    gate_temperature: float = 0.05
+    baseline_std: float = 1.0
+    scale_by_std: bool = True
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("intrinsic_weight", "baseline_std"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and v == v and v != float("inf")):
+                raise ValueError(f"InfoPOOptions.{name} must be a finite number >= 0, got {v!r}")
+        if not self.gate_temperature > 0:
+            raise ValueError(f"InfoPOOptions.gate_temperature must be > 0, got {self.gate_temperature!r}")
+        if not self.eps > 0:
+            raise ValueError(f"InfoPOOptions.eps must be > 0, got {self.eps!r}")
+
+
+def turn_feedback_gains(forest: Forest, feedback_gain_PxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(gain [P, W, D], has [P, W, D])``: leaf ``w``'s turn ``t`` gets the gain of its *next* turn's node
+    (``g(node_{t+1})``: the feedback turn ``t`` obtained, measured on the action it led to; the official code's
+    attribution), ``has`` where that node exists and its gain is finite (0 elsewhere)."""
+    P, N = forest.node_parent.shape
+    g = jnp.asarray(feedback_gain_PxN, jnp.float32)
+    if tuple(g.shape) != (P, N):
+        raise ValueError(f"feedback_gain_PxN has shape {tuple(g.shape)}, the forest has [P, N] = {(P, N)}")
+    nodes, valid, _ = turn_layout(forest)
+    nxt = jnp.concatenate([nodes[:, :, 1:], jnp.full(nodes.shape[:2] + (1,), -1, nodes.dtype)], axis=-1)
+    val = jnp.take_along_axis(g[:, None, :], jnp.clip(nxt, 0, N - 1), axis=-1)
+    has = valid & (nxt >= 0) & jnp.isfinite(val)
+    return jnp.where(has, val, 0.0), has
+
+
+def _weighted_std(x: jax.Array, w: jax.Array) -> jax.Array:
+    """sqrt(sum(w (x - mean)^2) / sum(w)) over all entries (0 for no weight)."""
+    sw = jnp.maximum(jnp.sum(w), 1e-30)
+    mean = jnp.sum(w * x) / sw
+    return jnp.sqrt(jnp.sum(w * (x - mean) ** 2) / sw)
+
+
+def infopo_turns(forest: Forest, rewards_PxW, options: InfoPOOptions, feedback_gain_PxN):
+    """``(advantages [P, W, D], parts)`` of :func:`infopo`; ``parts``: ``outcome [P, W]``, ``intrinsic [P, W, D]``
+    (normalised gains), ``gate [P]``, ``ratio []``."""
+    R = check_rewards(forest, rewards_PxW)
+    _, valid, _ = turn_layout(forest)
+    gain, has = turn_feedback_gains(forest, feedback_gain_PxN)
+    P, W, D = gain.shape
+    lw = forest.leaf_weights()
+    used = forest.leaf_path[:, :, 0] >= 0
+    outcome = group_normalize(R, used, lw, options.scale_by_std, options.eps)  # [P, W]
+    flat = lambda x: x.reshape((P, W * D))  # noqa: E731  (one group per prompt: all its slots' gains)
+    weight3 = jnp.broadcast_to(lw[:, :, None], gain.shape)
+    intrinsic = group_normalize(flat(gain), flat(has), flat(weight3), options.scale_by_std,
+                                options.eps).reshape((P, W, D))
+    wr = jnp.where(used, lw, 0.0)
+    mean_r = jnp.sum(wr * R, -1, keepdims=True) / jnp.maximum(jnp.sum(wr, -1, keepdims=True), 1e-30)
+    std_r = jnp.sqrt(jnp.sum(wr * (R - mean_r) ** 2, -1) / jnp.maximum(jnp.sum(wr, -1), 1e-30))  # [P]
+    gate = jax.nn.sigmoid(-std_r / options.gate_temperature)
+    tok_w = forest.loss_mask * lw[:, :, None]
+    std_o = _weighted_std(_tokens(forest, jnp.broadcast_to(outcome[:, :, None], gain.shape)), tok_w) + options.eps
+    std_i = _weighted_std(_tokens(forest, intrinsic), tok_w) + options.eps
+    ratio = jnp.minimum(1.0, jnp.maximum(std_o, options.baseline_std) / std_i)
+    adv = jnp.where(valid, outcome[:, :, None] + options.intrinsic_weight * gate[:, None, None] * ratio * intrinsic,
+                    0.0)
+    return adv, {"outcome": outcome, "intrinsic": intrinsic, "gate": gate, "ratio": ratio}
+
+
+@register_estimator("infopo", InfoPOOptions, inputs=("feedback_gain_PxN",))
+def infopo(forest: Forest, rewards_PxW: jax.Array, options: InfoPOOptions = InfoPOOptions(), *,
+           feedback_gain_PxN: jax.Array) -> Advantages:
+    """InfoPO (Kong et al. 2026, "InfoPO: Information-Driven Policy Optimization for User-Centric Agents", arXiv
+    2603.00656): a turn is credited by how much the feedback it obtained (the user's reply, a tool's output)
+    changes the policy's next action against a masked-feedback counterfactual, fused with the outcome advantage
+    by a variance gate.
+
+    Counterfactual information gain (host + learner forward, :func:`treejax.rl.info_gain.feedback_gains`): for a
+    turn node ``n`` whose parent turn ended with an observation, ``g(n) = mean_j [log pi(a_j | with the parent's
+    observation) - log pi(a_j | the observation replaced by "No information found.")]`` over ``n``'s policy
+    tokens, and leaf ``w``'s turn ``t`` gets ``I_{w,t} = g(node_{t+1})`` (:func:`turn_feedback_gains`: the turn
+    that *obtained* the feedback is credited). Then, per prompt ``p`` over its leaf slots (weights
+    ``Forest.leaf_weight``; statistics as the module docstring)::
+
+        O_w      = (R_w - mean_p R) / (std_p R + eps)                                 outcome (GRPO)
+        Ĩ_{w,t}  = (I_{w,t} - mean_p I) / (std_p I + eps)      over p's turns with a gain (0 on the others)
+        gate_p   = sigmoid(-std_p(R) / tau)                      (tau = gate_temperature; population std of R)
+        m        = min(1, max(s_O, baseline_std) / s_I)          s_X = token-level std of X over the batch + eps
+        A_{w,t}  = O_w + beta * gate_p * m * Ĩ_{w,t}             (beta = intrinsic_weight)
+
+    broadcast to each turn's policy tokens (0 on observations); ``segments`` holds ``A`` per (slot, turn). The gate
+    opens (-> 1/2) where a prompt's outcomes are tied (no outcome signal) and closes where they vary; the
+    magnitude bound only ever shrinks the information term.
+
+    What this rests on: the abstract (counterfactual masking, variance-gated fusion) and the released code
+    (``verl/trainer/ppo/intrinsic_reward.py`` and ``core_algos.py::compute_info_grpo_advantage`` of kfq20/InfoPO,
+    read, not copied): the placeholder text, the same-length masking, the sampled-token KL averaged over the next
+    action, the attribution to the turn that obtained the feedback, beta = 0.1, tau = 0.05, the baseline std 1.0
+    and the eps are the code's. The paper's own equations were not read. Chosen here, where the code differs or
+    is not expressible on a turn forest: the gains are normalised per turn (the code spreads a turn's gain evenly
+    over its tokens and normalises those per-token values, so a long turn's gain is diluted); an exact gain of 0
+    is a member of its group (the code drops zero token values); the gate's std is the population std of the
+    prompt's rewards (the code: the unbiased std, which differs by sqrt(W / (W - 1)) and saturates the gate in
+    the same cases); the outcome term is the plain GRPO advantage on every turn (the code's "Equalized" turn
+    credits reduce to it); no epoch decay of beta (0 in the released scripts). ``feedback_gain_PxN`` [P, N]:
+    :func:`treejax.rl.info_gain.feedback_gains` (NaN where a node has none).
+    """
+    adv, _ = infopo_turns(forest, rewards_PxW, options, feedback_gain_PxN)
+    return Advantages(tokens=_tokens(forest, adv), loss_mask=forest.loss_mask, segments=adv)
+
+
+__all__ = ["A2TGPOOptions", "IGPOOptions", "InfoPOOptions", "infopo", "infopo_turns", "turn_feedback_gains", "a2tgpo", "a2tgpo_clip_scale", "a2tgpo_turns", "discounted_to_go",
            "group_normalize", "igpo", "turn_info_gains", "turn_layout"]

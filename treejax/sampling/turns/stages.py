@@ -18,7 +18,9 @@ A round, while a row is active:
 2. :func:`end_turns`      the tokens join each row's turn; a turn ends at the first token whose text ends with a stop
                           string (the tokens past it are dropped: pending token and position move back to it), at a
                           stop token, or at the caps; an ended turn joins the episode as a policy span;
-3. :func:`step_envs`      ``env.step(turn text)`` for each ended turn, in row order: the reward and info, then the
+3. :func:`step_envs`      ``env.step(turn text)`` for each ended turn, in row order (environments with a
+                          ``step_batch`` classmethod stepped together: :func:`treejax.envs.base.step_all`): the
+                          reward and info, then the
                           episode ends (``done``, ``max_turns``; ``max_tokens`` when the observation and one more
                           policy token would not fit) or its observation's tokens are returned;
 4. :func:`append_obs`     the observations appended to their rows' KV in one chunk (width a power of two);
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from treejax.envs.base import turn_ended
+from treejax.envs.base import step_all, turn_ended
 from treejax.sampling import decode
 from treejax.sampling.cache import fork_rows
 from treejax.sampling.strategies import Strategy
@@ -248,11 +250,11 @@ def step_envs(ctx: TurnContext, rows: TurnRows, trees: list[TurnTree], ended: di
     ends (:func:`finish_row`: ``"done"``, ``"max_turns"``, or ``"max_tokens"`` when the observation does not fit)
     or goes on; returns the observation tokens of the rows that go on (possibly empty), by row."""
     observations = {}
-    for b, ids in ended.items():
+    order = list(ended)
+    results, seconds = step_all([rows.env_B[b] for b in order], [ctx.text(ended[b]) for b in order])
+    for b, result, dt in zip(order, results, seconds):
         ep = rows.episode_B[b]
-        t = time.perf_counter()
-        result = rows.env_B[b].step(ctx.text(ids))
-        ep.env_seconds += time.perf_counter() - t
+        ep.env_seconds += dt
         ep.rewards.append(float(result.reward))
         ep.infos.append(dict(result.info))
         if result.done:

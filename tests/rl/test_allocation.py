@@ -208,7 +208,7 @@ RAGGED = [(n, o) for n, o in [
     ("treepo", adv.TreePOOptions()), ("treepo", adv.TreePOOptions(weighting="group_size", reject_zero_std=True)),
     ("treepo_segment", adv.TreePOSegmentOptions()),
     ("treepo_segment", adv.TreePOSegmentOptions(node_value="child_mean")),
-    ("spo_tree", adv.SPOTreeOptions()), ("remax", adv.ReMaxOptions())]]
+    ("spo_tree", adv.SPOTreeOptions()), ("remax", adv.ReMaxOptions()), ("slate", adv.SLATEOptions())]]
 
 
 def test_ragged_flags():
@@ -225,8 +225,15 @@ def test_unused_slots_change_nothing(name, options):
     ragged = np.array([[0, -1, 1, -1], [-1, 2, 3, -1], [4, 5, -1, -1]])
     fn = adv.get_estimator(name)
 
+    J = jnp.asarray(rng.uniform(size=(6, 4, f.leaf_path.shape[2] - 1)), jnp.float32)  # slate's step judge scores
+
+    def inputs(rows):
+        if name == "remax":
+            return {"greedy_reward_P": R[jnp.asarray(rows).max(axis=1), 0]}
+        return {"step_judge_PxWxD": group_leaves(J, rows)} if name == "slate" else {}
+
     def run(rows):
-        kw = {"greedy_reward_P": R[jnp.asarray(rows).max(axis=1), 0]} if name == "remax" else {}
+        kw = inputs(rows)
         out = jax.jit(lambda f, r, kw: fn(f, r, options, **kw))(group_forest(f, rows), group_leaves(R, rows), kw)
         return {k: None if v is None else np.asarray(ungroup(v, rows, 6)) for k, v in
                 (("tokens", out.tokens), ("loss_mask", out.loss_mask), ("leaves", out.leaves))}
@@ -236,8 +243,7 @@ def test_unused_slots_change_nothing(name, options):
         if a[k] is not None:
             np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-6, err_msg=k)
     g = group_forest(f, ragged)
-    out = fn(g, group_leaves(R, ragged), options,
-             **({"greedy_reward_P": R[:3, 0]} if name == "remax" else {}))
+    out = fn(g, group_leaves(R, ragged), options, **inputs(ragged))
     unused = np.asarray(g.leaf_path)[:, :, 0] < 0
     assert np.all(np.asarray(out.tokens)[unused] == 0) and np.all(np.asarray(out.loss_mask)[unused] == 0)
 

@@ -17,7 +17,9 @@ Implementations (``attention_impl``):
 * ``"pallas_tpu"``: the same block-sparse flash attention as a Pallas TPU (Mosaic) kernel, the block tables
   passed by scalar prefetch (:mod:`treejax.models.tree_splash`); forward and backward kernels. On a non-TPU
   backend it runs in Pallas' generic interpreter (slow; correctness tests only).
-* ``"auto"``: ``"pallas"`` on a GPU, ``"pallas_tpu"`` on a TPU, ``"xla"`` elsewhere.
+* ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere, a TPU included: the TPU kernel is asked for by name
+  until it has been compiled by Mosaic and run on a chip (it has run only in the TPU interpreter; the sampler's
+  TPU decode kernel, in the same state, is picked by its ``"auto"``: :mod:`treejax.sampling.attention`).
 
 Sharding: the XLA path is partitioned by GSPMD like the rest of the update (rows over ``data x fsdp``, heads
 over ``tensor``). GSPMD cannot split a Pallas call (it would gather every operand onto every device and run it

@@ -284,42 +284,66 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
     """
     R, _, Q, H = q_Rx1xQxH.shape
     P, K = k_pre_PxKxLpxH.shape[:2]
-    G, W = Q // K, rows_per_prompt
+    W = rows_per_prompt
     if k_suf_RxKxLsxH.shape[0] != R or k_suf_RxKxLsxH.shape[1] != K:
         raise ValueError(f"suffix cache must be [R={R}, K={K}, Ls, H], got {k_suf_RxKxLsxH.shape}")
     if impl not in CASCADE_PASSES:
         raise ValueError(f"cascade impl must be one of {CASCADE_PASSES}, got {impl!r}")
     flat_R = row_prompt_R * W + row_rank_R
+    caches = (k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P)
     if impl == "xla":
-        Lp, Ls = k_pre_PxKxLpxH.shape[2], k_suf_RxKxLsxH.shape[2]
-        qg_RxKxGxH = (q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(jnp.float32) / math.sqrt(H)).astype(
-            k_suf_RxKxLsxH.dtype)
-        # suffix: per row, slots 0..suffix_pos
-        o2_RxKxGxH, lse2_RxKxG = _ragged_attention_lse(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R,
-                                                       _attention_block(Ls, block_size))
-        # prefix: queries grouped by prompt, one pass over each prompt's prefix
-        q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
-        o1_PxKxWGxH, lse1_PxKxWG = _ragged_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
-                                                         prefix_len_P - 1, _attention_block(Lp, block_size))
+        passes = _xla_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size)
     elif impl == "pallas_tpu":
-        o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG = _tpu_cascade_passes(
-            q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P,
-            flat_R, P, W, block_size, interpret)
+        passes = _tpu_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size, interpret)
     else:
-        qg_RxKxGxH = q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(k_suf_RxKxLsxH.dtype)  # the kernel scales
-        pallas = functools.partial(_pallas_attention_lse, block_size=block_size, target_programs=target_programs,
-                                   interpret=interpret)
-        Ls = k_suf_RxKxLsxH.shape[2]
-        suffix_len_R = jnp.where(suffix_pos_R < Ls, suffix_pos_R + 1, 1)  # dead rows: one slot (output unused)
-        o2_RxKxGxH, lse2_RxKxG = pallas(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_len_R)
-        q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
-        block_h = default_prefix_block_h(W * G) if prefix_block_h is None else prefix_block_h
-        o1_PxKxWGxH, lse1_PxKxWG = pallas(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P,
-                                          block_h=block_h, num_warps=prefix_num_warps)
+        passes = _pallas_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size, prefix_block_h,
+                                        prefix_num_warps, interpret, target_programs)
+    o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG = passes
     o1_PWxKxGxH, lse1_PWxKxG = _ungroup_prompt_outputs(o1_PxKxWGxH, lse1_PxKxWG, W)
     idx_R = jnp.clip(flat_R, 0, P * W - 1)
     out = merge_attention(o1_PWxKxGxH[idx_R], lse1_PWxKxG[idx_R], o2_RxKxGxH, lse2_RxKxG)
     return out.reshape(R, 1, Q, H).astype(q_Rx1xQxH.dtype)
+
+
+def _xla_cascade_passes(q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
+                        prefix_len_P, flat_R, P: int, W: int, block_size: int):
+    """The cascade's two passes as the ragged online-softmax loop (:func:`_ragged_attention_lse`),
+    ``(o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG)``: ``q`` scaled by ``1/sqrt(H)`` in fp32 before the cast
+    to the cache dtype; the suffix per row over slots ``0..suffix_pos``, the prefix with the queries grouped by
+    prompt, one pass over each prompt's prefix."""
+    R, _, Q, H = q_Rx1xQxH.shape
+    K = k_pre_PxKxLpxH.shape[1]
+    Lp, Ls = k_pre_PxKxLpxH.shape[2], k_suf_RxKxLsxH.shape[2]
+    qg_RxKxGxH = (q_Rx1xQxH[:, 0].reshape(R, K, Q // K, H).astype(jnp.float32) / math.sqrt(H)).astype(
+        k_suf_RxKxLsxH.dtype)
+    o2_RxKxGxH, lse2_RxKxG = _ragged_attention_lse(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R,
+                                                   _attention_block(Ls, block_size))
+    q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
+    o1_PxKxWGxH, lse1_PxKxWG = _ragged_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P - 1,
+                                                     _attention_block(Lp, block_size))
+    return o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG
+
+
+def _pallas_cascade_passes(q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH,
+                           v_pre_PxKxLpxH, prefix_len_P, flat_R, P: int, W: int, block_size: int,
+                           prefix_block_h: int | None, prefix_num_warps: int | None, interpret, target_programs: int):
+    """The cascade's two passes through JAX's Pallas/Triton split-K kernel with its residuals
+    (:func:`_pallas_attention_lse`, which scales ``q`` itself), ``(o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH,
+    lse2_RxKxG)``: dead rows read one slot (their output is unused); the prefix pass covers ``prefix_block_h``
+    queries per program (default :func:`default_prefix_block_h` of ``W G``) with ``prefix_num_warps`` warps."""
+    R, _, Q, H = q_Rx1xQxH.shape
+    K = k_pre_PxKxLpxH.shape[1]
+    qg_RxKxGxH = q_Rx1xQxH[:, 0].reshape(R, K, Q // K, H).astype(k_suf_RxKxLsxH.dtype)
+    pallas = functools.partial(_pallas_attention_lse, block_size=block_size, target_programs=target_programs,
+                               interpret=interpret)
+    Ls = k_suf_RxKxLsxH.shape[2]
+    suffix_len_R = jnp.where(suffix_pos_R < Ls, suffix_pos_R + 1, 1)
+    o2_RxKxGxH, lse2_RxKxG = pallas(qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_len_R)
+    q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
+    block_h = default_prefix_block_h(W * (Q // K)) if prefix_block_h is None else prefix_block_h
+    o1_PxKxWGxH, lse1_PxKxWG = pallas(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P, block_h=block_h,
+                                      num_warps=prefix_num_warps)
+    return o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG
 
 
 def _tpu_cascade_passes(q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH,

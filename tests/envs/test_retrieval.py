@@ -18,6 +18,7 @@ from treejax.envs.retrieval import BM25Index, RetrievalEnv, calculate, parse_cal
 from treejax.envs.retrieval_corpus import (COMPANY_SUFFIXES, Document, RetrievalTask, TEMPLATES, company_questions,
                                            final_answer, generate_world, guess_baseline, normalize_answer)
 from treejax.errors import ConfigError, DataError
+from treejax.testing.envs import run_shipped_multiturn
 
 
 @pytest.fixture(scope="module")
@@ -251,19 +252,5 @@ def test_the_multi_hop_questions_need_their_lookups(task):
 def test_the_shipped_matchtir_config_runs_one_step(tiny_checkpoint, tmp_path):
     """configs/multiturn_retrieval_matchtir.gin end to end (task, world, index, environment, matching, estimator,
     update, evaluation with the environment) for one step on a tiny random model with SmolLM2's tokenizer."""
-    import os
-
-    from treejax import train
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
-              "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16", "RunConfig.export_hf = False",
-              "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1", "RunConfig.mini_batches = 1"]
-    summary = train.main(["--gin_file", os.path.join(root, "configs", "multiturn_retrieval_matchtir.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    last = summary["history"][-1]
-    assert len(summary["history"]) == 1
-    assert sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens")) == 2 * 4  # every slot ended
-    assert "multiturn/tool_match_mean" in last and np.isfinite(last["reward/mean"])
+    last = run_shipped_multiturn("multiturn_retrieval_matchtir.gin", tiny_checkpoint, tmp_path / "run")
+    assert "multiturn/tool_match_mean" in last

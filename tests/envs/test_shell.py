@@ -23,6 +23,7 @@ from treejax.envs.shell_lang import (Command, FileSystem, Pipeline, Script, Shel
                                      signature)
 from treejax.envs.shell_task import ShellTask
 from treejax.errors import ConfigError, DataError
+from treejax.testing.envs import run_shipped_multiturn
 
 
 @pytest.fixture(scope="module")
@@ -267,18 +268,6 @@ def test_the_questions_need_their_actions(task):
 def test_the_shipped_a3_config_runs_one_step(tiny_checkpoint, tmp_path):
     """configs/multiturn_shell_a3.gin end to end (task, file systems, environment, trees of turns, signatures,
     A³, update, evaluation with the environment) for one step on a tiny random model with SmolLM2's tokenizer."""
-    from treejax import train
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "MultiTurnConfig.roots = 2", "EvalConfig.num_problems = 4",
-              "EvalConfig.max_new_tokens = 8", "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16",
-              "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1",
-              "RunConfig.mini_batches = 1"]
-    summary = train.main(["--gin_file", os.path.join(root, "configs", "multiturn_shell_a3.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    last = summary["history"][-1]
-    assert len(summary["history"]) == 1
-    assert sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens")) == 2 * 4  # every slot ended
-    assert "multiturn/action_signatures_mean" in last and np.isfinite(last["reward/mean"])
+    last = run_shipped_multiturn("multiturn_shell_a3.gin", tiny_checkpoint, tmp_path / "run",
+                                 ("MultiTurnConfig.roots = 2",))
+    assert "multiturn/action_signatures_mean" in last

@@ -16,6 +16,7 @@ from treejax.envs import env_names, get_env
 from treejax.envs.task_chain import HEADER, TaskChainEnv, feedback_text, parse_skill
 from treejax.envs.task_chain_task import TaskChain, cut_chains
 from treejax.errors import ConfigError, DataError
+from treejax.testing.envs import run_shipped_multiturn
 
 
 @pytest.fixture(scope="module")
@@ -201,19 +202,5 @@ def test_the_shipped_sage_config_runs_one_step(tiny_checkpoint, tmp_path):
     """configs/multiturn_chain_sage.gin end to end (chains of reasoning-gym problems, the chain environment with
     chat-formatted observations, SAGE's inputs, the update, the evaluation with the environment) for one step on a
     tiny random model with SmolLM2's tokenizer."""
-    import os
-
-    from treejax import train
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
-              "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16", "RunConfig.export_hf = False",
-              "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1", "RunConfig.mini_batches = 1"]
-    summary = train.main(["--gin_file", os.path.join(root, "configs", "multiturn_chain_sage.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    last = summary["history"][-1]
-    assert len(summary["history"]) == 1
-    assert sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens")) == 2 * 4  # every slot ended
-    assert 0.0 <= last["multiturn/chain_solved_mean"] <= 1.0 and np.isfinite(last["reward/mean"])
+    last = run_shipped_multiturn("multiturn_chain_sage.gin", tiny_checkpoint, tmp_path / "run")
+    assert 0.0 <= last["multiturn/chain_solved_mean"] <= 1.0

@@ -20,6 +20,7 @@ from treejax.rl import info_gain as ig
 from treejax.rl.advantages import InfoPOOptions, estimator_spec, infopo
 from treejax.rl.advantages.info_gain import infopo_turns
 from treejax.testing.forests import hand_turn_forest, lay_out_nodes, random_tree_paths
+from treejax.testing.envs import run_shipped_multiturn
 
 CFG = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250)
 
@@ -263,24 +264,9 @@ def test_the_shipped_infopo_config_runs_one_step(tiny_checkpoint, tmp_path):
     sampler, trees of turns with cloned environments, the counterfactual pass, the estimator, the update, the
     evaluation with the environment) for one step, the policy and the user both a tiny random model with SmolLM2's
     tokenizer."""
-    import os
-
-    from treejax import train
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     options = ("{'size': 8, 'eval_size': 4, 'seed': 0, 'revealed': 1, 'user': 'model', 'user_model': "
                f"'{tiny_checkpoint}', 'user_max_tokens': 4, 'extraction': 'answer_line'}}")
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              f"RunConfig.task_options = {options}",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
-              "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16", "MultiTurnConfig.roots = 2",
-              "TreeConfig.max_depth = 8", "TreeConfig.segment_length = 16",
-              "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1",
-              "RunConfig.mini_batches = 1"]
-    summary = train.main(["--gin_file", os.path.join(root, "configs", "multiturn_user_infopo.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    last = summary["history"][-1]
-    assert len(summary["history"]) == 1
-    assert sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens")) == 2 * 4  # every slot ended
-    assert "multiturn/feedback_turns" in last and np.isfinite(last["reward/mean"])
+    last = run_shipped_multiturn("multiturn_user_infopo.gin", tiny_checkpoint, tmp_path / "run",
+                                 (f"RunConfig.task_options = {options}", "MultiTurnConfig.roots = 2",
+                                  "TreeConfig.max_depth = 8", "TreeConfig.segment_length = 16"))
+    assert "multiturn/feedback_turns" in last

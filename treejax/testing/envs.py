@@ -134,3 +134,33 @@ def tiny_multiturn_base(examples: list, seed: int = 5):
 
 
 __all__ = ["ScriptedToolEnv", "TOOL_ERROR_CHARS", "ToyToolEnv", "tiny_multiturn_base"]
+
+
+#: The bindings that shrink a shipped multi-turn config to one step on the tiny model (:func:`run_shipped_multiturn`).
+ONE_STEP_MULTITURN = ("RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
+                      "TreeConfig.init_divergence = 4", "EvalConfig.num_problems = 4", "EvalConfig.max_new_tokens = 8",
+                      "EvalConfig.batch_size = 4", "MultiTurnConfig.turn_tokens = 16", "RunConfig.export_hf = False",
+                      "RunConfig.tree_picture_every = 0", "OptimizerConfig.total_steps = 1",
+                      "RunConfig.mini_batches = 1")
+
+
+def run_shipped_multiturn(config: str, model: str, log_dir, extra: tuple = ()) -> dict:
+    """``configs/<config>`` through ``treejax.train.main`` for one step of 2 prompts x 4 leaf slots on ``model``
+    (:data:`ONE_STEP_MULTITURN`, then ``extra``, which may override them). Checks what every such run must give:
+    one history row, every slot ended (done, out of turns or out of tokens), a finite mean reward. Returns that
+    row."""
+    import math
+    import os
+
+    from treejax import train
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    params = [f"RunConfig.model = '{model}'", f"RunConfig.log_dir = '{log_dir}'", *ONE_STEP_MULTITURN, *extra]
+    summary = train.main(["--gin_file", os.path.join(root, "configs", config), "--quiet"]
+                         + sum((["--gin_param", p] for p in params), []))
+    assert len(summary["history"]) == 1, summary["history"]
+    last = summary["history"][-1]
+    ended = sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens"))
+    assert ended == 2 * 4, f"{ended} of 8 leaf slots ended"
+    assert math.isfinite(last["reward/mean"]), last["reward/mean"]
+    return last

@@ -99,7 +99,18 @@ def score_leaves(scorer, scope: str, questions, texts, answers) -> np.ndarray:
         return np.array([np.nanmin(r) if np.isfinite(r).any() else np.nan for r in s], np.float32)
 
 
-class JudgedRollouts:
+class BaseStateOnly:
+    """A judging wrapper keeps no state of its own: its checkpoint state is the wrapped chain's (``self.base``)."""
+
+    def checkpoint_state(self) -> dict:
+        return dict(getattr(self.base, "checkpoint_state", dict)())
+
+    def restore_state(self, data_state: dict) -> None:
+        if hasattr(self.base, "restore_state"):
+            self.base.restore_state(data_state)
+
+
+class JudgedRollouts(BaseStateOnly):
     """The runtime wrapper (module docstring). ``base``: the chain before it."""
 
     def __init__(self, base, stage: JudgeStage, tokenizer, style: str, policy_model: str):
@@ -108,13 +119,6 @@ class JudgedRollouts:
         self.pipeline = getattr(base, "pipeline", None)
         self.estimator_inputs = getattr(base, "estimator_inputs", ())
         self.scorer = None
-
-    def checkpoint_state(self) -> dict:
-        return dict(getattr(self.base, "checkpoint_state", dict)())
-
-    def restore_state(self, data_state: dict) -> None:
-        if hasattr(self.base, "restore_state"):
-            self.base.restore_state(data_state)
 
     def judge(self, ro) -> np.ndarray:
         """``[P, W]`` judge scores of the leaves the stage reads (NaN elsewhere)."""

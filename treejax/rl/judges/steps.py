@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treejax.errors import ConfigError
-from treejax.rl.judges.base import example_fields
+from treejax.rl.judges.base import BaseStateOnly, example_fields
 from treejax.rl.sources.requirements import VERIFIER
 from treejax.scorers.config import ScorerConfig
 
@@ -97,7 +97,7 @@ def judge_steps(scorer, questions: list[str], steps_PxW: list[list[list[str]]], 
     return out
 
 
-class StepJudgedRollouts:
+class StepJudgedRollouts(BaseStateOnly):
     """The runtime wrapper (module docstring). ``base``: the chain before it."""
 
     def __init__(self, base, stage: StepJudgeStage, tokenizer, policy_model: str):
@@ -105,13 +105,6 @@ class StepJudgedRollouts:
         self.pipeline = getattr(base, "pipeline", None)
         self.estimator_inputs = tuple(getattr(base, "estimator_inputs", ())) + (stage.input_name,)
         self.scorer = None
-
-    def checkpoint_state(self) -> dict:
-        return dict(getattr(self.base, "checkpoint_state", dict)())
-
-    def restore_state(self, data_state: dict) -> None:
-        if hasattr(self.base, "restore_state"):
-            self.base.restore_state(data_state)
 
     def judge(self, ro) -> np.ndarray:
         """``[P, W, D]`` step scores of the rollouts' leaves (module docstring)."""

@@ -1,9 +1,11 @@
 """Golden runs of the rollout-chain redesign: every CLI feature case and every shipped config, 2 steps each.
 
 Recorded on the code BEFORE the redesign's first edit (``python -m tests.golden.golden record``) and compared after
-every phase (``check``): the history without wall-clock keys, and per step sha256 of the rollouts the learner
-received (every forest array, the rewards, the verifier scores, the estimator inputs) and of the parameters after
-the update. Equal means bit-for-bit equal on the machine that recorded them (XLA:CPU, same jax, same CPU type).
+every phase (``check``); a config added since is recorded on the code that added it (``record`` records only the
+cases not in the file), so from then on a change that moves its bits shows up here too. What is compared: the
+history without wall-clock keys, and per step sha256 of the rollouts the learner received (every forest array, the
+rewards, the verifier scores, the estimator inputs) and of the parameters after the update. Equal means bit-for-bit
+equal on the machine that recorded them (XLA:CPU, same jax, same CPU type).
 
 Cases run in one process and share a persistent compilation cache (a cached executable is the same program, so it
 changes no bit), so a ``check`` after the first one mostly loads programs.

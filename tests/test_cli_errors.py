@@ -77,6 +77,19 @@ def test_train_hf_folder_without_config(capsys, tmp_path, tiny_checkpoint):
     assert msg == f"missing file {folder / 'config.json'} (an HF checkpoint folder needs config.json)"
 
 
+def test_train_decode_kernel_this_backend_cannot_run(capsys, tmp_path, tiny_checkpoint):
+    """A forced decode kernel off its backend (the TPU kernel on this CPU) is one line naming the fix, when the
+    sampler is built (the kernel's limits need the model's head size and cache dtype)."""
+    argv = ["--quiet", "--gin_param", f"RunConfig.model='{tiny_checkpoint}'",
+            "--gin_param", f"RunConfig.log_dir='{tmp_path / 'log'}'",
+            "--gin_param", "RunConfig.decode_attention='pallas_tpu'"]
+    msg = _one_line_error(capsys, train.console_main, argv, "treejax-train")
+    assert msg.startswith("attention='pallas_tpu' cannot be used: the TPU decode kernel is a Pallas TPU (Mosaic) "
+                          "kernel, the backend is 'cpu'"), msg
+    assert msg.endswith("fix: attention='auto' or 'ragged' (RunConfig.decode_attention = 'auto' for treejax-train "
+                        "and treejax-eval)"), msg
+
+
 # ----------------------------------------------------------------------------------------------- gin bindings
 @pytest.mark.parametrize("value", ["/some/path", "./runs/a", "runs/a", "~/runs/a", "Qwen2.5-Math-1.5B/"])
 def test_unquoted_path_says_quote_string_values(capsys, value):

@@ -49,7 +49,7 @@ Choosing the implementation (:func:`resolve_impl`, once, when the sampler is bui
 ``"auto"`` takes ``"pallas"`` on a GPU where all of the kernel's constraints hold and the cache is 16-bit,
 ``"pallas_tpu"`` on a TPU where all of the TPU kernel's constraints hold and the cache is bfloat16, ``"ragged"``
 otherwise (CPU, other head sizes, float32 caches); a forced ``"pallas"`` or ``"pallas_tpu"`` whose constraints do
-not hold raises a ``ValueError`` then, not inside a trace.
+not hold raises a ``ConfigError`` (a ``ValueError``) then, not inside a trace.
 
 On a TPU, ``"auto"`` picks a kernel that has run only in Pallas' TPU interpreter: the issue asked that the decode
 path on a TPU use a TPU kernel, and the kernel passes Pallas' Mosaic lowering for the TPU platform (block shapes,
@@ -127,6 +127,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from treejax.errors import ConfigError
 from treejax.models.dense_attention import windowed_decode_attention
 from treejax.parallel.axis_rules import DEFAULT_RULES
 from treejax.parallel.mesh import rows_and_heads
@@ -543,7 +544,7 @@ def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, back
     """``"auto"`` -> ``"pallas"`` on a GPU when :func:`pallas_problem` finds none and the cache is 16-bit,
     ``"pallas_tpu"`` on a TPU when :func:`tpu_problem` finds none and the cache is bfloat16, ``"ragged"``
     otherwise (module docstring); a kernel (``"pallas"``, ``"pallas_tpu"``) where it cannot run raises
-    ``ValueError``.
+    :class:`~treejax.errors.ConfigError` (a ``ValueError``; the CLIs print it as one line).
 
     ``backend``: ``jax.default_backend()`` if ``None`` (tests pass ``"gpu"`` / ``"tpu"`` to check those choices
     anywhere). ``interpret``: the TPU kernel will run in Pallas' TPU interpreter (allowed off a TPU, smaller KV
@@ -560,7 +561,8 @@ def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, back
         problem = pallas_problem(head_dim, cache_dtype, block_size, backend)
     if name in ("pallas", "pallas_tpu"):
         if problem is not None:
-            raise ValueError(f"attention={name!r} cannot be used: {problem}; use 'auto' or 'ragged'")
+            raise ConfigError(f"attention={name!r} cannot be used: {problem}; fix: attention='auto' or 'ragged' "
+                              "(RunConfig.decode_attention = 'auto' for treejax-train and treejax-eval)")
         return name
     if backend == "tpu":
         tpu_ok = tpu_problem(head_dim, cache_dtype, block_size, backend) is None

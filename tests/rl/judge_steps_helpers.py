@@ -66,3 +66,17 @@ def tiny_learner(cfg, params, estimator: str, options=None):
     learner = make_learner(cfg, StepConfig(estimator=estimator, estimator_options=options),
                            Precision().resolve("cpu"), update, layout)
     return learner, TrainState.create(jax.tree_util.tree_map(np.array, params), optimizer)
+
+
+def check_one_rl_step(source, cfg, params, estimator: str, input_name: str) -> None:
+    """One loop step (collect -> judge -> learn) of ``source`` with ``estimator``: the judge's ``input_name``
+    reaches the learner, and the update trains on it (nothing skipped, finite loss, a gradient, first PPO ratio 1:
+    the rollout's log-probs are the learner's)."""
+    from treejax.rl.step import rl_step
+
+    learner, state = tiny_learner(cfg, params, estimator)
+    state, ro, m, _ = rl_step(learner, state, source, jax.random.key(1), 0)
+    m = jax.device_get(m)
+    assert input_name in ro.estimator_inputs
+    assert m["update/skipped"] == 0.0 and np.isfinite(m["update/loss"]) and m["update/grad_norm"] > 0
+    assert abs(m["update/first_ratio_min"] - 1) < 1e-5 and abs(m["update/first_ratio_max"] - 1) < 1e-5

@@ -196,14 +196,7 @@ def test_the_wrapper_scores_every_turn():
 def test_one_rl_step_judges_every_turn_and_trains_on_mapo():
     """The loop's step (collect -> judge -> learn) with the MAPO wrapper and the ``mapo`` estimator on a tiny
     model: the update trains on the turn advantages (first PPO ratio 1, finite loss, a gradient)."""
-    from judge_steps_helpers import tiny_learner
-
-    from treejax.rl.step import rl_step
+    from judge_steps_helpers import check_one_rl_step
 
     source, (cfg, params, _), _ = judged_turns()
-    learner, state = tiny_learner(cfg, params, "mapo")
-    state, ro, m, _ = rl_step(learner, state, source, jax.random.key(1), 0)
-    m = jax.device_get(m)
-    assert "turn_judge_PxWxD" in ro.estimator_inputs
-    assert m["update/skipped"] == 0.0 and np.isfinite(m["update/loss"]) and m["update/grad_norm"] > 0
-    assert abs(m["update/first_ratio_min"] - 1) < 1e-5 and abs(m["update/first_ratio_max"] - 1) < 1e-5
+    check_one_rl_step(source, cfg, params, "mapo", "turn_judge_PxWxD")

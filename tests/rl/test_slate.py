@@ -5,7 +5,6 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -194,17 +193,10 @@ def test_the_wrapper_scores_every_step_of_every_leaf():
 def test_one_rl_step_judges_every_step_and_trains_on_slate():
     """The loop's step (collect -> judge -> learn) with the SLATE wrapper and the ``slate`` estimator on a tiny
     model: the update trains on the step advantages (first PPO ratio 1, finite loss, a gradient)."""
-    from judge_steps_helpers import tiny_learner
-
-    from treejax.rl.step import rl_step
+    from judge_steps_helpers import check_one_rl_step
 
     source, (cfg, params, _), _, _ = judged_tree()
-    learner, state = tiny_learner(cfg, params, "slate")
-    state, ro, m, _ = rl_step(learner, state, source, jax.random.key(1), 0)
-    m = jax.device_get(m)
-    assert "step_judge_PxWxD" in ro.estimator_inputs
-    assert m["update/skipped"] == 0.0 and np.isfinite(m["update/loss"]) and m["update/grad_norm"] > 0
-    assert abs(m["update/first_ratio_min"] - 1) < 1e-5 and abs(m["update/first_ratio_max"] - 1) < 1e-5
+    check_one_rl_step(source, cfg, params, "slate", "step_judge_PxWxD")
 
 
 @pytest.mark.slow  # the whole CLI on the tiny model (~60 s on 2 cores); the default run covers the same chain

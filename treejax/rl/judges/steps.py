@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from treejax.errors import ConfigError
-from treejax.rl.judges.base import BaseStateOnly, example_fields
+from treejax.rl.judges.base import BaseStateOnly, JudgeStage, example_fields
 from treejax.rl.sources.requirements import VERIFIER
-from treejax.scorers.config import ScorerConfig
 
 
 class StepJudgeStage:
@@ -47,11 +46,7 @@ class StepJudgeStage:
                               f"estimator {self.estimator!r}, but the run's estimator is {facts.estimator!r}, which "
                               f"does not read them; fix: RunConfig.estimator = {self.estimator!r}")
 
-    def check_scorer(self) -> None:
-        name = type(self).__name__
-        if not isinstance(self.scorer, ScorerConfig):
-            raise ConfigError(f"{name}.scorer must be a ScorerConfig, got {self.scorer!r}; fix: "
-                              f"{name}.scorer = @ScorerConfig()")
+    check_scorer = JudgeStage.check_scorer  # the stage's scorer is a ScorerConfig (one line with the fix)
 
     def build(self, inner, ctx):
         return StepJudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.model)

@@ -164,6 +164,16 @@ def test_schedule_shorter_than_the_run_warns_in_one_line(no_run, capsys):
                    "OptimizerConfig.total_steps = 4\n")
 
 
+def test_a_dependency_warning_names_its_source(capsys):
+    """The CLI's one-line warnings: treejax's own say what to change; one raised by another package (on the GPU
+    image, a dependency's SyntaxWarning when it is compiled at import) also names its category, file and line."""
+    train._warning_line(UserWarning("set X"), UserWarning, train.__file__, 10)
+    train._warning_line(SyntaxWarning('"is" with \'str\' literal'), SyntaxWarning, "/site/pkg/mod.py", 7)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["treejax-train: warning: set X",
+                   "treejax-train: warning: \"is\" with 'str' literal (SyntaxWarning from /site/pkg/mod.py:7)"]
+
+
 def test_positional_gin_file_is_a_gin_file(no_run, capsys):
     with pytest.raises(AssertionError, match="run reached"):
         train.console_main(["--quiet", QUICKSTART])

@@ -128,8 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """The CLI shows a Python warning (e.g. the schedule check's) as one line, like its errors."""
-    print(f"treejax-train: warning: {_one_line(message)}", file=sys.stderr if file is None else file)
+    """The CLI shows a Python warning (e.g. the schedule check's) as one line, like its errors. A warning raised
+    outside treejax (a dependency's ``SyntaxWarning`` while it is compiled, a JAX deprecation) also names its
+    category and where it came from, so the line can be traced to the package that needs the fix."""
+    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    where = "" if os.path.abspath(str(filename)).startswith(own) else f" ({category.__name__} from {filename}:{lineno})"
+    print(f"treejax-train: warning: {_one_line(message)}{where}", file=sys.stderr if file is None else file)
 
 
 def console_main(argv: list[str] | None = None) -> None:

@@ -67,12 +67,26 @@ PROMPTS = np.array([[1, 2, 3, 4], [1, 9, 0, 0]], np.int32)
 LENS = np.array([4, 2], np.int32)
 
 
-def test_forks_copy_the_kv_and_the_environment(params):
+def test_forks_copy_the_kv_and_the_environment(params, monkeypatch):
+    from treejax.sampling.turns import stages
+
+    appended = []  # (rows in the append program, rows with an observation) per call
+
+    def recording_append(params, cache, rows, pending, position, tokens, length, *, model):
+        appended.append((int(rows.shape[0]), int((np.asarray(length) > 0).sum())))
+        return original(params, cache, rows, pending, position, tokens, length, model=model)
+
+    original = stages._append
+    monkeypatch.setattr(stages, "_append", recording_append)
     tok = _Tok()
     tree_cfg = TurnTreeConfig(num_slots=6, roots=2, branch_factor=2, fork_turns=2)
     trees = run_turn_trees(params, FNS, tok, lambda p: _Counter(3), ["x", "y"], PROMPTS, LENS, jax.random.key(3),
                            Temperature(1.0), LIMITS, tree_cfg, stop_ids=(63,))
     assert sum(t.forks for t in trees) > 0
+    # the append program's row count is a power of two (or all 12 rows), whatever the count of rows appending: a
+    # few programs, not one per count (rows given no tokens are unchanged: the exactness checks below hold)
+    assert len({real for _, real in appended}) > 1, appended
+    assert all(n == 12 or n & (n - 1) == 0 for n, _ in appended) and all(r <= n for n, r in appended), appended
     for p, t in enumerate(trees):
         children = {}
         for n, node in enumerate(t.nodes[1:], start=1):

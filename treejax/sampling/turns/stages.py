@@ -272,24 +272,32 @@ def step_envs(ctx: TurnContext, rows: TurnRows, trees: list[TurnTree], ended: di
 
 # ----------------------------------------------------------------------------------------------- 4. append
 def append_obs(ctx: TurnContext, cache, rows: TurnRows, rows_obs: dict) -> object:
-    """The non-empty observations appended over their rows' cached prefixes in one chunk (width the next power of
-    two of the longest: few compiles; :func:`treejax.sampling.decode.append_tokens`); they join the episodes as
-    environment spans."""
+    """The non-empty observations appended over their rows' cached prefixes in one chunk
+    (:func:`treejax.sampling.decode.append_tokens`); they join the episodes as environment spans.
+
+    Few compiles: the chunk's width is the next power of two of the longest observation, and its row count the
+    next power of two of the rows appending (at most ``B``), filled up with other rows of the cache given no
+    tokens (``length = 0``: unchanged). Without the row bucket every new count of rows appending in a round was a
+    new program: a task-chain run on an H200 kept compiling for 108 s after its first step."""
     rows_obs = {b: t for b, t in rows_obs.items() if t}
     if not rows_obs:
         return cache
     C = max(len(t) for t in rows_obs.values())
-    C = 1 << (C - 1).bit_length()  # a few chunk widths: few compiles
-    idx = np.array(sorted(rows_obs), np.int32)
-    toks = np.zeros((len(idx), C), np.int32)
-    for i, b in enumerate(idx):
+    C = 1 << (C - 1).bit_length()  # a few chunk widths
+    real = np.array(sorted(rows_obs), np.int32)
+    n = min(1 << (len(real) - 1).bit_length(), ctx.B)  # a few row counts
+    idx = np.concatenate([real, np.setdiff1d(np.arange(ctx.B, dtype=np.int32), real)[:n - len(real)]])
+    toks = np.zeros((n, C), np.int32)
+    length = np.zeros(n, np.int32)
+    for i, b in enumerate(real):
         toks[i, :len(rows_obs[b])] = rows_obs[b]
-    length = np.array([len(rows_obs[b]) for b in idx], np.int32)
+        length[i] = len(rows_obs[b])
     cache, new_pending, new_position = _append(ctx.params, cache, jnp.asarray(idx), jnp.asarray(rows.pending_B[idx]),
                                                jnp.asarray(rows.position_B[idx]), jnp.asarray(toks),
                                                jnp.asarray(length), model=ctx.model)
-    rows.pending_B[idx], rows.position_B[idx] = np.asarray(new_pending), np.asarray(new_position)
-    for b in idx:
+    k = len(real)
+    rows.pending_B[real], rows.position_B[real] = np.asarray(new_pending)[:k], np.asarray(new_position)[:k]
+    for b in real:
         rows.episode_B[b]._add(rows_obs[b], [], policy=False)
     return cache
 

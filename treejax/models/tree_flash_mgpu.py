@@ -349,3 +349,215 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashMgpuBlocks, interpret):
         interpret=interpret,
     )(q, k, v, lo, hi, kv_list)
     return out, lse
+
+
+def _dq(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpret):
+    """``dq [B, L, Q, H]`` (``q``'s dtype): per query block, a pipeline over its ``kv_list`` row::
+
+        p = 2^(s log2 e - lse),  dp = do v^T,  dq = scale sum_j (p (dp - delta)) k_j
+    """
+    plgpu = _plgpu()
+    B, L, Q, H = q.shape
+    G = Q // k.shape[2]
+    dtype = q.dtype
+    bq, bk = (_fit(x, L, f"dq_blocks[{n}]") for n, x in enumerate(blocks.dq_blocks))
+    if bq != 64:
+        raise ValueError(f"tree flash attention (Mosaic GPU): dq_blocks[0] must be 64 (one warpgroup), got {bq}")
+    sm_scale = 1.0 / math.sqrt(H)
+    kv_list = block_tables(lo, hi, bq, bk, blocks.full_tiles).kv_list
+    qkv_t = _smem_transforms(dtype, H)
+    on_device = not interpret
+    lay = _Lay(plgpu, on_device)
+
+    def kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, kv_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem,
+               qlo_smem, lse_smem, delta_smem, bars):
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
+        kvh = lax.div(h, jnp.array(G, h.dtype))
+        q0 = i * bq
+        rows = pl.ds(q0, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, bars.at[0])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, bars.at[1])
+        plgpu.copy_gmem_to_smem(lo_ref.at[b, rows], qlo_smem, bars.at[2])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem, bars.at[3])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem, bars.at[4])
+        for n in range(5):
+            plgpu.barrier_wait(bars.at[n])
+        q_lo = lay.load(qlo_smem, lay.row())
+        lse = lay.load(lse_smem, lay.row())
+        delta = lay.load(delta_smem, lay.row())
+        count, n_full = kv_ref[b, i, 0], kv_ref[b, i, 1]
+        block_of = lambda t: kv_ref[b, i, t + 2]  # noqa: E731
+
+        def body(idx, k_smem, v_smem, klo_smem, khi_smem, dq):
+            t = idx[0]
+            start_k = block_of(t) * bk
+
+            def mask_fn():
+                k_lo, k_hi = lay.load(klo_smem, lay.col()), lay.load(khi_smem, lay.col())
+                return _tile_mask(lay, q_lo, q0, k_lo, k_hi, start_k, (bq, bk), False)
+
+            def tile_fn(dq, mask):
+                s = _mma(plgpu, None, q_smem, k_smem, on_device, (bq, bk), b_transposed=True) * (sm_scale * _LOG2E)
+                if mask is not None:
+                    s = jnp.where(mask, s, _MASK)
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+                dp = _mma(plgpu, None, do_smem, v_smem, on_device, (bq, bk), b_transposed=True)
+                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+                return _mma(plgpu, dq, ds.astype(dtype), k_smem, on_device, a_in_regs=True)
+
+            return _listed_tile(plgpu, t, n_full, mask_fn, tile_fn, dq, blocks.skip_empty)
+
+        kv_spec = plgpu.BlockSpec((bk, H), lambda t: (block_of(t), 0), transforms=qkv_t)
+        pos_spec = plgpu.BlockSpec((bk,), lambda t: (block_of(t),))
+        dq = plgpu.emit_pipeline(
+            body, grid=(count,), in_specs=[kv_spec, kv_spec, pos_spec, pos_spec],
+            max_concurrent_steps=blocks.max_concurrent_steps, init_carry=lay.full((bq, H), 0, lay.wgmma),
+        )(k_ref.at[b, :, kvh, :], v_ref.at[b, :, kvh, :], lo_ref.at[b], hi_ref.at[b])
+        q_smem[...] = (dq * sm_scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=[plgpu.SMEM((bq, H), dtype, transforms=qkv_t), plgpu.SMEM((bq, H), dtype, transforms=qkv_t),
+                       plgpu.SMEM((bq,), jnp.int32), plgpu.SMEM((bq,), jnp.float32), plgpu.SMEM((bq,), jnp.float32),
+                       plgpu.Barrier(num_barriers=5)],
+        grid=(Q, L // bq, B),
+        grid_names=("heads", "q_seq", "batch"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, k, v, lo, hi, kv_list, do, lse, delta)
+
+
+def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpret):
+    """``dk, dv [B, L, Q, H]`` (fp32, per query head): per key block, a pipeline over its ``q_list`` row, in the
+    transposed form (attention_mgpu's)::
+
+        s^T = k q^T,  p^T = 2^(s^T log2 e - lse),  dv += p^T do,  dp^T = v do^T,  dk += scale (p^T (dp^T - delta)) q
+    """
+    plgpu = _plgpu()
+    B, L, Q, H = q.shape
+    G = Q // k.shape[2]
+    dtype = q.dtype
+    bk, bq = (_fit(x, L, f"dkv_blocks[{n}]") for n, x in enumerate(blocks.dkv_blocks))
+    if bk != 64:
+        raise ValueError(f"tree flash attention (Mosaic GPU): dkv_blocks[0] must be 64 (one warpgroup), got {bk}")
+    sm_scale = 1.0 / math.sqrt(H)
+    q_list = block_tables(lo, hi, bq, bk, blocks.full_tiles).q_list
+    qkv_t = _smem_transforms(dtype, H)
+    out_t = _smem_transforms(jnp.float32, H)
+    on_device = not interpret
+    lay = _Lay(plgpu, on_device)
+
+    def kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, qt_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem,
+               v_smem, klo_smem, khi_smem, dk_smem, dv_smem, bars):
+        b, h, j = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
+        kvh = lax.div(h, jnp.array(G, h.dtype))
+        k0 = j * bk
+        cols = pl.ds(k0, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kvh], k_smem, bars.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kvh], v_smem, bars.at[1])
+        plgpu.copy_gmem_to_smem(lo_ref.at[b, cols], klo_smem, bars.at[2])
+        plgpu.copy_gmem_to_smem(hi_ref.at[b, cols], khi_smem, bars.at[3])
+        for n in range(4):
+            plgpu.barrier_wait(bars.at[n])
+        k_lohi = (lay.load(klo_smem, lay.row()), lay.load(khi_smem, lay.row()))
+        count, n_full = qt_ref[b, j, 0], qt_ref[b, j, 1]
+        block_of = lambda t: qt_ref[b, j, t + 2]  # noqa: E731
+
+        def body(idx, q_smem, do_smem, lse_smem, delta_smem, qlo_smem, carry):
+            t = idx[0]
+            start_q = block_of(t) * bq
+
+            def mask_fn():
+                return _tile_mask(lay, k_lohi, k0, lay.load(qlo_smem, lay.col()), None, start_q, (bk, bq), True)
+
+            def tile_fn(c, mask):
+                dk, dv = c
+                st = _mma(plgpu, None, k_smem, q_smem, on_device, (bk, bq), b_transposed=True) * (sm_scale * _LOG2E)
+                if mask is not None:
+                    st = jnp.where(mask, st, _MASK)
+                lse = lay.load(lse_smem, lay.col())
+                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+                dv = _mma(plgpu, dv, pt.astype(dtype), do_smem, on_device, a_in_regs=True)
+                dpt = _mma(plgpu, None, v_smem, do_smem, on_device, (bk, bq), b_transposed=True)
+                delta = lay.load(delta_smem, lay.col())
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
+                return _mma(plgpu, dk, dst.astype(dtype), q_smem, on_device, a_in_regs=True), dv
+
+            return _listed_tile(plgpu, t, n_full, mask_fn, tile_fn, carry, blocks.skip_empty)
+
+        row_spec = plgpu.BlockSpec((bq, H), lambda t: (block_of(t), 0), transforms=qkv_t)
+        vec_spec = plgpu.BlockSpec((bq,), lambda t: (block_of(t),))
+        zeros = lay.full((bk, H), 0, lay.wgmma)
+        dk, dv = plgpu.emit_pipeline(
+            body, grid=(count,), in_specs=[row_spec, row_spec, vec_spec, vec_spec, vec_spec],
+            max_concurrent_steps=blocks.max_concurrent_steps, init_carry=(zeros, zeros),
+        )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h], delta_ref.at[b, h], lo_ref.at[b])
+        dk_smem[...] = dk * sm_scale
+        dv_smem[...] = dv
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, cols, h])
+        plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, cols, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return plgpu.kernel(
+        kernel,
+        out_type=[f32, f32],
+        scratch_types=[plgpu.SMEM((bk, H), dtype, transforms=qkv_t), plgpu.SMEM((bk, H), dtype, transforms=qkv_t),
+                       plgpu.SMEM((bk,), jnp.int32), plgpu.SMEM((bk,), jnp.int32),
+                       plgpu.SMEM((bk, H), jnp.float32, transforms=out_t),
+                       plgpu.SMEM((bk, H), jnp.float32, transforms=out_t), plgpu.Barrier(num_barriers=4)],
+        grid=(Q, L // bk, B),
+        grid_names=("heads", "kv_seq", "batch"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, k, v, lo, hi, q_list, do, lse, delta)
+
+
+def _interpret_arg(interpret):
+    """``interpret`` as the kernels take it: ``True`` -> Mosaic GPU's interpret mode, ``False`` -> compiled."""
+    if interpret is True:
+        return interpret_params()
+    return interpret or None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def tree_flash_attention(q, k, v, node_lo, node_hi, blocks: TreeFlashMgpuBlocks = TreeFlashMgpuBlocks(),
+                         interpret: bool = False):
+    """Tree-masked attention (module docstring) by the Mosaic GPU kernels. ``q: [B, L, Q, H]``, ``k, v: [B, L,
+    K, H]``, ``node_lo, node_hi: [B, L]`` int32; returns ``[B, L, Q, H]`` in ``q``'s dtype. ``L`` must be a
+    multiple of 64, ``H`` a multiple of 64. ``interpret=True``: Mosaic GPU's interpret mode (CPU)."""
+    return _forward(q, k, v, node_lo, node_hi, blocks, _interpret_arg(interpret))[0]
+
+
+def _vjp_fwd(q, k, v, lo, hi, blocks, interpret):
+    out, lse = _forward(q, k, v, lo, hi, blocks, _interpret_arg(interpret))
+    return out, (q, k, v, lo, hi, out, lse)
+
+
+def _vjp_bwd(blocks, interpret, res, do):
+    q, k, v, lo, hi, out, lse = res
+    B, L, Q, H = q.shape
+    K = k.shape[2]
+    interp = _interpret_arg(interpret)
+    do = do.astype(q.dtype)
+    delta = jnp.einsum("blqh,blqh->bql", out.astype(jnp.float32), do.astype(jnp.float32))
+    dq = _dq(q, k, v, lo, hi, do, lse, delta, blocks, interp)
+    dk, dv = _dkdv(q, k, v, lo, hi, do, lse, delta, blocks, interp)
+    group_sum = lambda x: x.reshape(B, L, K, Q // K, H).sum(axis=3).astype(k.dtype)  # noqa: E731
+    return dq, group_sum(dk), group_sum(dv), None, None
+
+
+tree_flash_attention.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeFlashMgpuBlocks | None = None, interpret: bool = False):
+    """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention` (``blocks``
+    default: :class:`TreeFlashMgpuBlocks`)."""
+    lo = node_lo_BxL.astype(jnp.int32)
+    hi = node_hi_BxL.astype(jnp.int32)
+    return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks or TreeFlashMgpuBlocks(), interpret)

@@ -142,7 +142,8 @@ def test_mgpu_kernels_on_gpu_match_dense_and_triton(head_dim, q_heads):
     cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
     dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
-    triton = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, tree_flash.default_blocks(head_dim))  # noqa: E731
+    triton_blocks = tree_flash.default_blocks(head_dim)
+    triton = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, triton_blocks)  # noqa: E731
     out_d, vjp_d = jax.vjp(dense, q, k, v)
     out_t, vjp_t = jax.vjp(triton, q, k, v)
     grads_t = vjp_t(cot)
@@ -157,3 +158,15 @@ def test_mgpu_kernels_on_gpu_match_dense_and_triton(head_dim, q_heads):
             a, b, t = (np.asarray(x, np.float32) for x in (a, b, t))
             assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), f"d{name} vs dense, {blocks}"
             assert np.linalg.norm(a - t) <= 2e-2 * np.linalg.norm(t), f"d{name} vs Triton, {blocks}"
+
+
+def test_mgpu_tile_settings_parse_and_print():
+    """``TreeFlashMgpuBlocks.parse`` (the benchmark's ``--mgpu`` syntax) and ``str`` round-trip."""
+    parse = tree_flash_mgpu.TreeFlashMgpuBlocks.parse
+    assert parse("default") == tree_flash_mgpu.TreeFlashMgpuBlocks() and str(parse("default")) == "mgpu default"
+    text = "k=128,dq=64x128,dkv=64x128,stages=3,full=0,skip=0"
+    assert parse(text) == tree_flash_mgpu.TreeFlashMgpuBlocks(128, (64, 128), (64, 128), 3, False, False)
+    assert str(parse(text)) == "mgpu " + text
+    for bad, msg in (("k=96", "multiples of 64"), ("q=128", "bad option"), ("dq=64", "bad option")):
+        with pytest.raises(ValueError, match=msg):
+            parse(bad)

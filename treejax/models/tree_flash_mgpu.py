@@ -74,13 +74,13 @@ class TreeFlashMgpuBlocks:
     ``skip_empty``: a listed tile whose mask is all false is skipped (a ``lax.cond`` on a full-tile reduction;
     off: it is computed, masked, with the same result)."""
 
-    block_q: int = 64
     block_k: int = 64
     dq_blocks: tuple[int, int] = (64, 64)
     dkv_blocks: tuple[int, int] = (64, 64)
     max_concurrent_steps: int = 2
     full_tiles: bool = True
     skip_empty: bool = True
+    block_q: int = 64
 
     def __post_init__(self):
         sizes = (self.block_q, self.block_k, *self.dq_blocks, *self.dkv_blocks)
@@ -89,10 +89,43 @@ class TreeFlashMgpuBlocks:
         if self.max_concurrent_steps < 1:
             raise ValueError("TreeFlashMgpuBlocks: max_concurrent_steps must be >= 1")
 
+    @classmethod
+    def parse(cls, text: str) -> "TreeFlashMgpuBlocks":
+        """``"default"`` or comma-separated ``key=value`` options (the benchmark's ``--mgpu`` syntax): ``k=N``
+        (:attr:`block_k`), ``dq=QxK``, ``dkv=KxQ``, ``stages=N`` (:attr:`max_concurrent_steps`), ``full=0|1``,
+        ``skip=0|1``. E.g. ``k=128,dq=64x128,dkv=64x128,stages=3``."""
+        kw: dict = {}
+        for opt in [p.strip() for p in text.split(",")] if text.strip() != "default" else []:
+            key, _, val = opt.partition("=")
+            pair = val.split("x")
+            if key in ("k", "stages") and val.isdigit():
+                kw["block_k" if key == "k" else "max_concurrent_steps"] = int(val)
+            elif key in ("full", "skip") and val in ("0", "1"):
+                kw["full_tiles" if key == "full" else "skip_empty"] = val == "1"
+            elif key in ("dq", "dkv") and len(pair) == 2 and all(x.isdigit() for x in pair):
+                kw[f"{key}_blocks"] = (int(pair[0]), int(pair[1]))
+            else:
+                raise ValueError(f"Mosaic GPU tree tiles {text!r}: bad option {opt!r} (k=N, dq=QxK, dkv=KxQ, "
+                                 "stages=N, full=0|1, skip=0|1, or 'default')")
+        return cls(**kw)
+
     def __str__(self) -> str:
-        return (f"mgpu q{self.block_q}/k{self.block_k}, dq {self.dq_blocks[0]}x{self.dq_blocks[1]}, "
-                f"dkv {self.dkv_blocks[0]}x{self.dkv_blocks[1]}, {self.max_concurrent_steps} stages"
-                + (", full tiles unmasked" if self.full_tiles else "") + ("" if self.skip_empty else ", no skip"))
+        """``mgpu `` and the :meth:`parse` options that differ from the defaults (``mgpu default``: none)."""
+        pairs = (("dq", self.dq_blocks), ("dkv", self.dkv_blocks))
+        opts = ([f"k={self.block_k}"] if self.block_k != 64 else []) + [
+            f"{name}={b[0]}x{b[1]}" for name, b in pairs if b != (64, 64)] + (
+            [f"stages={self.max_concurrent_steps}"] if self.max_concurrent_steps != 2 else []) + (
+            [] if self.full_tiles else ["full=0"]) + ([] if self.skip_empty else ["skip=0"])
+        return "mgpu " + (",".join(opts) or "default")
+
+    def describe(self, L: int, H: int) -> str:
+        """What runs on rows of ``L`` tokens: tiles after halving, buffers, variants."""
+        k = _fit(self.block_k, L, "block_k")
+        (dq_q, dq_k), (dkv_k, dkv_q) = ((_fit(x, L, "tile") for x in b) for b in (self.dq_blocks, self.dkv_blocks))
+        return (f"Mosaic GPU: fwd q{self.block_q}/k{k}, dq q{dq_q}/k{dq_k}, dk,dv k{dkv_k}/q{dkv_q}, "
+                f"{self.max_concurrent_steps} TMA buffers, " + ("full tiles unmasked" if self.full_tiles else
+                                                               "every tile masked")
+                + (", empty tiles skipped" if self.skip_empty else ""))
 
 
 def _plgpu():

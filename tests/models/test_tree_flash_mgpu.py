@@ -87,16 +87,21 @@ def test_test_rows_have_full_partial_and_empty_tiles():
 def test_mgpu_kernels_match_dense_tree_attention(rows, blocks):
     """Forward and the three gradients of the Mosaic GPU kernels (interpret mode, fp32) equal the dense path:
     grouped-query heads (4 over 2), full tiles unmasked, partial tiles masked, empty tiles skipped (``aligned``,
-    default tiles), and several unaligned trees per row with 128-key tiles, every tile masked, 3 buffers
+    default tiles), and two unaligned trees in a row with 128-key tiles, every tile masked, 3 buffers
     (``packed``)."""
     lo, hi = _rows(*_ROWS[rows])
-    _assert_matches_dense(lo, hi, _BLOCKS[blocks], jax.random.key(1))
+    if rows == "packed":  # its first row (two trees), 2 query heads over 1: the interpreter's time
+        _assert_matches_dense(lo[:1], hi[:1], _BLOCKS[blocks], jax.random.key(1), q_heads=2, kv_heads=1)
+    else:
+        _assert_matches_dense(lo, hi, _BLOCKS[blocks], jax.random.key(1))
 
 
 def test_mgpu_through_make_tree_attention():
-    """``attention_impl="pallas_mgpu"`` picks the Mosaic GPU kernel (interpret mode off a GPU) and equals the
-    dense path; its tiles type is checked."""
+    """``attention_impl="pallas_mgpu"`` is a valid ``PackingConfig`` choice (``auto`` still resolves to the Triton
+    kernel on a GPU), picks the Mosaic GPU kernel (interpret mode off a GPU) and equals the dense path; its tiles
+    type is checked."""
     assert "pallas_mgpu" in tree_attention.TREE_ATTENTION_IMPLS
+    assert packing.PackingConfig(attention_impl="pallas_mgpu").attention_impl == "pallas_mgpu"  # validated
     assert tree_attention.resolve_impl("auto", "gpu") == "pallas"
     lo, hi = _rows(*_ROWS["packed"])
     lo, hi = lo[:1], hi[:1]
@@ -148,7 +153,7 @@ def test_mgpu_kernels_on_gpu_match_dense_and_triton(head_dim, q_heads):
     out_t, vjp_t = jax.vjp(triton, q, k, v)
     grads_t = vjp_t(cot)
     for blocks in (tree_flash_mgpu.TreeFlashMgpuBlocks(), tree_flash_mgpu.TreeFlashMgpuBlocks(
-            block_k=128, dq_blocks=(64, 128), dkv_blocks=(64, 128), max_concurrent_steps=3)):
+            block_k=128, dq_blocks=(64, 128), dkv_blocks=(64, 128))):  # 3 buffers do not fit at head 128
         mgpu = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks)  # noqa: E731
         out_m, vjp_m = jax.vjp(mgpu, q, k, v)
         out_m = np.asarray(out_m, np.float32)
@@ -170,3 +175,31 @@ def test_mgpu_tile_settings_parse_and_print():
     for bad, msg in (("k=96", "multiples of 64"), ("q=128", "bad option"), ("dq=64", "bad option")):
         with pytest.raises(ValueError, match=msg):
             parse(bad)
+
+
+@pytest.mark.parametrize("head_dim,q_heads", [(64, 14), (128, 12)])
+def test_mgpu_kernels_lower_for_cuda(head_dim, q_heads):
+    """Without a GPU: forward and backward of the compiled (not interpreted) kernels go through Pallas' Mosaic GPU
+    lowering for the ``cuda`` platform (``jit(...).trace(...).lower(lowering_platforms=("cuda",))``: every
+    primitive must have a Mosaic GPU lowering rule, layouts must agree, SMEM must fit the H100/H200's 227 KiB),
+    in bf16 at qwen2.5-0.5b's and qwen2.5-1.5b's heads: three ``mosaic_gpu`` custom calls (forward, ``dq``, ``dk,
+    dv``). What this cannot check: the MLIR-to-PTX compile, ptxas, and the run (the ``gpu`` test). Tiles that do
+    not fit SMEM are refused here with Mosaic GPU's message."""
+    B, L, K = 2, 512, 2
+    q = jax.ShapeDtypeStruct((B, L, q_heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, L, K, head_dim), jnp.bfloat16)
+    lo = jax.ShapeDtypeStruct((B, L), jnp.int32)
+
+    def lowered(blocks):
+        def grads(q, k, v, lo, hi):
+            attend = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks)  # noqa: E731
+            out, vjp = jax.vjp(attend, q, k, v)
+            return vjp(out)
+        return jax.jit(grads).trace(q, kv, kv, lo, lo).lower(lowering_platforms=("cuda",)).as_text()
+
+    for text in ("default", "k=128,dq=64x128,dkv=64x128", "full=0,skip=0"):
+        hlo = lowered(tree_flash_mgpu.TreeFlashMgpuBlocks.parse(text))
+        assert hlo.count("custom_call @mosaic_gpu") == 3, text
+    if head_dim == 128:  # 3 buffers of 128 x 128 k and v tiles: over the SMEM
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            lowered(tree_flash_mgpu.TreeFlashMgpuBlocks.parse("k=128,dq=64x128,dkv=64x128,stages=3"))

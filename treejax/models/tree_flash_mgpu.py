@@ -485,7 +485,7 @@ def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpre
     lay = _Lay(plgpu, on_device)
 
     def kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, qt_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem,
-               v_smem, klo_smem, khi_smem, dk_smem, dv_smem, bars):
+               v_smem, klo_smem, khi_smem, out_smem, bars):
         b, h, j = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
         kvh = lax.div(h, jnp.array(G, h.dtype))
         k0 = j * bk
@@ -529,11 +529,13 @@ def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpre
             body, grid=(count,), in_specs=[row_spec, row_spec, vec_spec, vec_spec, vec_spec],
             max_concurrent_steps=blocks.max_concurrent_steps, init_carry=(zeros, zeros),
         )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h], delta_ref.at[b, h], lo_ref.at[b])
-        dk_smem[...] = dk * sm_scale
-        dv_smem[...] = dv
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, cols, h])
-        plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, cols, h])
+        # one fp32 staging tile for both (SMEM: 32 KiB at head 128), dk then dv
+        for n, (x, out_ref) in enumerate(((dk * sm_scale, dk_ref), (dv, dv_ref))):
+            if n:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dk's copy has read the tile
+            out_smem[...] = x
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, cols, h])
         plgpu.wait_smem_to_gmem(0)
 
     f32 = jax.ShapeDtypeStruct(q.shape, jnp.float32)
@@ -542,7 +544,6 @@ def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpre
         out_type=[f32, f32],
         scratch_types=[plgpu.SMEM((bk, H), dtype, transforms=qkv_t), plgpu.SMEM((bk, H), dtype, transforms=qkv_t),
                        plgpu.SMEM((bk,), jnp.int32), plgpu.SMEM((bk,), jnp.int32),
-                       plgpu.SMEM((bk, H), jnp.float32, transforms=out_t),
                        plgpu.SMEM((bk, H), jnp.float32, transforms=out_t), plgpu.Barrier(num_barriers=4)],
         grid=(Q, L // bk, B),
         grid_names=("heads", "kv_seq", "batch"),

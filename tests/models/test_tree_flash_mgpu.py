@@ -87,11 +87,11 @@ def test_test_rows_have_full_partial_and_empty_tiles():
 def test_mgpu_kernels_match_dense_tree_attention(rows, blocks):
     """Forward and the three gradients of the Mosaic GPU kernels (interpret mode, fp32) equal the dense path:
     grouped-query heads (4 over 2), full tiles unmasked, partial tiles masked, empty tiles skipped (``aligned``,
-    default tiles), and two unaligned trees in a row with 128-key tiles, every tile masked, 3 buffers
+    default tiles), and two rows of two unaligned trees each with 128-key tiles, every tile masked, 3 buffers
     (``packed``)."""
     lo, hi = _rows(*_ROWS[rows])
-    if rows == "packed":  # its first row (two trees), 2 query heads over 1: the interpreter's time
-        _assert_matches_dense(lo[:1], hi[:1], _BLOCKS[blocks], jax.random.key(1), q_heads=2, kv_heads=1)
+    if rows == "packed":  # two rows (batch index), 2 query heads over 1: the interpreter's time
+        _assert_matches_dense(lo, hi, _BLOCKS[blocks], jax.random.key(1), q_heads=2, kv_heads=1)
     else:
         _assert_matches_dense(lo, hi, _BLOCKS[blocks], jax.random.key(1))
 
@@ -117,6 +117,7 @@ def test_mgpu_through_make_tree_attention():
 
 def test_tiles_and_shapes_the_kernels_refuse():
     assert tree_flash_mgpu._fit(128, 192, "block_k") == 64 and tree_flash_mgpu._fit(128, 256, "block_k") == 128
+    assert tree_flash_mgpu._fit(192, 384, "block_k") == 192 and tree_flash_mgpu._fit(256, 384, "block_k") == 192
     with pytest.raises(ValueError, match="multiple of 64"):
         tree_flash_mgpu._fit(64, 96, "block_k")
     with pytest.raises(ValueError, match="multiples of 64"):
@@ -172,7 +173,8 @@ def test_mgpu_tile_settings_parse_and_print():
     text = "k=128,dq=64x128,dkv=64x128,stages=3,full=0,skip=0"
     assert parse(text) == tree_flash_mgpu.TreeFlashMgpuBlocks(128, (64, 128), (64, 128), 3, False, False)
     assert str(parse(text)) == "mgpu " + text
-    for bad, msg in (("k=96", "multiples of 64"), ("q=128", "bad option"), ("dq=64", "bad option")):
+    for bad, msg in (("k=96", "multiples of 64"), ("q=128", "bad option"), ("dq=64", "bad option"),
+                     ("dq=128x64", "must be 64")):
         with pytest.raises(ValueError, match=msg):
             parse(bad)
 
@@ -203,3 +205,29 @@ def test_mgpu_kernels_lower_for_cuda(head_dim, q_heads):
     if head_dim == 128:  # 3 buffers of 128 x 128 k and v tiles: over the SMEM
         with pytest.raises(ValueError, match="exceeds available shared memory"):
             lowered(tree_flash_mgpu.TreeFlashMgpuBlocks.parse("k=128,dq=64x128,dkv=64x128,stages=3"))
+
+
+@pytest.mark.slow
+def test_mgpu_kernels_have_no_smem_races():
+    """Interpret mode's happens-before race detector (``InterpretGPUParams(detect_races=True)``) finds no race
+    between the TMA copies, the wgmma's and the SMEM reads and writes of the three kernels (the pipelines'
+    buffer reuse, the output tiles staged in the input tiles' SMEM), values still equal to the dense path."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    params = tree_flash_mgpu.interpret_params()
+    params = type(params)(detect_races=True)
+    lo, hi = _rows(*_ROWS["aligned"])
+    B, L = lo.shape
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (B, L, 2, 64))
+    k, v = (jax.random.normal(kk, (B, L, 1, 64)) for kk in ks[1:3])
+    blocks = _BLOCKS["default"]
+    mgpu = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks, params)  # noqa: E731
+    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
+    out, vjp = jax.vjp(mgpu, q, k, v)
+    grads = jax.block_until_ready(vjp(q))
+    assert not interpret_pallas_call.get_races().races_found
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_d), atol=1e-5)
+    for name, a, b in zip("qkv", grads, vjp_d(q)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")

@@ -30,19 +30,24 @@ Structure (each kernel is one ``plgpu.kernel`` with a grid ``(Q heads, blocks, B
 
 Unlike the Triton kernel there is no padded head: ``head_dim`` must be a multiple of 64 (the swizzled SMEM tiles
 and wgmma), and tiles are multiples of 64 (``block_q`` is 64: one warpgroup's wgmma rows); a tile that does not
-divide the row length is halved down to 64, and rows must be a multiple of 64 tokens. No warp specialisation
-yet (one warpgroup issues the TMA copies and computes; the pipeline overlaps the next steps' copies with the
-current step's math).
+divide the row length is shrunk to the largest multiple of 64 that does, and rows must be a multiple of 64
+tokens. No warp specialisation yet (one warpgroup issues the TMA copies and computes; the pipeline overlaps the
+next steps' copies with the current step's math).
 
 Adapted from JAX's ``jax.experimental.pallas.ops.gpu.attention_mgpu`` (Apache-2.0; FlashAttention-3 style
 forward and backward on Mosaic GPU: its SMEM tiling/swizzle, wgmma and accumulator usage, layouts of the row
 statistics and the transposed ``dk, dv`` kernel), with its causal mask replaced by the tree mask, its dense key
 loop replaced by a pipeline over the listed blocks, tile skipping, full tiles and the scale added.
 
-Status: tested in Mosaic GPU's interpret mode on CPU (``InterpretGPUParams``: wgmma, TMA copies and barriers
-simulated) against the dense path, on jax 0.10.2 and 0.11.2 (``tests/models/test_tree_flash_mgpu.py``); it
-has **not** been compiled by the real Mosaic GPU lowering or run on a GPU yet (the ``gpu``-marked test and
-``experiments/bench_tree_attention.py --impls`` do that).
+Status: tested in Mosaic GPU's interpret mode on CPU (``InterpretGPUParams``: wgmma, TMA copies, barriers and
+the pipelines simulated, with its race detector in a ``slow`` test) against the dense path, on jax 0.10.2 and
+0.11.2, and lowered through Pallas' Mosaic GPU lowering for the ``cuda`` platform on a CPU (every primitive has a
+lowering rule, layouts agree, SMEM fits; ``tests/models/test_tree_flash_mgpu.py``). It has **not** been compiled
+to PTX or run on a GPU yet (the ``gpu``-marked test and ``experiments/bench_tree_attention.py --mgpu`` do that).
+Interpret mode runs a slightly different program from the GPU's in three places (:func:`_mma`, :class:`_Lay`):
+no layout casts, register operands of a wgmma staged through SMEM (on jax 0.10 transposed ones too), and
+accumulation by adding a fresh product instead of ``run_state`` on the accumulator; the GPU forms are the ones
+attention_mgpu uses.
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ MIN_TILE = 64  #: the smallest tile (wgmma rows of one warpgroup; swizzled 64-ro
 @dataclasses.dataclass(frozen=True)
 class TreeFlashMgpuBlocks:
     """Tiles and variants of the Mosaic GPU kernels. ``block_q``: query rows per forward block (64: one
-    warpgroup); ``block_k``: key rows per forward tile; ``dq_blocks = (query block, key block)`` of the ``dq``
-    kernel, ``dkv_blocks = (key block, query block)`` of the ``dk, dv`` kernel (grid block first). All multiples
-    of 64, halved (down to 64) where they do not divide the row. ``max_concurrent_steps``: the pipelines' SMEM
+    warpgroup, as are the backward grids' blocks ``dq_blocks[0]`` and ``dkv_blocks[0]``); ``block_k``: key rows
+    per forward tile; ``dq_blocks = (query block, key block)`` of the ``dq`` kernel, ``dkv_blocks = (key block,
+    query block)`` of the ``dk, dv`` kernel (grid block first). All multiples of 64; where one does not divide the
+    row, the largest multiple of 64 below it that does is used. ``max_concurrent_steps``: the pipelines' SMEM
     buffers (TMA copies in flight). ``full_tiles``: tiles proven all-visible run without a mask;
     ``skip_empty``: a listed tile whose mask is all false is skipped (a ``lax.cond`` on a full-tile reduction;
     off: it is computed, masked, with the same result)."""
@@ -86,6 +92,9 @@ class TreeFlashMgpuBlocks:
         sizes = (self.block_q, self.block_k, *self.dq_blocks, *self.dkv_blocks)
         if any(b < MIN_TILE or b % MIN_TILE for b in sizes):
             raise ValueError(f"TreeFlashMgpuBlocks: tiles must be multiples of {MIN_TILE}, got {sizes}")
+        if (self.block_q, self.dq_blocks[0], self.dkv_blocks[0]) != (64, 64, 64):
+            raise ValueError("TreeFlashMgpuBlocks: the grid's blocks (block_q, dq_blocks[0], dkv_blocks[0]) must be 64 "
+                             f"(one warpgroup's wgmma rows), got {self.block_q}, {self.dq_blocks}, {self.dkv_blocks}")
         if self.max_concurrent_steps < 1:
             raise ValueError("TreeFlashMgpuBlocks: max_concurrent_steps must be >= 1")
 
@@ -145,15 +154,13 @@ def interpret_params():
 
 
 def _fit(block: int, L: int, name: str) -> int:
-    """The tile used on rows of ``L``: ``block`` halved while it does not divide ``L``, down to 64."""
+    """The tile used on rows of ``L``: the largest multiple of 64 up to ``min(block, L)`` that divides ``L``."""
     if L % MIN_TILE:
         raise ValueError(f"tree flash attention (Mosaic GPU): row length {L} is not a multiple of {MIN_TILE}; pad "
                          f"rows to a multiple of {MIN_TILE} (PackingConfig.granule)")
-    b = min(block, L)
-    while L % b or b % MIN_TILE:
-        b //= 2
-    if b < MIN_TILE:
-        raise ValueError(f"tree flash attention (Mosaic GPU): no {name} tile fits row length {L}")
+    b = min(block, L) // MIN_TILE * MIN_TILE
+    while L % b:
+        b -= MIN_TILE
     return b
 
 

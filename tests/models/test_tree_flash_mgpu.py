@@ -105,12 +105,15 @@ def test_mgpu_through_make_tree_attention():
     assert tree_attention.resolve_impl("auto", "gpu") == "pallas"
     lo, hi = _rows(*_ROWS["packed"])
     lo, hi = lo[:1], hi[:1]
+    on_gpu = jax.default_backend() == "gpu"  # compiled there: bf16 inputs (fp32 is interpret mode's only)
+    dtype, atol = (jnp.bfloat16, 3e-2) if on_gpu else (jnp.float32, 1e-5)
     ks = jax.random.split(jax.random.key(2), 3)
-    q = jax.random.normal(ks[0], (1, lo.shape[1], 2, 64))
-    k, v = (jax.random.normal(kk, (1, lo.shape[1], 1, 64)) for kk in ks[1:])
+    q = jax.random.normal(ks[0], (1, lo.shape[1], 2, 64), dtype)
+    k, v = (jax.random.normal(kk, (1, lo.shape[1], 1, 64), dtype) for kk in ks[1:])
     got = tree_attention.make_tree_attention(lo, hi, "pallas_mgpu")(q, k, v)
-    want = tree_attention.make_tree_attention(lo, hi, "xla")(q, k, v)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = tree_attention.make_tree_attention(lo, hi, "xla")(*f32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol)
     with pytest.raises(ValueError, match="TreeFlashMgpuBlocks"):
         tree_attention.make_tree_attention(lo, hi, "pallas_mgpu", tree_flash.TreeFlashBlocks())
 
@@ -126,6 +129,9 @@ def test_tiles_and_shapes_the_kernels_refuse():
     q = jnp.zeros((1, 128, 2, 48))
     with pytest.raises(ValueError, match="head_dim 48"):
         tree_flash_mgpu.tree_flash_attention(q, q, q, lo, lo, tree_flash_mgpu.TreeFlashMgpuBlocks(), True)
+    q = jnp.zeros((1, 128, 2, 64))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):  # compiled: wgmma on 16-bit operands only
+        tree_flash_mgpu.tree_flash_attention(q, q, q, lo, lo, tree_flash_mgpu.TreeFlashMgpuBlocks(), False)
 
 
 @pytest.mark.gpu

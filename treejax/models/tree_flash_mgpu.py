@@ -316,6 +316,9 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashMgpuBlocks, interpret):
     B, L, Q, H = q.shape
     G = Q // k.shape[2]
     dtype = q.dtype
+    if not interpret and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"tree flash attention (Mosaic GPU): compiled kernels take bfloat16 or float16 q, k, v, got "
+                         f"{jnp.dtype(dtype).name} (fp32 runs in interpret mode only)")
     bq, bk = _fit(blocks.block_q, L, "block_q"), _fit(blocks.block_k, L, "block_k")
     if bq != 64:
         raise ValueError(f"tree flash attention (Mosaic GPU): block_q must be 64 (one warpgroup), got {bq}")

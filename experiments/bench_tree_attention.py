@@ -32,14 +32,16 @@ GPU (the kernel variants against the default, ``--tiles`` 128,64,64)::
 The Mosaic GPU kernel (:mod:`treejax.models.tree_flash_mgpu`, ``attention_impl='pallas_mgpu'``) next to the Triton
 kernel and cuDNN in the same call: ``--mgpu`` adds a row per Mosaic setting (``default`` or ``key=value`` options,
 ``TreeFlashMgpuBlocks.parse``: ``k=128,dq=64x128,dkv=64x128,stages=3``); its forward is checked against the first
-Triton setting's (``max |out - triton|``). Depth-4 trees (0.5b and 1.5b heads) and TreePO's 14 x 512::
+Triton setting's (``max |out - triton|``). Depth-4 trees (0.5b and 1.5b heads) and TreePO's 14 x 512 (the Triton
+rows: ``tree_flash.default_blocks``)::
 
-    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 \
-        --mgpu default k=128,dq=64x128,dkv=64x128,stages=3
-    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b --prompt-len 64 --depth 14 --prompts 1 \
-        --mgpu default k=128,dq=64x128,dkv=64x128,stages=3
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024 \\
+        --mgpu default stages=3 k=128,dq=64x128,dkv=64x128 --json tree_attention_mgpu_h200.json
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b --prompt-len 64 --depth 14 --prompts 1 \\
+        --mgpu default stages=3 k=128,dq=64x128,dkv=64x128 --json tree_attention_mgpu_depth14_h200.json
 
-A Mosaic setting that fails to compile prints ``FAILED`` with the first line of the error and the run goes on.
+A Mosaic setting that fails to compile (e.g. ``k=128,...,stages=3`` at head 128: over the SMEM) prints ``FAILED``
+with the first line of the error and the run goes on.
 
 CPU smoke (Pallas interpreter, tiny shapes; ``--mgpu`` needs 64-wide heads and rows a multiple of 64: the
 ``qwen2.5-0.5b`` preset with a small tree, in Mosaic GPU's interpret mode)::
@@ -47,7 +49,7 @@ CPU smoke (Pallas interpreter, tiny shapes; ``--mgpu`` needs 64-wide heads and r
     python experiments/bench_tree_attention.py --preset tiny --prompts 1 --leaves 4 --depth 2 --segment 16 \\
         --prompt-len 8 --granule 16 --tiles 16,16,16 16,16,16,full=1 16,16,16,full=1,split=1,dq=32x16,dkv=32x16 \\
         --repeats 1
-    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b --prompts 1 --leaves 2 --depth 2 \
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b --prompts 1 --leaves 2 --depth 2 \\
         --segment 64 --prompt-len 40 --granule 64 --tiles 64,64,64 --mgpu default --repeats 1
 """
 

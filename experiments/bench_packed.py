@@ -215,12 +215,15 @@ def main(argv=None):
     ap.add_argument("--remat", default="full", choices=["none", "full", "dots"])
     ap.add_argument("--logprob-chunk", type=int, default=16384)
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="expanded attention")
-    ap.add_argument("--tree-attention", default="auto", choices=["auto", "xla", "pallas", "pallas_tpu"],
+    ap.add_argument("--tree-attention", default="auto",
+                    choices=["auto", "xla", "pallas", "pallas_tpu", "pallas_mgpu"],
                     help="packed attention")
     ap.add_argument("--tree-blocks", default=None,
                     help="Pallas tree kernel tiles block_q,block_k,block_bwd[,num_warps[,num_stages]], then "
                          "key=value variants full=1, split=1, dq=QxK, dkv=KxQ, bwd_warps=N (TreeFlashBlocks.parse; "
-                         "default: tree_flash.default_blocks of the head size and row length)")
+                         "default: tree_flash.default_blocks of the head size and row length); with "
+                         "--tree-attention pallas_mgpu: TreeFlashMgpuBlocks.parse options (k=N, dq=QxK, dkv=KxQ, "
+                         "stages=N, full=0|1, skip=0|1)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining settings after this long")
     ap.add_argument("--profile", default=None,
@@ -229,10 +232,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.micro_packed is None:
         args.micro_packed = args.micro
-    from treejax.models import tree_flash
+    from treejax.models import tree_flash, tree_flash_mgpu
 
+    blocks_cls = (tree_flash_mgpu.TreeFlashMgpuBlocks if args.tree_attention == "pallas_mgpu"
+                  else tree_flash.TreeFlashBlocks)
     try:
-        args.blocks = tree_flash.TreeFlashBlocks.parse(args.tree_blocks) if args.tree_blocks else None
+        args.blocks = blocks_cls.parse(args.tree_blocks) if args.tree_blocks else None
     except ValueError as e:
         raise SystemExit(f"--tree-blocks: {e}") from None
     args.tree_blocks = str(args.blocks) if args.blocks else "default_blocks(head_dim, row_length)"

@@ -29,11 +29,28 @@ GPU (the kernel variants against the default, ``--tiles`` 128,64,64)::
         128,64,64,full=1,split=1,dq=128x32,dkv=128x32 128,64,64,full=1,split=1,dq=64x64,dkv=128x64 \\
         128,64,64,full=1,split=1,dq=128x64,dkv=128x32,bwd_warps=8 64,64,64,full=1 128,128,64,full=1
 
-CPU smoke (Pallas interpreter, tiny shapes)::
+The Mosaic GPU kernel (:mod:`treejax.models.tree_flash_mgpu`, ``attention_impl='pallas_mgpu'``) next to the Triton
+kernel and cuDNN in the same call: ``--mgpu`` adds a row per Mosaic setting (``default`` or ``key=value`` options,
+``TreeFlashMgpuBlocks.parse``: ``k=128,dq=64x128,dkv=64x128,stages=3``); its forward is checked against the first
+Triton setting's (``max |out - triton|``). Depth-4 trees (0.5b and 1.5b heads) and TreePO's 14 x 512 (the Triton
+rows: ``tree_flash.default_blocks``)::
+
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b qwen2.5-1.5b --prompt-len 64 1024 \\
+        --mgpu default stages=3 k=128,dq=64x128,dkv=64x128 --json tree_attention_mgpu_h200.json
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b --prompt-len 64 --depth 14 --prompts 1 \\
+        --mgpu default stages=3 k=128,dq=64x128,dkv=64x128 --json tree_attention_mgpu_depth14_h200.json
+
+A Mosaic setting that fails to compile (e.g. ``k=128,...,stages=3`` at head 128: over the SMEM) prints ``FAILED``
+with the first line of the error and the run goes on.
+
+CPU smoke (Pallas interpreter, tiny shapes; ``--mgpu`` needs 64-wide heads and rows a multiple of 64: the
+``qwen2.5-0.5b`` preset with a small tree, in Mosaic GPU's interpret mode)::
 
     python experiments/bench_tree_attention.py --preset tiny --prompts 1 --leaves 4 --depth 2 --segment 16 \\
         --prompt-len 8 --granule 16 --tiles 16,16,16 16,16,16,full=1 16,16,16,full=1,split=1,dq=32x16,dkv=32x16 \\
         --repeats 1
+    python experiments/bench_tree_attention.py --preset qwen2.5-0.5b --prompts 1 --leaves 2 --depth 2 \\
+        --segment 64 --prompt-len 40 --granule 64 --tiles 64,64,64 --mgpu default --repeats 1
 """
 
 from __future__ import annotations
@@ -48,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.models import tree_flash
+from treejax.models import tree_flash, tree_flash_mgpu
 from treejax.rl import packing
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -61,6 +78,13 @@ def parse_tiles(text: str) -> tree_flash.TreeFlashBlocks:
         return tree_flash.TreeFlashBlocks.parse(text)
     except ValueError as e:
         raise SystemExit(f"--tiles: {e}") from None
+
+
+def parse_mgpu(text: str) -> tree_flash_mgpu.TreeFlashMgpuBlocks:
+    try:
+        return tree_flash_mgpu.TreeFlashMgpuBlocks.parse(text)
+    except ValueError as e:
+        raise SystemExit(f"--mgpu: {e}") from None
 
 
 def timed(fn, args, repeats: int):
@@ -82,8 +106,10 @@ def fwd_bwd(attend):
     return jax.jit(run)
 
 
-def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBlocks] | None) -> dict:
-    """One preset and prompt length; ``tiles`` ``None``: ``tree_flash.default_blocks`` of the head size and row."""
+def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBlocks] | None,
+                  mgpu: list[tree_flash_mgpu.TreeFlashMgpuBlocks] = ()) -> dict:
+    """One preset and prompt length; ``tiles`` ``None``: ``tree_flash.default_blocks`` of the head size and row;
+    ``mgpu``: Mosaic GPU kernel settings timed after the Triton ones."""
     cfg = get_config(preset)
     P, W, D, S = args.prompts, args.leaves, args.depth, args.segment
     Q, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -102,10 +128,11 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
     dt = jnp.bfloat16
     rows = []
     tiles_of = {f"packed {b}": b for b in tiles}
+    tiles_of.update({f"packed {b}": b for b in mgpu})
     width = max(22, *(len(name) for name in tiles_of))
     for name, blocks in tiles_of.items():
         try:
-            print(f"  {name:<{width}} = {blocks.describe(L, H)}")
+            print(f"  {name:<{width}} = {blocks.describe(L, H) if hasattr(blocks, 'describe') else blocks}")
         except ValueError as e:
             print(f"  {name:<{width}} = {e}")
 
@@ -115,7 +142,10 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
               f"fwd+bwd {t_fb * 1e3:8.2f} ms ({3.5 * work / t_fb / 1e12:6.1f} TFLOP/s, MFU {mfu(3.5 * work, t_fb)})"
               f"{extra}", flush=True)
         blocks = tiles_of.get(name)
-        rows.append(dict(preset=preset, prompt_len=Lp, layout=name, tiles=str(blocks) if blocks else None,
+        kernel = None if blocks is None else "mgpu" if isinstance(blocks, tree_flash_mgpu.TreeFlashMgpuBlocks) \
+            else "triton"
+        rows.append(dict(preset=preset, prompt_len=Lp, layout=name, kernel=kernel,
+                         tiles=str(blocks) if blocks else None,
                          options=dataclasses.asdict(blocks) if blocks else None, fwd_ms=t_f * 1e3,
                          fwd_bwd_ms=t_fb * 1e3, fwd_tflops=work / t_f / 1e12, fwd_bwd_tflops=3.5 * work / t_fb / 1e12))
 
@@ -154,6 +184,20 @@ def bench_setting(preset: str, Lp: int, args, tiles: list[tree_flash.TreeFlashBl
         else:
             diff = f"  max |out - first| {np.max(np.abs(out - ref)):.1e}"
         report(name, t_f, t_fb, diff)
+    for blocks in mgpu:
+        name = f"packed {blocks}"
+        try:
+            def attend(q, k, v, b=blocks):
+                return tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, b, interpret)
+            t_f, out = timed(jax.jit(attend), (q, k, v), args.repeats)
+            t_fb, _ = timed(fwd_bwd(attend), (q, k, v, g), args.repeats)
+        except Exception as e:  # noqa: BLE001  (a setting Mosaic GPU refuses is a row, not the end)
+            print(f"  {name:<{width}} FAILED: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}",
+                  flush=True)
+            continue
+        out = np.asarray(out.astype(jnp.float32))[real]
+        diff = "" if ref is None else f"  max |out - triton| {np.max(np.abs(out - ref)):.1e}"
+        report(name, t_f, t_fb, diff)
     return rows
 
 
@@ -169,16 +213,20 @@ def main(argv=None):
     ap.add_argument("--granule", type=int, default=128)
     ap.add_argument("--tiles", nargs="+", default=None,
                     help="tile settings (default: tree_flash.default_blocks of each preset's head size and row length)")
+    ap.add_argument("--mgpu", nargs="+", default=[],
+                    help="Mosaic GPU kernel settings to time next to the Triton ones ('default' or key=value options: "
+                         "k=N, dq=QxK, dkv=KxQ, stages=N, full=0|1, skip=0|1)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-cudnn", action="store_true", help="skip the expanded cuDNN baseline")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else None
+    mgpu = [parse_mgpu(t) for t in args.mgpu]
     print(f"device: {peak_flops()[0]}; jax {jax.__version__}", flush=True)
     rows = []
     for preset in args.preset:
         for Lp in args.prompt_len:
-            rows += bench_setting(preset, Lp, args, tiles)
+            rows += bench_setting(preset, Lp, args, tiles, mgpu)
             if args.json:  # after every setting: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(dict(device=peak_flops()[0], args=vars(args), rows=rows), f, indent=1)

@@ -466,13 +466,13 @@ def plan_shape(cfg, model, prompt_width: int, rollout_width: int, devices: int, 
 
 def dense_update_attention(cfg, backend: str, dtypes: dict[str, str]) -> bool:
     """Whether the update's attention materialises ``[L, L]`` scores: the XLA paths (CPU, fp32 compute, or asked
-    for); cuDNN (expanded, GPU 16-bit) and the Pallas tree kernels (packed: ``pallas`` on a GPU, ``pallas_tpu`` on
-    a TPU) do not (a kernel in the interpreter, off its backend, is counted as dense)."""
+    for); cuDNN (expanded, GPU 16-bit) and the Pallas tree kernels (packed: ``pallas`` and ``pallas_mgpu`` on a GPU,
+    ``pallas_tpu`` on a TPU) do not (a kernel in the interpreter, off its backend, is counted as dense)."""
     if cfg.packed_update:
         from treejax.models.tree_attention import resolve_impl as resolve_tree_impl
 
         impl = resolve_tree_impl(cfg.packing.attention_impl, backend)
-        return (impl, backend) not in (("pallas", "gpu"), ("pallas_tpu", "tpu"))
+        return (impl, backend) not in (("pallas", "gpu"), ("pallas_mgpu", "gpu"), ("pallas_tpu", "tpu"))
     if backend != "gpu":
         return True
     return cfg.attention_impl == "xla" or dtypes["compute"] == "float32"

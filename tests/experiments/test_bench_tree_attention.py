@@ -25,3 +25,21 @@ def test_tile_sweep_writes_a_row_per_setting(tmp_path, capsys):
     assert "max |out - first| 0.0e+00" in capsys.readouterr().out  # tiles change the order of sums only
     with pytest.raises(SystemExit, match="powers of two"):
         bench_tree_attention.main(["--preset", "tiny", "--tiles", "24,16,16"])
+
+
+@pytest.mark.slow  # ~1 min on 2 cores: Mosaic GPU's interpret mode at qwen2.5-0.5b's 14 heads
+def test_mgpu_rows_next_to_triton(tmp_path, capsys):
+    """``--mgpu`` adds a row per Mosaic GPU setting after the Triton ones, its forward checked against the Triton
+    forward (bf16 inputs: a bf16-sized difference); a bad setting is refused."""
+    import bench_tree_attention
+
+    out = tmp_path / "mgpu.json"
+    bench_tree_attention.main(["--preset", "qwen2.5-0.5b", "--prompts", "1", "--leaves", "2", "--depth", "2",
+                               "--segment", "64", "--prompt-len", "40", "--granule", "64", "--tiles", "64,64,64",
+                               "--mgpu", "default", "--repeats", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["tiles"]) for r in rows] == [("triton", "64,64,64"), ("mgpu", "mgpu default")]
+    diff = float(capsys.readouterr().out.split("max |out - triton| ")[1].split()[0])
+    assert diff < 3e-2
+    with pytest.raises(SystemExit, match="bad option"):
+        bench_tree_attention.main(["--preset", "tiny", "--mgpu", "q=128"])

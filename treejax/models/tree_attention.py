@@ -17,6 +17,11 @@ Implementations (``attention_impl``):
 * ``"pallas_tpu"``: the same block-sparse flash attention as a Pallas TPU (Mosaic) kernel, the block tables
   passed by scalar prefetch (:mod:`treejax.models.tree_splash`); forward and backward kernels. On a non-TPU
   backend it runs in Pallas' generic interpreter (slow; correctness tests only).
+* ``"pallas_mgpu"``: the same block-sparse flash attention as Pallas **Mosaic GPU** kernels for Hopper (wgmma,
+  TMA copies in a software pipeline over the listed blocks; :mod:`treejax.models.tree_flash_mgpu`), the Triton
+  lowering's successor in JAX; forward and backward kernels, head sizes that are multiples of 64, rows a
+  multiple of 64 tokens. Off a GPU it runs in Mosaic GPU's interpret mode (slow; correctness tests only). Tested
+  only in that interpret mode so far: it has not been compiled for or run on a GPU, so ``auto`` does not pick it.
 * ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere, a TPU included: the TPU kernel is asked for by name
   until it has been compiled by Mosaic and run on a chip (it has run only in the TPU interpreter; the sampler's
   TPU decode kernel, in the same state, is picked by its ``"auto"``: :mod:`treejax.sampling.attention`).
@@ -36,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from treejax.models import tree_flash, tree_splash
+from treejax.models import tree_flash, tree_flash_mgpu, tree_splash
 from treejax.models.dense_attention import attention, causal_mask
 from treejax.parallel.mesh import rows_and_heads
 
-TREE_ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu", "auto")
+TREE_ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu", "pallas_mgpu", "auto")
 
 
 def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
@@ -55,7 +60,9 @@ def resolve_impl(attention_impl: str, backend: str | None = None) -> str:
     ``"auto"`` is ``"pallas"`` on a GPU, ``"xla"`` elsewhere. The TPU kernel (``"pallas_tpu"``,
     :mod:`treejax.models.tree_splash`) is tested in Pallas' TPU interpreter and lowers for TPU, but has not run on
     TPU hardware yet, so ``auto`` does not pick it there until it has; ask for it with
-    ``PackingConfig.attention_impl = "pallas_tpu"``."""
+    ``PackingConfig.attention_impl = "pallas_tpu"``. Likewise the Mosaic GPU kernel (``"pallas_mgpu"``,
+    :mod:`treejax.models.tree_flash_mgpu`), run only in Mosaic GPU's interpret mode so far: ``auto`` keeps the
+    Triton kernel on a GPU until a GPU measurement says otherwise."""
     if attention_impl not in TREE_ATTENTION_IMPLS:
         raise ValueError(f"tree attention_impl must be one of {TREE_ATTENTION_IMPLS}, got {attention_impl!r}")
     if attention_impl == "auto":
@@ -65,7 +72,8 @@ def resolve_impl(attention_impl: str, backend: str | None = None) -> str:
 
 
 def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attention_impl: str = "xla",
-                        blocks: tree_flash.TreeFlashBlocks | tree_splash.TreeSplashBlocks | None = None
+                        blocks: tree_flash.TreeFlashBlocks | tree_splash.TreeSplashBlocks
+                        | tree_flash_mgpu.TreeFlashMgpuBlocks | None = None
                         ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """``attend(q [B, L, Q, H], k [B, L, K, H], v [B, L, K, H]) -> [B, L, Q, H]`` for rows with these intervals.
 
@@ -73,7 +81,8 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     ``blocks``: the Pallas kernel's tiles: for ``"pallas"`` a :class:`~treejax.models.tree_flash.TreeFlashBlocks`
     (default: :func:`treejax.models.tree_flash.default_blocks` of the head size), for ``"pallas_tpu"`` a
     :class:`~treejax.models.tree_splash.TreeSplashBlocks` (default:
-    :func:`treejax.models.tree_splash.default_blocks` of the row length)."""
+    :func:`treejax.models.tree_splash.default_blocks` of the row length), for ``"pallas_mgpu"`` a
+    :class:`~treejax.models.tree_flash_mgpu.TreeFlashMgpuBlocks` (default: its defaults)."""
     impl = resolve_impl(attention_impl)
     if impl == "xla":
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
@@ -85,6 +94,13 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
         interpret = "hlo" if jax.default_backend() != "tpu" else False  # the interpreter that runs under remat
         kernel = lambda q, k, v, lo, hi: tree_splash.tree_splash_attention(  # noqa: E731
             q, k, v, lo, hi, blocks, interpret)
+    elif impl == "pallas_mgpu":
+        if blocks is not None and not isinstance(blocks, tree_flash_mgpu.TreeFlashMgpuBlocks):
+            raise ValueError(f"tree attention 'pallas_mgpu' takes tree_flash_mgpu.TreeFlashMgpuBlocks tiles, got "
+                             f"{blocks!r}; pass TreeFlashMgpuBlocks or None (its defaults)")
+        interpret = jax.default_backend() != "gpu"  # Mosaic GPU's interpret mode off a GPU
+        kernel = lambda q, k, v, lo, hi: tree_flash_mgpu.tree_flash_attention(  # noqa: E731
+            q, k, v, lo, hi, blocks or tree_flash_mgpu.TreeFlashMgpuBlocks(), interpret)
     else:
         if blocks is not None and not isinstance(blocks, tree_flash.TreeFlashBlocks):
             raise ValueError(f"tree attention 'pallas' takes tree_flash.TreeFlashBlocks tiles, got {blocks!r}; "
@@ -96,6 +112,8 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     if mesh.empty or mesh.size == 1:
         if impl == "pallas_tpu":
             return tree_splash.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
+        if impl == "pallas_mgpu":
+            return tree_flash_mgpu.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
         return tree_flash.make_attention(node_lo_BxL, node_hi_BxL, blocks, interpret=interpret)
     return _per_shard(node_lo_BxL, node_hi_BxL, mesh, kernel)
 

@@ -256,7 +256,8 @@ class Packed:
     mini-batch from the config's bounds (host state, :class:`~treejax.rl.packing.LayoutFloor`,
     :func:`~treejax.rl.packing.startup_layout`) and later mini-batches are packed into it: the update compiles once
     (again only if a mini-batch needs more rows). ``blocks``: the Pallas tree kernel's tiles
-    (``tree_flash.TreeFlashBlocks`` for ``"pallas"``, ``tree_splash.TreeSplashBlocks`` for ``"pallas_tpu"``;
+    (``tree_flash.TreeFlashBlocks`` for ``"pallas"``, ``tree_splash.TreeSplashBlocks`` for ``"pallas_tpu"``,
+    ``tree_flash_mgpu.TreeFlashMgpuBlocks`` for ``"pallas_mgpu"``;
     ``None``: the kernel's defaults, ``tree_flash.default_blocks`` of the head size / ``tree_splash.default_blocks``
     of the row length)."""
 

@@ -112,7 +112,9 @@ class PackingConfig:
       skip_untrained: leave trees without any trained token (filler prompts) out of the packed rows.
       attention_impl: tree attention of the packed forward (``treejax.models.tree_attention``): ``"xla"`` (dense
         mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU),
-        ``"pallas_tpu"`` (the same as a TPU kernel; rows a multiple of 128 tokens, the default ``granule``) or
+        ``"pallas_tpu"`` (the same as a TPU kernel; rows a multiple of 128 tokens, the default ``granule``),
+        ``"pallas_mgpu"`` (the same as Pallas Mosaic GPU kernels for Hopper; head sizes and rows multiples of 64;
+        tested in Mosaic GPU's interpret mode only, not yet run on a GPU) or
         ``"auto"`` (pallas on a GPU, xla elsewhere: ``"pallas_tpu"``, the TPU kernel, is asked for by name until it has
         run on TPU hardware).
       sticky: fix the layout at the first mini-batch from the config's bounds (:func:`startup_layout`, module

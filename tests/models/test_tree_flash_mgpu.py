@@ -1,0 +1,239 @@
+"""The Mosaic GPU tree attention kernels (:mod:`treejax.models.tree_flash_mgpu`) against the dense path.
+
+On CPU they run in Mosaic GPU's interpret mode (``InterpretGPUParams``: wgmma, TMA copies, barriers and the
+software pipeline simulated), fp32, ``atol=1e-5`` as the Triton kernel's tests (measured max ~3e-6 on the
+gradients). Interpret mode cannot show that the kernels compile on the real lowering: the ``gpu``-marked test
+does (bf16, compiled, against the dense path and the Triton kernel; ``TREEJAX_TEST_DEVICE=gpu``).
+"""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treejax.models import tree_attention, tree_flash, tree_flash_mgpu
+from treejax.models import transformer as T
+from treejax.rl import packing
+
+
+@functools.cache
+def _rows(P, W, D, S, Lp, config):
+    """``(lo, hi)`` of ``P`` synthetic trees (``experiments/bench_packed.py``'s; half the leaves stop inside their
+    last segment) packed by ``config``."""
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
+    from bench_packed import synthetic_tree
+
+    prompts, lens, forest = synthetic_tree(P, W, D, S, Lp, 200, 0.5, seed=1)
+    plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, S, config)
+    return jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+
+
+#: ``aligned``: one tree of 64-token segments (40-token prompt), nodes aligned to 64: one 384-token row whose
+#: 64 x 64 tables list full, partial and empty tiles. ``packed``: four small trees (24-token segments, 5-token
+#: prompts), unaligned, two rows of 256.
+_ROWS = {"aligned": (1, 2, 2, 64, 40, packing.PackingConfig(granule=64, align=64, max_trees_per_row=1)),
+         "packed": (4, 2, 2, 24, 5, packing.PackingConfig(row_length=256))}
+
+_BLOCKS = {
+    "default": tree_flash_mgpu.TreeFlashMgpuBlocks(),
+    # 128-key tiles in all three kernels, every tile masked, no skipping, one buffer more
+    "rect_masked": tree_flash_mgpu.TreeFlashMgpuBlocks(block_k=128, dq_blocks=(64, 128), dkv_blocks=(64, 128),
+                                                       max_concurrent_steps=3, full_tiles=False, skip_empty=False),
+}
+
+
+def _tile_kinds(lo, hi, bq, bk):
+    """``(full, partial, empty)`` listed tiles of the ``bq x bk`` tables (``empty``: listed, no visible pair)."""
+    mask = np.asarray(tree_attention.tree_mask(lo, hi))
+    B, L = lo.shape
+    kv = np.asarray(tree_flash.block_tables(lo, hi, bq, bk, True).kv_list)
+    some = mask.reshape(B, L // bq, bq, L // bk, bk).any(axis=(2, 4))
+    full = partial = empty = 0
+    for b in range(B):
+        for i in range(L // bq):
+            count, n_full = kv[b, i, :2]
+            full += n_full
+            hit = some[b, i, kv[b, i, 2 + n_full: 2 + count]]
+            partial, empty = partial + hit.sum(), empty + (~hit).sum()
+    return full, partial, empty
+
+
+def _assert_matches_dense(lo, hi, blocks, key, q_heads=4, kv_heads=2, head_dim=64):
+    B, L = lo.shape
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (B, L, q_heads, head_dim))
+    k, v = (jax.random.normal(kk, (B, L, kv_heads, head_dim)) for kk in ks[1:3])
+    cot = jax.random.normal(ks[3], q.shape)
+    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
+    mgpu = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    out_m, vjp_m = jax.vjp(mgpu, q, k, v)
+    np.testing.assert_allclose(np.asarray(out_m), np.asarray(out_d), atol=1e-5)
+    for name, a, b in zip("qkv", vjp_m(cot), vjp_d(cot)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+
+
+def test_test_rows_have_full_partial_and_empty_tiles():
+    """The aligned row's 64 x 64 tables hold every kind of tile the kernels branch on: full (unmasked), partial
+    (masked) and listed-but-empty (skipped)."""
+    full, partial, empty = _tile_kinds(*_rows(*_ROWS["aligned"]), 64, 64)
+    assert full > 0 and partial > 0 and empty > 0, (full, partial, empty)
+
+
+@pytest.mark.parametrize("rows,blocks", [("aligned", "default"), ("packed", "rect_masked")])
+def test_mgpu_kernels_match_dense_tree_attention(rows, blocks):
+    """Forward and the three gradients of the Mosaic GPU kernels (interpret mode, fp32) equal the dense path:
+    grouped-query heads (4 over 2), full tiles unmasked, partial tiles masked, empty tiles skipped (``aligned``,
+    default tiles), and two rows of two unaligned trees each with 128-key tiles, every tile masked, 3 buffers
+    (``packed``)."""
+    lo, hi = _rows(*_ROWS[rows])
+    if rows == "packed":  # two rows (batch index), 2 query heads over 1: the interpreter's time
+        _assert_matches_dense(lo, hi, _BLOCKS[blocks], jax.random.key(1), q_heads=2, kv_heads=1)
+    else:
+        _assert_matches_dense(lo, hi, _BLOCKS[blocks], jax.random.key(1))
+
+
+def test_mgpu_through_make_tree_attention():
+    """``attention_impl="pallas_mgpu"`` is a valid ``PackingConfig`` choice (``auto`` still resolves to the Triton
+    kernel on a GPU), picks the Mosaic GPU kernel (interpret mode off a GPU) and equals the dense path; its tiles
+    type is checked."""
+    assert "pallas_mgpu" in tree_attention.TREE_ATTENTION_IMPLS
+    assert packing.PackingConfig(attention_impl="pallas_mgpu").attention_impl == "pallas_mgpu"  # validated
+    assert tree_attention.resolve_impl("auto", "gpu") == "pallas"
+    lo, hi = _rows(*_ROWS["packed"])
+    lo, hi = lo[:1], hi[:1]
+    on_gpu = jax.default_backend() == "gpu"  # compiled there: bf16 inputs (fp32 is interpret mode's only)
+    dtype, atol = (jnp.bfloat16, 3e-2) if on_gpu else (jnp.float32, 1e-5)
+    ks = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(ks[0], (1, lo.shape[1], 2, 64), dtype)
+    k, v = (jax.random.normal(kk, (1, lo.shape[1], 1, 64), dtype) for kk in ks[1:])
+    got = tree_attention.make_tree_attention(lo, hi, "pallas_mgpu")(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = tree_attention.make_tree_attention(lo, hi, "xla")(*f32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol)
+    with pytest.raises(ValueError, match="TreeFlashMgpuBlocks"):
+        tree_attention.make_tree_attention(lo, hi, "pallas_mgpu", tree_flash.TreeFlashBlocks())
+
+
+def test_tiles_and_shapes_the_kernels_refuse():
+    assert tree_flash_mgpu._fit(128, 192, "block_k") == 64 and tree_flash_mgpu._fit(128, 256, "block_k") == 128
+    assert tree_flash_mgpu._fit(192, 384, "block_k") == 192 and tree_flash_mgpu._fit(256, 384, "block_k") == 192
+    with pytest.raises(ValueError, match="multiple of 64"):
+        tree_flash_mgpu._fit(64, 96, "block_k")
+    with pytest.raises(ValueError, match="multiples of 64"):
+        tree_flash_mgpu.TreeFlashMgpuBlocks(block_k=32)
+    lo = jnp.zeros((1, 128), jnp.int32)
+    q = jnp.zeros((1, 128, 2, 48))
+    with pytest.raises(ValueError, match="head_dim 48"):
+        tree_flash_mgpu.tree_flash_attention(q, q, q, lo, lo, tree_flash_mgpu.TreeFlashMgpuBlocks(), True)
+    q = jnp.zeros((1, 128, 2, 64))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):  # compiled: wgmma on 16-bit operands only
+        tree_flash_mgpu.tree_flash_attention(q, q, q, lo, lo, tree_flash_mgpu.TreeFlashMgpuBlocks(), False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,q_heads", [(64, 14), (128, 12)])
+def test_mgpu_kernels_on_gpu_match_dense_and_triton(head_dim, q_heads):
+    """Compiled (bf16) on a Hopper GPU, at qwen2.5-0.5b's heads (14 over 2, 64 wide) and qwen2.5-1.5b's (12 over 2,
+    128 wide), on two depth-4 trees (one per row): forward and gradients against the dense path in fp32 on the
+    same bf16 inputs (the Triton kernel's bf16 tolerances), and against the Triton kernel."""
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
+    from bench_packed import synthetic_tree
+
+    prompts, lens, forest = synthetic_tree(2, 4, 3, 64, 40, 200, 0.5)
+    plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, 64,
+                                packing.PackingConfig(granule=128, max_trees_per_row=1))
+    lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
+    B, L = lo.shape
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, L, q_heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (B, L, 2, head_dim), jnp.bfloat16) for kk in ks[1:3])
+    cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+    dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
+    triton_blocks = tree_flash.default_blocks(head_dim)
+    triton = lambda q, k, v: tree_flash.tree_flash_attention(q, k, v, lo, hi, triton_blocks)  # noqa: E731
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    out_t, vjp_t = jax.vjp(triton, q, k, v)
+    grads_t = vjp_t(cot)
+    for blocks in (tree_flash_mgpu.TreeFlashMgpuBlocks(), tree_flash_mgpu.TreeFlashMgpuBlocks(
+            block_k=128, dq_blocks=(64, 128), dkv_blocks=(64, 128))):  # 3 buffers do not fit at head 128
+        mgpu = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks)  # noqa: E731
+        out_m, vjp_m = jax.vjp(mgpu, q, k, v)
+        out_m = np.asarray(out_m, np.float32)
+        np.testing.assert_allclose(out_m, np.asarray(out_d), atol=3e-2, err_msg=str(blocks))
+        np.testing.assert_allclose(out_m, np.asarray(out_t, np.float32), atol=3e-2, err_msg=str(blocks))
+        for name, a, b, t in zip("qkv", vjp_m(cot), vjp_d(cot.astype(jnp.float32)), grads_t):
+            a, b, t = (np.asarray(x, np.float32) for x in (a, b, t))
+            assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b), f"d{name} vs dense, {blocks}"
+            assert np.linalg.norm(a - t) <= 2e-2 * np.linalg.norm(t), f"d{name} vs Triton, {blocks}"
+
+
+def test_mgpu_tile_settings_parse_and_print():
+    """``TreeFlashMgpuBlocks.parse`` (the benchmark's ``--mgpu`` syntax) and ``str`` round-trip."""
+    parse = tree_flash_mgpu.TreeFlashMgpuBlocks.parse
+    assert parse("default") == tree_flash_mgpu.TreeFlashMgpuBlocks() and str(parse("default")) == "mgpu default"
+    text = "k=128,dq=64x128,dkv=64x128,stages=3,full=0,skip=0"
+    assert parse(text) == tree_flash_mgpu.TreeFlashMgpuBlocks(128, (64, 128), (64, 128), 3, False, False)
+    assert str(parse(text)) == "mgpu " + text
+    for bad, msg in (("k=96", "multiples of 64"), ("q=128", "bad option"), ("dq=64", "bad option"),
+                     ("dq=128x64", "must be 64")):
+        with pytest.raises(ValueError, match=msg):
+            parse(bad)
+
+
+@pytest.mark.parametrize("head_dim,q_heads", [(64, 14), (128, 12)])
+def test_mgpu_kernels_lower_for_cuda(head_dim, q_heads):
+    """Without a GPU: forward and backward of the compiled (not interpreted) kernels go through Pallas' Mosaic GPU
+    lowering for the ``cuda`` platform (``jit(...).trace(...).lower(lowering_platforms=("cuda",))``: every
+    primitive must have a Mosaic GPU lowering rule, layouts must agree, SMEM must fit the H100/H200's 227 KiB),
+    in bf16 at qwen2.5-0.5b's and qwen2.5-1.5b's heads: three ``mosaic_gpu`` custom calls (forward, ``dq``, ``dk,
+    dv``). What this cannot check: the MLIR-to-PTX compile, ptxas, and the run (the ``gpu`` test). Tiles that do
+    not fit SMEM are refused here with Mosaic GPU's message."""
+    B, L, K = 2, 512, 2
+    q = jax.ShapeDtypeStruct((B, L, q_heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, L, K, head_dim), jnp.bfloat16)
+    lo = jax.ShapeDtypeStruct((B, L), jnp.int32)
+
+    def lowered(blocks):
+        def grads(q, k, v, lo, hi):
+            attend = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks)  # noqa: E731
+            out, vjp = jax.vjp(attend, q, k, v)
+            return vjp(out)
+        return jax.jit(grads).trace(q, kv, kv, lo, lo).lower(lowering_platforms=("cuda",)).as_text()
+
+    for text in ("default", "k=128,dq=64x128,dkv=64x128", "full=0,skip=0"):
+        hlo = lowered(tree_flash_mgpu.TreeFlashMgpuBlocks.parse(text))
+        assert hlo.count("custom_call @mosaic_gpu") == 3, text
+    if head_dim == 128:  # 3 buffers of 128 x 128 k and v tiles: over the SMEM
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            lowered(tree_flash_mgpu.TreeFlashMgpuBlocks.parse("k=128,dq=64x128,dkv=64x128,stages=3"))
+
+
+@pytest.mark.slow
+def test_mgpu_kernels_have_no_smem_races():
+    """Interpret mode's happens-before race detector (``InterpretGPUParams(detect_races=True)``) finds no race
+    between the TMA copies, the wgmma's and the SMEM reads and writes of the three kernels (the pipelines'
+    buffer reuse, the output tiles staged in the input tiles' SMEM), values still equal to the dense path."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    params = tree_flash_mgpu.interpret_params()
+    params = type(params)(detect_races=True)
+    lo, hi = _rows(*_ROWS["aligned"])
+    B, L = lo.shape
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (B, L, 2, 64))
+    k, v = (jax.random.normal(kk, (B, L, 1, 64)) for kk in ks[1:3])
+    blocks = _BLOCKS["default"]
+    mgpu = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks, params)  # noqa: E731
+    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
+    out, vjp = jax.vjp(mgpu, q, k, v)
+    grads = jax.block_until_ready(vjp(q))
+    assert not interpret_pallas_call.get_races().races_found
+    out_d, vjp_d = jax.vjp(dense, q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_d), atol=1e-5)
+    for name, a, b in zip("qkv", grads, vjp_d(q)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")

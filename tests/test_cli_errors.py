@@ -77,6 +77,18 @@ def test_train_hf_folder_without_config(capsys, tmp_path, tiny_checkpoint):
     assert msg == f"missing file {folder / 'config.json'} (an HF checkpoint folder needs config.json)"
 
 
+def test_train_model_folder_without_a_chat_template(capsys, tmp_path, tiny_checkpoint):
+    """A folder holding only tokenizer.json (found by the audit's re-run: the prompts were formatted before the
+    model's config.json was read, and the missing template was a ValueError traceback)."""
+    folder = tmp_path / "tokenizer_only"
+    folder.mkdir()
+    shutil.copy(os.path.join(tiny_checkpoint, "tokenizer.json"), folder / "tokenizer.json")
+    msg = _train_model_error(capsys, tmp_path, folder)
+    assert msg == (f"the tokenizer of {folder} has no chat template, and treejax formats every prompt with one: give a "
+                   "model whose folder has tokenizer_config.json with a chat_template (or chat_template.jinja), as "
+                   "transformers' save_pretrained writes for chat models")
+
+
 def test_train_decode_kernel_this_backend_cannot_run(capsys, tmp_path, tiny_checkpoint):
     """A forced decode kernel off its backend (the TPU kernel on this CPU) is one line naming the fix, when the
     sampler is built (the kernel's limits need the model's head size and cache dtype)."""

@@ -80,8 +80,9 @@ class TextTokenizer:
     """Encode/decode, special ids and chat-template rendering around a ``tokenizers.Tokenizer``."""
 
     def __init__(self, tokenizer: Tokenizer, special_tokens: dict[str, str | None], chat_template: str | None = None,
-                 add_bos_token: bool = False, extra_eos_ids: Sequence[int] = ()):
+                 add_bos_token: bool = False, extra_eos_ids: Sequence[int] = (), source: str | None = None):
         self._tok = tokenizer
+        self.source = source  #: the folder or file it was read from (for error messages), if known
         self.special_tokens = {k: special_tokens.get(k) for k in _SPECIAL_NAMES}
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
@@ -129,7 +130,7 @@ class TextTokenizer:
             with open(gen_path) as f:
                 eos = json.load(f).get("eos_token_id")
             extra_eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-        return cls(tok, specials, template, bool(cfg.get("add_bos_token", False)), extra_eos)
+        return cls(tok, specials, template, bool(cfg.get("add_bos_token", False)), extra_eos, source=folder)
 
     @classmethod
     def from_gguf(cls, reader_or_path) -> "TextTokenizer":
@@ -168,7 +169,8 @@ class TextTokenizer:
             b = specials["bos_token"]
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{b} $A", pair=f"{b} $A {b} $B", special_tokens=[(b, tok.token_to_id(b))])
-        return cls(tok, specials, field_value(reader, "tokenizer.chat_template"), add_bos)
+        return cls(tok, specials, field_value(reader, "tokenizer.chat_template"), add_bos,
+                   source=reader_or_path if isinstance(reader_or_path, str) else None)
 
     # ------------------------------------------------------------------ ids
     def _id(self, name: str) -> int | None:
@@ -223,7 +225,12 @@ class TextTokenizer:
         """Renders ``messages`` with the chat template (transformers' semantics); ``tokenize=True`` returns
         ids encoded without adding special tokens (the template writes them itself)."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
+            from treejax.errors import ConfigError
+
+            where = f" of {self.source}" if self.source else ""
+            raise ConfigError(f"the tokenizer{where} has no chat template, and treejax formats every prompt with one: "
+                              "give a model whose folder has tokenizer_config.json with a chat_template (or "
+                              "chat_template.jinja), as transformers' save_pretrained writes for chat models")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         context = {k: v for k, v in self.special_tokens.items() if v is not None}

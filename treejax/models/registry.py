@@ -102,6 +102,20 @@ def _resolve(name_or_path: str) -> str:
     return path
 
 
+def check_model_source(name_or_path: str) -> None:
+    """Raises the one-line :class:`~treejax.errors.ModelFileError` that loading ``name_or_path`` would raise for a
+    missing package, file or folder, without reading it: for a second model that loads late (a simulated user
+    on its first question), so a run stops at start-up, not steps later. Parted models (assembled from their
+    packages on first use) and ``random:`` models are checked by their tokenizer source."""
+    from treejax.models import parts
+
+    random = parse_random(name_or_path)
+    if random is not None:
+        return check_model_source(random[1])
+    if name_or_path not in parts.PARTED_MODELS:
+        _resolve(name_or_path)
+
+
 def load_tokenizer(name_or_path: str) -> TextTokenizer:
     """The tokenizer of :func:`load_model`'s model alone (no weights read): the training loop measures the task's
     prompts with it before the weights load, so a data problem is reported in seconds."""

@@ -31,11 +31,20 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIGS = os.path.join(ROOT, "configs")
 
 
+def _xla_flags(devices: int | None = None) -> str:
+    """The suite's XLA flags (tests/conftest.py: its compile-time and collective-timeout settings) without its
+    fake device count; with ``devices``, that many fake devices instead (a child started without a launcher)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
+
+
 def _env(**extra) -> dict:
-    """The test process's environment without its own device settings (each child gets its own), with the
-    repository and this folder (for ``multiprocess_worker``) importable."""
+    """The test process's environment without its own device settings (each child gets its own: the launcher
+    sets the fake device count in ``XLA_FLAGS``), with the repository and this folder (for ``multiprocess_worker``)
+    importable. The children compile with the suite's XLA flags, as this process does."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env["XLA_FLAGS"] = _xla_flags()
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)
@@ -132,7 +141,7 @@ def test_killed_process_stops_the_other_without_a_launcher(tmp_path):
     """No launcher (a multi-host run): JAX's coordination service declares the silent process dead after the
     heartbeat timeout and terminates the survivor with a message, instead of a hang in the next collective."""
     env = _env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
-               TREEJAX_HEARTBEAT_TIMEOUT_S="5", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               TREEJAX_HEARTBEAT_TIMEOUT_S="5", XLA_FLAGS=_xla_flags(4))
     logs = [open(tmp_path / f"p{i}.log", "w+") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-u", "-m", "multiprocess_worker", "die"], cwd=ROOT,
                               env=dict(env, JAX_PROCESS_ID=str(i)), stdout=logs[i], stderr=subprocess.STDOUT)
@@ -226,7 +235,7 @@ def test_killed_trainer_process_stops_the_other(tiny_checkpoint, tmp_path):
     """The same failure rule inside the RL loop: process 1 killed once training runs; process 0 stops within the
     heartbeat timeout with JAX's message, and the run is not marked finished."""
     env = _env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=_xla_flags(4))
     args = _train_args(tiny_checkpoint, tmp_path / "run", "RunConfig.num_steps = 50",
                        "RunConfig.tree_picture_every = 0", "RunConfig.export_hf = False") + ["--heartbeat_timeout_s",
                                                                                              "5"]

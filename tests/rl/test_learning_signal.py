@@ -40,19 +40,21 @@ TREE = TreeConfig(num_leaves=8, max_depth=2, segment_length=4, branch_factor=2, 
 
 @functools.lru_cache(maxsize=None)
 def _programs():
-    """The rollout and the update, built (and compiled) once for the three runs."""
+    """The rollout, the update and the learner (its estimator and log-prob programs: the same for every sign),
+    built (and compiled) once for the three runs."""
     optimizer = make_optimizer(OptimizerConfig(learning_rate=3e-3, warmup_steps=0, total_steps=STEPS,
                                                weight_decay=0.0))
     layout = Expanded(CFG, attention_impl="xla")
     update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
-    return make_tree_rollout(CFG, TREE), optimizer, layout, update
+    fns = make_learner(CFG, StepConfig(estimator="treepo"), Precision().resolve("cpu"), update, layout)
+    return make_tree_rollout(CFG, TREE), optimizer, fns
 
 
 def _train(sign: float) -> list[float]:
     """30 steps of :func:`treejax.rl.step.rl_step` (the loop's step) with the reward scaled by ``sign``."""
     cfg = CFG
     params = transformer.init_params(cfg, jax.random.key(0))
-    rollout, optimizer, layout, update = _programs()
+    rollout, optimizer, fns = _programs()
     prompts = np.array([[1, 5, 9, 0], [1, 11, 3, 4], [1, 20, 0, 0], [1, 30, 31, 32]], np.int32)
     lens = np.array([3, 4, 2, 4], np.int32)
     history = []
@@ -64,7 +66,6 @@ def _train(sign: float) -> list[float]:
 
     source = FixedPromptRollouts(rollout, prompts, lens, reward)
     state = TrainState.create(params, optimizer)
-    fns = make_learner(cfg, StepConfig(estimator="treepo"), Precision().resolve("cpu"), update, layout)
     for step in range(STEPS):
         state, _, metrics, _ = rl_step(fns, state, source, jax.random.fold_in(jax.random.key(2), step), step)
         assert float(metrics["update/skipped"]) == 0.0

@@ -189,7 +189,9 @@ def test_feature_runs_on_smollm2(case, tmp_path):
 
 def test_every_estimator_and_loss_term_through_rl_step():
     """All 8 built-in estimators, KL k1/k3 and TIS through the loop's own step function on one tiny model,
-    sharing the rollout and update programs (the CLI test above covers the same cases end to end, slow)."""
+    sharing the rollout, log-prob and update programs (the CLI test above covers the same cases end to end, slow)."""
+    import dataclasses
+
     import jax
 
     from treejax.models import presets, transformer
@@ -222,11 +224,14 @@ def test_every_estimator_and_loss_term_through_rl_step():
     cases += [("treepo", LossConfig(kl_coef=0.1, kl_estimator="k1")),
               ("treepo", LossConfig(kl_coef=0.1, kl_estimator="k3", tis_cap=2.0))]
     updates = {}  # one update program per loss configuration, shared by the estimators
+    first = None  # the log-prob pass (make_logprob_fn of the layout, the same for every case): compiled once
     for name, loss in cases:
         state = TrainState.create(jax.tree.map(jax.numpy.copy, params), optimizer)
         if loss not in updates:
             updates[loss] = jax.jit(make_update_fn(layout, loss, optimizer), donate_argnames=("state",))
         fns = make_learner(cfg, StepConfig(estimator=name, loss=loss), precision, updates[loss], layout)
+        first = first or fns
+        fns = dataclasses.replace(fns, logprobs=first.logprobs)
         ref = initial_reference(state.params, loss)
         steps = 2 if loss.kl_coef > 0 else 1  # the KL term is 0 at the first step (reference = policy)
         for step in range(steps):

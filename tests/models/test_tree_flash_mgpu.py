@@ -17,6 +17,7 @@ import pytest
 from treejax.models import tree_attention, tree_flash, tree_flash_mgpu
 from treejax.models import transformer as T
 from treejax.rl import packing
+from treejax.testing.references import assert_tree_attention_matches_dense
 
 
 @functools.cache
@@ -67,13 +68,8 @@ def _assert_matches_dense(lo, hi, blocks, key, q_heads=4, kv_heads=2, head_dim=6
     q = jax.random.normal(ks[0], (B, L, q_heads, head_dim))
     k, v = (jax.random.normal(kk, (B, L, kv_heads, head_dim)) for kk in ks[1:3])
     cot = jax.random.normal(ks[3], q.shape)
-    dense = lambda q, k, v: T.attention(q, k, v, tree_attention.tree_mask(lo, hi))  # noqa: E731
     mgpu = lambda q, k, v: tree_flash_mgpu.tree_flash_attention(q, k, v, lo, hi, blocks, True)  # noqa: E731
-    out_d, vjp_d = jax.vjp(dense, q, k, v)
-    out_m, vjp_m = jax.vjp(mgpu, q, k, v)
-    np.testing.assert_allclose(np.asarray(out_m), np.asarray(out_d), atol=1e-5)
-    for name, a, b in zip("qkv", vjp_m(cot), vjp_d(cot)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+    assert_tree_attention_matches_dense(mgpu, lo, hi, q, k, v, cot, atol=1e-5)
 
 
 def test_test_rows_have_full_partial_and_empty_tiles():

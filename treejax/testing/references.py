@@ -28,3 +28,18 @@ def full_forward_logp(params, config: ModelConfig, seq, width: int) -> np.ndarra
     t, seg = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
     t[0, :len(seq)], seg[0, :len(seq)] = seq, 1
     return np.asarray(_padded_logp(params, config, jnp.asarray(t), jnp.asarray(seg)))[:len(seq)]
+
+
+def assert_tree_attention_matches_dense(attend, lo_BxL, hi_BxL, q, k, v, cotangent, atol: float = 1e-5) -> None:
+    """A tree-attention kernel ``attend(q, k, v)`` against the dense masked path
+    (:func:`treejax.models.tree_attention.tree_mask` + :func:`treejax.models.transformer.attention`) on rows with
+    intervals ``lo / hi``: the output and the three input gradients (pulled back from ``cotangent``) within
+    ``atol``."""
+    from treejax.models import tree_attention
+
+    mask = tree_attention.tree_mask(lo_BxL, hi_BxL)
+    out_d, vjp_d = jax.vjp(lambda q, k, v: transformer.attention(q, k, v, mask), q, k, v)
+    out_k, vjp_k = jax.vjp(attend, q, k, v)
+    np.testing.assert_allclose(np.asarray(out_k), np.asarray(out_d), atol=atol)
+    for name, a, b in zip("qkv", vjp_k(cotangent), vjp_d(cotangent)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, err_msg=f"d{name}")

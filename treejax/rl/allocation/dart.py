@@ -77,7 +77,8 @@ def length_cap_mask(loss_mask_PxWxT, leaf_length_PxW, rewards_PxW, cap_P, trunca
 class DARTAllocator(Allocator):
     """DART's rollout count and length cap from each prompt's running success rate (module docstring; a
     reconstruction). ``ema``: the running rate's step weight ``beta`` in (0, 1]; ``min_length`` / ``max_length``:
-    ``L_min`` / ``L_max`` of the length cap (``max_length = 0``: the sampler's response capacity)."""
+    ``L_min`` / ``L_max`` of the length cap (``max_length = 0``: the sampler's response capacity). Inside a plain
+    ``AllocationConfig`` only the rollout count applies; the length cap is applied by ``DARTConfig``."""
 
     ema: float = 0.5
     min_length: int = 32

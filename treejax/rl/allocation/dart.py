@@ -106,7 +106,8 @@ class DARTAllocator(Allocator):
         return np.maximum(want - n, 0), {**state, "last": [float(x) for x in s]}
 
     def length_caps(self, success_P, capacity: int) -> np.ndarray:
-        """int64[P]: ``L(s)`` with ``L_max = max_length or capacity``, never above ``capacity`` (the sampler's ``T``)."""
+        """int64[P]: ``L(s)`` with ``L_max = max_length or capacity``, never above ``capacity`` (the sampler's
+        ``T``)."""
         l_max = min(self.max_length or capacity, capacity)
         return np.minimum(dart_length_cap(success_P, min(self.min_length, l_max), l_max), capacity)
 

@@ -8,7 +8,7 @@ the trainer's forward with the pre-update weights, and the ``k = int(ratio * row
 the ones the loss keeps. Here, over one step's pool (``rho`` = :attr:`DARTEntropyMask.top_ratio`)::
 
     unit u (``unit = "step"``: a leaf's response, one agent step of a single-turn task; ``"token"``: one pair)
-    H_u   = mean_{t in u, m_t = 1} H_t          (H_t: the trainer pass's entropy, :data:`~treejax.rl.shaping.base.STATS`)
+    H_u   = mean_{t in u, m_t = 1} H_t          (H_t: the trainer pass's entropy, shaping.base.STATS)
     n     = #units with a trained token,   k = max(1, floor(rho n))
     keep_u = 1 iff u is among the k largest H_u (ties: the lower flat index first)
     m_t  <- m_t keep_u(t)                       (numerator and denominator of the loss alike)

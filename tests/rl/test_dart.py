@@ -250,9 +250,61 @@ def test_the_bank_and_the_rates_survive_a_checkpoint():
     assert again.bank == {} and again.state == {"rate": {}}
 
 
+# ------------------------------------------------------------------------------------- the learner's wiring
+def test_the_learner_trains_exactly_the_kept_pairs_in_both_layouts():
+    """rl_step on a tiny random model: the entropy mask's pairs are what the update trains (``update/num_tokens``:
+    floor(0.5 x 12) = 6 of the 12 leaves keep their tokens), the same in the expanded and the tree-packed layout."""
+    import jax
+
+    from treejax.models import presets, transformer
+    from treejax.precision import Precision
+    from treejax.rl import packing
+    from treejax.rl.config import StepConfig
+    from treejax.rl.layouts import make_layout
+    from treejax.rl.optimizer import OptimizerConfig, make_optimizer
+    from treejax.rl.step import make_learner, rl_step
+    from treejax.rl.train_state import TrainState
+    from treejax.rl.update import make_update_fn
+    from treejax.sampling import strategies, tree
+    from treejax.testing.sources import FixedPromptRollouts
+
+    cfg_m = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250)
+    tc = tree.TreeConfig(num_leaves=4, max_depth=3, segment_length=4, branch_factor=2, row_buckets=1,
+                         strategy=strategies.Temperature(1.0), stop_ids=tuple(range(3, 30)), max_response_length=10)
+    prompts = np.random.RandomState(1).randint(60, 250, (3, 6)).astype(np.int32)
+    lengths = np.array([6, 3, 5], np.int32)
+    params = transformer.init_params(cfg_m, jax.random.key(0))
+    loss_cfg = LossConfig(tis_cap=2.0)
+    opt = make_optimizer(OptimizerConfig(learning_rate=0.1, warmup_steps=0, eps=1.0))
+    out = {}
+    for name, shapers, packed in (("all", (), False), ("expanded", (DARTEntropyMask(0.5),), False),
+                                  ("packed", (DARTEntropyMask(0.5),), True)):
+        source = FixedPromptRollouts(tree.make_tree_rollout(cfg_m, tc), prompts, lengths,
+                                     lambda f: jnp.mean((f.tokens % 3 == 0) * f.loss_mask, -1))
+        pk = packing.PackingConfig(granule=8, attention_impl="xla") if packed else None
+        cfg = StepConfig(estimator="grpo", loss=loss_cfg, attention_impl="xla", shapers=shapers, packing=pk)
+        layout = make_layout(cfg_m, pk, attention_impl="xla")
+        fns = make_learner(cfg_m, cfg, Precision().resolve("cpu"), jax.jit(make_update_fn(layout, loss_cfg, opt)),
+                           layout)
+        state = TrainState.create(jax.tree.map(jnp.copy, params), opt)
+        _, ro, m, _ = rl_step(fns, state, source, jax.random.key(8), 0)
+        out[name] = (jax.device_get(m), ro)
+    m_all, ro = out["all"]
+    ent_free = np.asarray(ro.forest.loss_mask).sum(-1)  # tokens per leaf before the mask
+    assert m_all["update/num_tokens"] == ent_free.sum()
+    for name in ("expanded", "packed"):
+        m = out[name][0]
+        kept = round(m["shaping/dart_entropy/kept_frac"] * ent_free.sum())
+        assert m["update/num_tokens"] == kept < ent_free.sum(), name
+    np.testing.assert_allclose(out["packed"][0]["update/num_tokens"], out["expanded"][0]["update/num_tokens"])
+    np.testing.assert_allclose(out["packed"][0]["shaping/dart_entropy/kept_frac"],
+                               out["expanded"][0]["shaping/dart_entropy/kept_frac"], rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------------- the whole loop
+@pytest.mark.slow  # one step of the shipped config through treejax.train.main (24-35 s on 2 shared cores)
 def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
-    """One step through treejax.train.main (~25 s on 2 cores): the allocation's extra rows, the entropy mask's pairs
+    """One step through treejax.train.main: the allocation's extra rows, the entropy mask's pairs
     reaching the update (update/num_tokens), TIS, and a solution from a jsonl injected into each all-fail group
     (the random model solves nothing; the solutions are the task's answers in the instruction's format)."""
     from treejax import train

@@ -362,11 +362,15 @@ def _pass_logprobs(learner: Learner, state, ro: Rollouts, pool, first: list, ref
     b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
     if cfg.shapers:
         x = shaping_inputs(learner.layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"))
-        shaped_adv, shaped_eps, shaping_metrics, aux = apply_shapers(cfg.shapers, x, state.aux)
+        masks = any(getattr(s, "masks", False) for s in cfg.shapers)  # a shaper that takes pairs out of the loss
+        shaped = apply_shapers(cfg.shapers, x, state.aux, with_mask=masks)
+        shaped_adv, shaped_eps, shaping_metrics, aux = shaped[:4]
         # the shapers' new state keeps the old one's placement (replicated on a mesh; the update is jitted with it)
         state = state.replace(aux=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), aux, state.aux))
         b = b.replace(advantages=learner.layout.from_response(shaped_adv, ro.lengths_P, b.advantages),
                       eps_scale=shaped_eps)
+        if masks:
+            b = b.replace(loss_mask=learner.layout.from_response(shaped[4], ro.lengths_P, b.loss_mask))
         mismatch = {**mismatch, **shaping_metrics}
     return state, b, mismatch, old is not None or ref is not None
 

@@ -39,12 +39,13 @@ def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None) -> Sh
         segment_length=forest.segment_length)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def apply_shapers(shapers: tuple, x: ShapingInputs, states: dict | None = None
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("with_mask",))
+def apply_shapers(shapers: tuple, x: ShapingInputs, states: dict | None = None, *, with_mask: bool = False
                   ) -> tuple[jax.Array, jax.Array, dict, dict]:
     """Runs ``shapers`` in order; returns the final ``advantages [P * W, T]`` (response layout), ``eps_scale
     [P * W]``, the metrics ``shaping/<name>/<metric>`` (plus ``shaping/adv_abs_mean_before|after``) and the
-    stateful shapers' new ``states`` (``{name: state}``, ``TrainState.aux``)."""
+    stateful shapers' new ``states`` (``{name: state}``, ``TrainState.aux``); with ``with_mask`` also the final
+    loss mask ``[P * W, T]`` (a shaper's ``Shaped.keep`` zeroes pairs of it; later shapers see the new mask)."""
     states = dict(states or {})
     metrics = {"shaping/adv_abs_mean_before": masked_mean(jnp.abs(x.advantages), x.on)}
     for s in shapers:
@@ -55,11 +56,14 @@ def apply_shapers(shapers: tuple, x: ShapingInputs, states: dict | None = None
             out, states[s.name] = s.shape_stateful(x, states[s.name])
         else:
             out = s.shape(x)
+        if out.keep is not None:
+            x = x.replace(loss_mask=jnp.where(out.keep > 0, x.loss_mask, jnp.zeros((), x.loss_mask.dtype)))
         x = x.replace(advantages=jnp.where(x.on, out.advantages, 0.0), eps_scale=out.eps_scale)
         metrics.update({f"shaping/{s.name}/{k}": v for k, v in out.metrics.items()})
     metrics["shaping/adv_abs_mean_after"] = masked_mean(jnp.abs(x.advantages), x.on)
     rows = x.advantages.shape[0] * x.advantages.shape[1]
-    return (x.advantages.reshape((rows,) + x.advantages.shape[2:]), x.eps_scale.reshape(rows), metrics, states)
+    out = (x.advantages.reshape((rows,) + x.advantages.shape[2:]), x.eps_scale.reshape(rows), metrics, states)
+    return out + (x.loss_mask.reshape((rows,) + x.loss_mask.shape[2:]),) if with_mask else out
 
 
 __all__ = ["shaping_inputs", "apply_shapers"]

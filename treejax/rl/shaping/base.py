@@ -94,11 +94,13 @@ class ShapingInputs:
 @struct.dataclass
 class Shaped:
     """A shaper's output: new ``advantages [P, W, T]`` (0 where the loss mask is 0), ``eps_scale [P, W]`` and
-    scalar ``metrics`` (logged as ``shaping/<name>``)."""
+    scalar ``metrics`` (logged as ``shaping/<name>``); optionally a ``keep [P, W, T]`` mask (1 keeps a pair) that
+    takes pairs out of the loss, numerator and denominator alike (DART's high-entropy steps); ``None``: all kept."""
 
     advantages: jax.Array
     eps_scale: jax.Array
     metrics: dict
+    keep: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Shaper:
     needs: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
+    masks: ClassVar[bool] = False  # True: shape() may return Shaped.keep (pairs out of the loss)
 
     @property
     def top_k(self) -> int:

@@ -16,3 +16,4 @@ from treejax.rl.judges.fapo import FAPOConfig  # noqa: F401
 from treejax.rl.judges.ssl import SSLConfig  # noqa: F401
 from treejax.rl.judges.slate import SLATEConfig  # noqa: F401
 from treejax.rl.judges.mapo import MAPOConfig  # noqa: F401
+from treejax.rl.dart import DARTConfig  # noqa: F401

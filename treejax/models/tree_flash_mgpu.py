@@ -317,15 +317,37 @@ def _listed_tile(plgpu, t, n_full, mask_fn, tile_fn, carry, skip_empty: bool):
     return lax.cond(t < n_full, lambda c: tile_fn(c, None), partial, carry)
 
 
+def _check_compiled_dtype(dtype, interpret) -> None:
+    if not interpret and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"tree flash attention (Mosaic GPU): compiled kernels take bfloat16 or float16 q, k, v, got "
+                         f"{jnp.dtype(dtype).name} (fp32 runs in interpret mode only)")
+
+
+def _fwd_tile(plgpu, q_smem, k_smem, v_smem, carry, mask, *, scale, dtype, on_device, shape):
+    """The forward's online-softmax update by one key tile (``mask=None``: a full tile), base 2::
+
+        s = q k^T scale,  m' = max(m, rowmax s),  l' = 2^(m - m') l + rowsum 2^(s - m'),  acc' = 2^(m - m') acc + 2^(s - m') v
+    """
+    acc, m_i, l_i = carry
+    s = _mma(plgpu, None, q_smem, k_smem, on_device, shape, b_transposed=True) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, _MASK)
+    m_next = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_next)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+    l_next = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc = _mma(plgpu, acc, p.astype(dtype), v_smem, on_device, a_in_regs=True)
+    return acc, m_next, l_next
+
+
 def _forward(q, k, v, lo, hi, blocks: TreeFlashMgpuBlocks, interpret):
     plgpu = _plgpu()
     _check(q, k, v)
     B, L, Q, H = q.shape
     G = Q // k.shape[2]
     dtype = q.dtype
-    if not interpret and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"tree flash attention (Mosaic GPU): compiled kernels take bfloat16 or float16 q, k, v, got "
-                         f"{jnp.dtype(dtype).name} (fp32 runs in interpret mode only)")
+    _check_compiled_dtype(dtype, interpret)
     bq, bk = _fit(blocks.block_q, L, "block_q"), _fit(blocks.block_k, L, "block_k")
     if bq != 64:
         raise ValueError(f"tree flash attention (Mosaic GPU): block_q must be 64 (one warpgroup), got {bq}")
@@ -357,20 +379,8 @@ def _forward(q, k, v, lo, hi, blocks: TreeFlashMgpuBlocks, interpret):
                 k_hi = lay.load(khi_smem, lay.col())
                 return _tile_mask(lay, q_lo, q0, k_lo, k_hi, start_k, (bq, bk), False)
 
-            def tile_fn(c, mask):
-                acc, m_i, l_i = c
-
-                s = _mma(plgpu, None, q_smem, k_smem, on_device, (bq, bk), b_transposed=True) * scale
-                if mask is not None:
-                    s = jnp.where(mask, s, _MASK)
-                m_next = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_next)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
-                l_next = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = _mma(plgpu, acc, p.astype(dtype), v_smem, on_device, a_in_regs=True)
-                return acc, m_next, l_next
-
+            tile_fn = functools.partial(_fwd_tile, plgpu, q_smem, k_smem, v_smem, scale=scale, dtype=dtype,
+                                        on_device=on_device, shape=(bq, bk))
             return _listed_tile(plgpu, t, n_full, mask_fn, tile_fn, carry, blocks.skip_empty)
 
         carry = (lay.full((bq, H), 0, lay.wgmma), lay.full((bq,), -jnp.inf, lay.row()), lay.full((bq,), 0, lay.row()))
@@ -481,6 +491,36 @@ def _dq(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpret)
     )(q, k, v, lo, hi, kv_list, do, lse, delta)
 
 
+def _dkdv_tile(plgpu, lay, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, carry, mask, *, sm_scale, dtype,
+               on_device, shape):
+    """One query tile's ``(dk, dv)`` update of a key block, transposed (``mask=None``: a full tile)::
+
+        s^T = k q^T,  p^T = 2^(s^T log2 e - lse),  dv += p^T do,  dk += (p^T (v do^T - delta)) q   (scale: after)
+    """
+    dk, dv = carry
+    st = _mma(plgpu, None, k_smem, q_smem, on_device, shape, b_transposed=True) * (sm_scale * _LOG2E)
+    if mask is not None:
+        st = jnp.where(mask, st, _MASK)
+    lse = lay.load(lse_smem, lay.col())
+    pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+    dv = _mma(plgpu, dv, pt.astype(dtype), do_smem, on_device, a_in_regs=True)
+    dpt = _mma(plgpu, None, v_smem, do_smem, on_device, shape, b_transposed=True)
+    delta = lay.load(delta_smem, lay.col())
+    dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
+    return _mma(plgpu, dk, dst.astype(dtype), q_smem, on_device, a_in_regs=True), dv
+
+
+def _store_dk_dv(plgpu, out_smem, values_and_refs) -> None:
+    """Writes ``(value, GMEM ref)`` pairs through one fp32 staging tile (SMEM: 32 KiB at head 128), in order."""
+    for n, (x, ref) in enumerate(values_and_refs):
+        if n:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous copy has read the tile
+        out_smem[...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, ref)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpret):
     """``dk, dv [B, L, Q, H]`` (fp32, per query head): per key block, a pipeline over its ``q_list`` row, in the
     transposed form (attention_mgpu's)::
@@ -524,19 +564,9 @@ def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpre
             def mask_fn():
                 return _tile_mask(lay, k_lohi, k0, lay.load(qlo_smem, lay.col()), None, start_q, (bk, bq), True)
 
-            def tile_fn(c, mask):
-                dk, dv = c
-                st = _mma(plgpu, None, k_smem, q_smem, on_device, (bk, bq), b_transposed=True) * (sm_scale * _LOG2E)
-                if mask is not None:
-                    st = jnp.where(mask, st, _MASK)
-                lse = lay.load(lse_smem, lay.col())
-                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
-                dv = _mma(plgpu, dv, pt.astype(dtype), do_smem, on_device, a_in_regs=True)
-                dpt = _mma(plgpu, None, v_smem, do_smem, on_device, (bk, bq), b_transposed=True)
-                delta = lay.load(delta_smem, lay.col())
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
-                return _mma(plgpu, dk, dst.astype(dtype), q_smem, on_device, a_in_regs=True), dv
-
+            tile_fn = functools.partial(_dkdv_tile, plgpu, lay, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                                        delta_smem, sm_scale=sm_scale, dtype=dtype, on_device=on_device,
+                                        shape=(bk, bq))
             return _listed_tile(plgpu, t, n_full, mask_fn, tile_fn, carry, blocks.skip_empty)
 
         row_spec = plgpu.BlockSpec((bq, H), lambda t: (block_of(t), 0), transforms=qkv_t)
@@ -546,14 +576,7 @@ def _dkdv(q, k, v, lo, hi, do, lse, delta, blocks: TreeFlashMgpuBlocks, interpre
             body, grid=(count,), in_specs=[row_spec, row_spec, vec_spec, vec_spec, vec_spec],
             max_concurrent_steps=blocks.max_concurrent_steps, init_carry=(zeros, zeros),
         )(q_ref.at[b, :, h, :], do_ref.at[b, :, h, :], lse_ref.at[b, h], delta_ref.at[b, h], lo_ref.at[b])
-        # one fp32 staging tile for both (SMEM: 32 KiB at head 128), dk then dv
-        for n, (x, out_ref) in enumerate(((dk * sm_scale, dk_ref), (dv, dv_ref))):
-            if n:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dk's copy has read the tile
-            out_smem[...] = x
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, cols, h])
-        plgpu.wait_smem_to_gmem(0)
+        _store_dk_dv(plgpu, out_smem, ((dk * sm_scale, dk_ref.at[b, cols, h]), (dv, dv_ref.at[b, cols, h])))
 
     f32 = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return plgpu.kernel(

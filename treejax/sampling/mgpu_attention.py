@@ -92,8 +92,9 @@ def smem_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int, stages:
 def mgpu_block(L: int, block_size: int, head_dim: int, cache_dtype, block_q: int = 64) -> int:
     """The kernel's KV block for a cache of ``L`` slots: the largest of :data:`MGPU_BLOCKS` that divides ``L``, is at
     most ``block_size``, keeps the ``[block_q, block_k]`` score tile at 64 x 128 fp32 values per warpgroup (64
-    registers a thread) and fits :data:`SMEM_BYTES`; ``ValueError`` (naming the fix) if none does."""
-    itemsize = jnp.dtype(cache_dtype).itemsize
+    registers a thread) and fits :data:`SMEM_BYTES` (counted for a 16-bit cache: float32 runs only in interpret
+    mode, which has no SMEM limit, and takes the same blocks); ``ValueError`` (naming the fix) if none does."""
+    itemsize = min(jnp.dtype(cache_dtype).itemsize, 2)
     for b in MGPU_BLOCKS:
         if b <= block_size and L % b == 0 and block_q * b <= 64 * 128 and \
                 smem_bytes(block_q, b, head_dim, itemsize) <= SMEM_BYTES:

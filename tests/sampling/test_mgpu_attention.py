@@ -309,9 +309,9 @@ def test_compiled_cascade_bfloat16_matches_triton_and_reference(G, H):
 @pytest.mark.gpu
 def test_model_step_with_mgpu_attention_on_gpu():
     """make_model_fns(attention="pallas_mgpu") on a GPU: the per-row decode attention and the cascade are the Mosaic
-    GPU kernel; a decode step's logits (bf16 cache, qwen2.5-0.5b's tiny config: head 64) equal the Triton path's to
-    bf16 rounding (2% of the largest logit, as test_cascade_pallas.py's model-step test)."""
-    cfg = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250)
+    GPU kernel; a decode step's logits (bf16 cache, qwen2.5-0.5b's tiny config at head 64) equal the Triton path's
+    to bf16 rounding (2% of the largest logit, as test_cascade_pallas.py's model-step test)."""
+    cfg = presets.tiny_config("qwen2.5-0.5b", true_vocab_size=250, head_dim=64)
     from treejax.models import transformer as T
 
     params = T.init_params(cfg, jax.random.key(0))

@@ -134,8 +134,7 @@ then reads every row's KV, so more devices decode no faster. The sampler therefo
 ``jax.shard_map`` over the cache's own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query
 heads with their KV heads): each device runs the kernel on its rows and heads, and the attention is per row and
 per KV-head group, so the result is exactly the unsharded one. ``"pallas_tpu"`` and ``"pallas_mgpu"`` take the
-same wrapper. The XLA
-paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
+same wrapper. The XLA paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
 The cascade has no such wrapper (a row's prompt prefix need not sit on the row's shard: rows are permuted and
 sliced), so on a mesh of more than one device it takes the XLA passes (:func:`resolve_cascade_impl`).
 """

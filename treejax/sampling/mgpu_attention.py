@@ -49,7 +49,10 @@ for the ``cuda`` platform on a CPU (``tests/sampling/test_mgpu_attention.py``). 
 run on a GPU or timed yet (the ``gpu``-marked test and ``experiments/bench_sampler.py --attention pallas pallas_mgpu
 ragged`` do that), so ``attention="auto"`` keeps the Triton kernel on a GPU. Interpret mode differs from the GPU
 program where :func:`treejax.models.tree_flash_mgpu._mma` says (no layout casts; the register operand ``p`` of the
-``p v`` wgmma staged through SMEM; accumulation by adding a fresh product).
+``p v`` wgmma staged through SMEM; accumulation by adding a fresh product). On a device mesh the sampler runs it
+per shard (``shard_decode_attention``, as the other kernels); that path is **untested**: in interpret mode under
+``jax.shard_map`` on 2 fake CPU devices it fails with 2 KV heads ("Barrier remains allocated", jax 0.10.2 and 0.11.2;
+one KV head passes, and the tree kernel passes under ``shard_map``), not yet understood.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Sampler benchmark: decode tokens/s vs the HBM roofline, and tree vs independent sampling.
 
-Decode table (one row per preset x rows x context): the sampler's decode step (model step with ragged
-attention + vocabulary masking + sampling + log-prob statistics), all rows live at ``context`` KV slots.
+Decode table (one row per preset x rows x context x ``--attention`` implementation): the sampler's decode step
+(model step with that decode attention + vocabulary masking + sampling + log-prob statistics), all rows live at
+``context`` KV slots. Several ``--attention`` values (e.g. ``pallas pallas_mgpu ragged``) time them side by side in
+one invocation; an implementation that fails to build, compile or run prints ``FAILED`` and its first error line,
+and the others still run.
 The cache is filled with random keys/values instead of a prefill (decode cost does not depend on the values).
 tokens/s = rows * steps / time; the roofline assumes one pass over the bytes a step must read:
 
@@ -9,6 +12,12 @@ tokens/s = rows * steps / time; the roofline assumes one pass over the bytes a s
     roofline tokens/s = rows / (bytes/step / peak HBM bandwidth)
 
 Peak bandwidth by device kind: H100 SXM 3.35e12 B/s, H200 4.8e12 B/s; on CPU a measured memcpy bandwidth.
+
+Kernel table (``--kernel-table``): the bare per-row decode attention of one layer (``make_decode_attention`` of
+each ``--attention`` value, the preset's heads, a bf16 cache of ``context`` live slots per row, ``steps`` calls in
+one jitted loop, each call's output fed to the next call's query), microseconds per call and the KV read rate
+``2 rows K context H 2 bytes / t`` against the peak bandwidth, and the speed-up over the first ``--attention``
+value (``vs first``): the kernels compared without the model step.
 
 Tree table: TreePO rollout (W leaves, branch factor b, depth D, segment S) vs independent sampling (W chains per
 prompt, same API) on the same prompts: decoded tokens and wall time (compiled; random weights, so nearly no path
@@ -29,6 +38,8 @@ Examples:
       --tree-segment 512 --hf-baseline                                                     # GPU
   python experiments/bench_sampler.py --preset qwen2.5-0.5b --rows 256 --context 2048 --no-tree --no-decode \
       --branching --branch-segment 512 --branch-depth 8                                     # rules' boundary cost
+  python experiments/bench_sampler.py --preset qwen2.5-0.5b qwen2.5-1.5b --rows 64 256 1024 --context 2048 \
+      --attention pallas pallas_mgpu ragged --kernel-table --no-tree                       # GPU decode kernels
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import numpy as np
 from treejax.models import presets
 from treejax.models import transformer as T
 from treejax.models.config import HF_MODEL_CLASSES
+from treejax.sampling import attention as attention_lib
 from treejax.sampling import decode, tree
 from treejax.sampling.strategies import Temperature
 
@@ -126,6 +138,54 @@ def bench_decode(cfg, params, rows: int, context: int, steps: int, block: int, a
     logits = rows * cfg.vocab_size * 4
     step_bytes = weight_bytes(cfg) + kv_read + logits
     return rows * steps / dt, step_bytes
+
+
+def bench_attention(cfg, rows: int, context: int, steps: int, block: int, attention: str) -> float:
+    """Seconds per call of the bare per-row decode attention ``attention`` (module docstring, kernel table)."""
+    H, K, Q = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
+    fn = attention_lib.make_decode_attention(attention, block, head_dim=H, cache_dtype="bfloat16")
+    L = attention_lib.round_cache_length(context, block)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (rows, 1, Q, H), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (rows, K, L, H), jnp.bfloat16) for kk in ks[1:])
+    pos = jnp.full((rows,), context - 1, jnp.int32)
+
+    @jax.jit
+    def run(q, k, v):
+        return jax.lax.fori_loop(0, steps, lambda i, q: fn(q, k, v, pos).astype(q.dtype), q)
+
+    jax.block_until_ready(run(q, k, v))  # compile + warm up
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(q, k, v))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / steps
+
+
+def _failed(e: Exception) -> str:
+    """``FAILED`` and the first line of an implementation's error (the table goes on with the others)."""
+    return f"FAILED: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def kernel_table(cfg, preset: str, rows_list, contexts, steps: int, block: int, attentions, bw):
+    """Prints the kernel table (module docstring): one row per rows x context x implementation."""
+    print(f"\n{'preset':<14}{'rows':>6}{'context':>9}  {'attention':<13}{'us/call':>10}{'KV GB/s':>10}{'of peak':>9}"
+          f"{'vs first':>9}   (bare decode attention, one layer, bf16 cache)")
+    for rows in rows_list:
+        for ctx in contexts:
+            first = None
+            for attention in attentions:
+                head = f"{preset:<14}{rows:>6}{ctx:>9}  {attention:<13}"
+                try:
+                    t = bench_attention(cfg, rows, ctx, steps, block, attention)
+                except Exception as e:  # noqa: BLE001  one implementation's failure must not end the table
+                    print(head + _failed(e), flush=True)
+                    continue
+                first = first or t
+                rate = 2 * rows * cfg.num_kv_heads * ctx * cfg.head_dim * 2 / t
+                peak = f"{rate / bw:>9.2f}" if bw else f"{'n/a':>9}"
+                print(f"{head}{1e6 * t:>10.1f}{rate / 1e9:>10.1f}{peak}{first / t:>8.2f}x", flush=True)
 
 
 def bench_tree(cfg, params, prompts: int, prompt_len: int, W: int, b: int, D: int, S: int, attention: str,
@@ -256,8 +316,12 @@ def main(argv=None):
     ap.add_argument("--context", nargs="+", type=int, default=[256])
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration")
     ap.add_argument("--dtype", default=None, help="param/compute dtype (default bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--attention", default="auto", choices=["auto", "ragged", "pallas", "dense"])
-    ap.add_argument("--block-size", type=int, default=256, help="ragged attention KV block")
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=list(attention_lib.ATTENTION_IMPLS),
+                    help="decode attention(s): several are timed side by side (the tree and branching tables take "
+                         "the first)")
+    ap.add_argument("--block-size", type=int, default=256, help="decode attention KV block (cache multiple)")
+    ap.add_argument("--kernel-table", action="store_true",
+                    help="also time the bare decode attention of each --attention value (one layer, no model step)")
     ap.add_argument("--random-weights", action="store_true", default=True,
                     help="random weights (the only mode: speed does not depend on the values)")
     ap.add_argument("--no-fuse", action="store_true", help="decode with unfused q/k/v and gate/up projections")
@@ -284,7 +348,7 @@ def main(argv=None):
     kind, bw, bw_src = device_bandwidth()
     dtype = args.dtype or ("float32" if jax.devices()[0].platform == "cpu" else "bfloat16")
     print(f"device: {kind} ({jax.devices()[0].platform}); bandwidth {bw / 1e9 if bw else float('nan'):.1f} GB/s "
-          f"({bw_src}); dtype {dtype}; attention {args.attention} (block {args.block_size})")
+          f"({bw_src}); dtype {dtype}; attention {' '.join(args.attention)} (block {args.block_size})")
     hf_ok = False
     if args.hf_baseline:
         try:
@@ -302,8 +366,9 @@ def main(argv=None):
                 for ctx in args.context:
                     print(f"{preset:<14}{rows:>6}{ctx:>9}{bench_hf(preset, rows, ctx, args.steps):>12.0f}", flush=True)
         return
-    print(f"\n{'preset':<14}{'rows':>6}{'context':>9}{'tok/s':>12}{'roofline':>12}{'ratio':>8}"
+    print(f"\n{'preset':<14}{'rows':>6}{'context':>9}  {'attention':<13}{'tok/s':>12}{'roofline':>12}{'ratio':>8}"
           + (f"{'HF tok/s':>12}{'x HF':>7}" if hf_ok else ""))
+    attention = args.attention[0]
     for preset in args.preset:
         cfg = get_model_config(preset, dtype)
         params = jax.jit(lambda k: T.init_params(cfg, k))(jax.random.key(0))
@@ -311,20 +376,28 @@ def main(argv=None):
             for ctx in args.context:
                 if ctx <= args.steps:
                     raise ValueError(f"--context ({ctx}) must exceed --steps ({args.steps})")
-                tps, step_bytes = bench_decode(cfg, params, rows, ctx, args.steps, args.block_size, args.attention)
-                roof = rows / (step_bytes / bw) if bw else float("nan")
-                line = f"{preset:<14}{rows:>6}{ctx:>9}{tps:>12.0f}{roof:>12.0f}{tps / roof:>8.2f}"
-                if hf_ok:
-                    hf = bench_hf(preset, rows, ctx, args.steps)
-                    line += f"{hf:>12.0f}{tps / hf:>7.2f}"
-                print(line, flush=True)
+                hf = bench_hf(preset, rows, ctx, args.steps) if hf_ok else None
+                for impl in args.attention:
+                    head = f"{preset:<14}{rows:>6}{ctx:>9}  {impl:<13}"
+                    try:
+                        tps, step_bytes = bench_decode(cfg, params, rows, ctx, args.steps, args.block_size, impl)
+                    except Exception as e:  # noqa: BLE001  one implementation's failure must not end the table
+                        print(head + _failed(e), flush=True)
+                        continue
+                    roof = rows / (step_bytes / bw) if bw else float("nan")
+                    line = f"{head}{tps:>12.0f}{roof:>12.0f}{tps / roof:>8.2f}"
+                    if hf is not None:
+                        line += f"{hf:>12.0f}{tps / hf:>7.2f}"
+                    print(line, flush=True)
+        if args.kernel_table:
+            kernel_table(cfg, preset, args.rows, args.context, args.steps, args.block_size, args.attention, bw)
         if args.branching:
             for rows in args.rows:
                 branching_table(cfg, params, rows, args.context[0], args.branch_leaves, args.branch_segment,
-                                args.branch_depth, args.steps, args.block_size, args.attention)
+                                args.branch_depth, args.steps, args.block_size, attention)
         if not args.no_tree:
             W, b, D, S = args.tree_leaves, args.tree_branch, args.tree_depth, args.tree_segment
-            res = bench_tree(cfg, params, args.tree_prompts, args.tree_prompt_len, W, b, D, S, args.attention,
+            res = bench_tree(cfg, params, args.tree_prompts, args.tree_prompt_len, W, b, D, S, attention,
                              min(args.block_size, 64) if jax.devices()[0].platform == "cpu" else args.block_size)
             (tt, ts, tseg, tf), (it, its, iseg, _) = res["tree"], res["independent"]
             print(f"\n{preset}: {args.tree_prompts} prompts x W={W}, b={b}, D={D}, S={S} "

@@ -28,6 +28,8 @@ Examples:
       qwen2.5-0.5b, bf16, 64 prompts x 16 rows, prompt lengths 256 1024 4096, 128 steps)
   python experiments/bench_shared_prefix.py --variants per_row shared shared_xla \
       --prefix-block-h 16 32 64 128 --out results/shared_prefix_pallas_h200.json                # GPU block_h sweep
+  python experiments/bench_shared_prefix.py --attention pallas_mgpu --variants per_row shared \
+      --out results/shared_prefix_mgpu_h200.json                # GPU: Mosaic GPU per-row and cascade passes
 """
 
 from __future__ import annotations
@@ -217,7 +219,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="decode steps (default 128; tiny 16)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs (median), after one warm-up")
     ap.add_argument("--block", type=int, default=256, help="attention block (make_model_fns block_size)")
-    ap.add_argument("--attention", default="auto", help="per_row attention impl: auto | ragged | pallas | dense")
+    ap.add_argument("--attention", default="auto",
+                    help="per_row attention impl: auto | ragged | pallas | pallas_mgpu | dense (a kernel also runs "
+                         "the shared variant's cascade passes)")
     ap.add_argument("--dtype", default="bfloat16", help="params / compute dtype")
     ap.add_argument("--cache-dtype", default="bfloat16")
     ap.add_argument("--variants", nargs="+", default=["per_row", "shared"], choices=VARIANTS,

@@ -89,15 +89,18 @@ def test_train_model_folder_without_a_chat_template(capsys, tmp_path, tiny_check
                    "transformers' save_pretrained writes for chat models")
 
 
-def test_train_decode_kernel_this_backend_cannot_run(capsys, tmp_path, tiny_checkpoint):
-    """A forced decode kernel off its backend (the TPU kernel on this CPU) is one line naming the fix, when the
-    sampler is built (the kernel's limits need the model's head size and cache dtype)."""
+@pytest.mark.parametrize("impl,why", [
+    ("pallas_tpu", "the TPU decode kernel is a Pallas TPU (Mosaic) kernel, the backend is 'cpu'"),
+    ("pallas_mgpu", "the Mosaic GPU decode kernel is a Pallas Mosaic GPU (Hopper) kernel, the backend is 'cpu'"),
+])
+def test_train_decode_kernel_this_backend_cannot_run(capsys, tmp_path, tiny_checkpoint, impl, why):
+    """A forced decode kernel off its backend (the TPU kernel, the Mosaic GPU kernel on this CPU) is one line naming
+    the fix, when the sampler is built (the kernel's limits need the model's head size and cache dtype)."""
     argv = ["--quiet", "--gin_param", f"RunConfig.model='{tiny_checkpoint}'",
             "--gin_param", f"RunConfig.log_dir='{tmp_path / 'log'}'",
-            "--gin_param", "RunConfig.decode_attention='pallas_tpu'"]
+            "--gin_param", f"RunConfig.decode_attention='{impl}'"]
     msg = _one_line_error(capsys, train.console_main, argv, "treejax-train")
-    assert msg.startswith("attention='pallas_tpu' cannot be used: the TPU decode kernel is a Pallas TPU (Mosaic) "
-                          "kernel, the backend is 'cpu'"), msg
+    assert msg.startswith(f"attention='{impl}' cannot be used: {why}"), msg
     assert msg.endswith("fix: attention='auto' or 'ragged' (RunConfig.decode_attention = 'auto' for treejax-train "
                         "and treejax-eval)"), msg
 

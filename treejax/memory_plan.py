@@ -441,7 +441,7 @@ def sampler_layout(cfg, model, prompt_width: int, backend: str, dtypes: dict[str
         rows //= 2  # NudgeRL's distillation rows are scored under the plain prompt, not sampled
     impl = attention_lib.resolve_impl(cfg.decode_attention, head_dim=model.head_dim, cache_dtype=dtypes["cache"],
                                       block_size=_BLOCK, backend=backend)
-    cascade = impl if impl in ("pallas", "pallas_tpu") and sampler_devices == 1 else "xla"
+    cascade = impl if impl in attention_lib.KERNEL_IMPLS and sampler_devices == 1 else "xla"
     rnd = lambda n: -(-n // _BLOCK) * _BLOCK  # noqa: E731
     fused = sampler_devices == 1 or (cfg.mesh.tensor if sampler_tensor is None else sampler_tensor) == 1
     if tc.resolved_prefix_cache(prompt_width, True, impl, cascade) == "shared":

@@ -204,7 +204,8 @@ def test_cascade_and_config_choices():
     if jax.device_count() >= 2:
         mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
         assert attn.resolve_cascade_impl("auto", "pallas_tpu", mesh2) == "xla"
-    with pytest.raises(ValueError, match=r"cascade impl must be one of \('xla', 'pallas', 'pallas_tpu'\)"):
+    with pytest.raises(ValueError, match=r"cascade impl must be one of \('xla', 'pallas', 'pallas_mgpu', "
+                                         r"'pallas_tpu'\)"):
         attn.make_cascade_attention("tpu")
     from treejax.rl.config import RunConfig
 

@@ -94,8 +94,9 @@ class RunConfig(LegacySourceFields):
     ``prompts_per_step`` must split into ``mini_batches``), with ``packing``'s row bucketing and tree attention.
     ``decode_attention``: the sampler's per-row decode attention (rollouts and held-out evaluation;
     :mod:`treejax.sampling.attention`): ``"auto"`` (the Pallas kernel on GPU, the Pallas TPU kernel on TPU where
-    their constraints hold, the XLA ragged loop otherwise), ``"ragged"``, ``"pallas"``, ``"pallas_tpu"`` or
-    ``"dense"``; a kernel forced where it cannot run is a ``ValueError`` when the sampler is built.
+    their constraints hold, the XLA ragged loop otherwise), ``"ragged"``, ``"pallas"`` (Triton), ``"pallas_mgpu"``
+    (the Mosaic GPU kernel; Hopper, not yet run on a GPU, so asked for by name), ``"pallas_tpu"`` or ``"dense"``; a
+    kernel forced where it cannot run is a ``ValueError`` when the sampler is built.
     """
 
     model: str = "smollm2-135m-instruct"

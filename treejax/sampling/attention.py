@@ -2,7 +2,7 @@
 
 One decode step of row ``b`` attends its query ``q_b`` to cache slots ``0..pos_b``. The cache is allocated for the
 longest possible rollout (``L`` slots), so a plain masked attention reads all ``L`` slots of every row at every
-step. Four implementations share the ``attention_fn`` hook of :func:`treejax.models.transformer.decode_step`
+step. Five implementations share the ``attention_fn`` hook of :func:`treejax.models.transformer.decode_step`
 (``fn(q [B, 1, Q, H], k_cache [B, K, L, H], v_cache [B, K, L, H], positions [B]) -> [B, 1, Q, H]``):
 
 * ``"ragged"`` (XLA, any backend): slots are visited in blocks of ``C`` with an online (streaming) softmax
@@ -16,6 +16,14 @@ step. Four implementations share the ``attention_fn`` hook of :func:`treejax.mod
   so the KV bytes read per step are ``n * C`` slots per row instead of ``L``.
 * ``"pallas"`` (GPU): JAX's Pallas/Triton split-K decode kernel (``jax.experimental.pallas.ops.gpu``) with the
   per-row length ``pos_b + 1``: blocks past a row's length are skipped, so cost follows each row's own length.
+  jax 0.11 deprecates that module (a ``DeprecationWarning`` at import) and Pallas' Triton backend with it.
+* ``"pallas_mgpu"`` (Hopper GPU): treejax's Pallas **Mosaic GPU** kernel, :mod:`treejax.sampling.mgpu_attention`,
+  the Triton path's successor: one program per (row, KV head) with that KV head's ``G`` query heads zero-padded to
+  the 64 rows of a wgmma, the row's KV blocks TMA-pipelined over a dynamic trip count ``ceil((pos_b + 1) /
+  block)`` (blocks past a row's last live block are neither loaded nor computed; a dead row loads none), the
+  online softmax in fp32 registers, the log-sum-exp returned with the output. Tested in Mosaic GPU's interpret
+  mode on CPU and lowered for the ``cuda`` platform (tests/sampling/test_mgpu_attention.py); **not yet compiled
+  to PTX, run or timed on a GPU**, so ``"auto"`` does not pick it: it is asked for by name.
 * ``"pallas_tpu"`` (TPU): treejax's Pallas TPU (Mosaic) kernel, :mod:`treejax.sampling.tpu_attention`: one
   program per (row, KV head) with that KV head's ``G`` query heads, the row lengths ``pos_b + 1`` scalar-prefetched
   so the KV block index stops at each row's last live block (blocks past it are neither copied nor computed), the
@@ -32,7 +40,9 @@ prompt's KV is read once per step) and a suffix pass per row, each returning its
 the Pallas kernel where the per-row attention resolved to ``"pallas"`` (``gqa(..., return_residuals=True)``
 returns the softmax statistics ``(l, m)``, so ``lse = m + log l``: :func:`_pallas_attention_lse`), the TPU kernel
 where it resolved to ``"pallas_tpu"`` (it returns ``lse`` itself: :func:`_tpu_cascade_passes`; the prefix pass
-holds a prompt's ``W G`` queries of a KV head in one program), the ragged online-softmax loop otherwise
+holds a prompt's ``W G`` queries of a KV head in one program), the Mosaic GPU kernel where it resolved to
+``"pallas_mgpu"`` (it returns ``lse`` too: :func:`_mgpu_cascade_passes`; the prefix pass holds up to 128 of a
+prompt's ``W G`` queries of a KV head in one program), the ragged online-softmax loop otherwise
 (:func:`_ragged_attention_lse`). The prefix pass puts all ``W G`` queries of a
 prompt's KV head into one program where it can (``block_h``, :func:`default_prefix_block_h`): the kernel pads
 the heads of a (row, KV head) to ``block_h`` and reads the row's KV once per ``block_h`` heads.
@@ -48,8 +58,9 @@ Choosing the implementation (:func:`resolve_impl`, once, when the sampler is bui
 ----------------------------------------------------------------------------------
 ``"auto"`` takes ``"pallas"`` on a GPU where all of the kernel's constraints hold and the cache is 16-bit,
 ``"pallas_tpu"`` on a TPU where all of the TPU kernel's constraints hold and the cache is bfloat16, ``"ragged"``
-otherwise (CPU, other head sizes, float32 caches); a forced ``"pallas"`` or ``"pallas_tpu"`` whose constraints do
-not hold raises a ``ConfigError`` (a ``ValueError``) then, not inside a trace.
+otherwise (CPU, other head sizes, float32 caches); a forced ``"pallas"``, ``"pallas_mgpu"`` or ``"pallas_tpu"``
+whose constraints do not hold raises a ``ConfigError`` (a ``ValueError``) then, not inside a trace. ``"auto"``
+never picks ``"pallas_mgpu"`` (it has not run on a GPU yet; it takes over from ``"pallas"`` once measured there).
 
 On a TPU, ``"auto"`` picks a kernel that has run only in Pallas' TPU interpreter: the issue asked that the decode
 path on a TPU use a TPU kernel, and the kernel passes Pallas' Mosaic lowering for the TPU platform (block shapes,
@@ -100,6 +111,17 @@ The GPU kernel's constraints (:func:`pallas_problem`):
   model.
 * any number of query heads per KV head (the kernel masks its 16-row query tile) and of KV heads.
 
+The Mosaic GPU kernel's constraints (:func:`mgpu_problem`; :mod:`treejax.sampling.mgpu_attention` says why):
+
+* the backend a GPU (a Hopper one: compute capability 9.0, TMA and wgmma; checked where a GPU is present), or
+  ``interpret=True`` (Mosaic GPU's interpret mode, any backend: how the tests run it).
+* head size ``H`` 64 or 128 (the swizzled SMEM tiles' width and the wgmma depth; 256 would not fit SMEM with the
+  kernel's fp32 output tile; other sizes take ``"ragged"`` or ``"pallas"``).
+* cache dtype bfloat16 or float16 (wgmma takes 16-bit operands; float32 only in interpret mode).
+* ``block_size`` a multiple of 64: the KV block (:func:`treejax.sampling.mgpu_attention.mgpu_block`, 128 or 64 slots)
+  must divide the cache length.
+* any number of query heads per KV head (padded to 64-row query tiles) and of KV heads.
+
 K/V tiles of the kernel are capped at :data:`PALLAS_TILE_BYTES` (``block * H * itemsize``), the largest tile it
 was measured with (bfloat16, ``H`` = 128, 128 slots: qwen2.5-1.5b on an H200): larger heads or a float32 cache get
 shorter blocks instead of larger tiles.
@@ -111,8 +133,8 @@ over rows it gathers the whole cache onto every device and runs the kernel repli
 then reads every row's KV, so more devices decode no faster. The sampler therefore wraps the kernel in
 ``jax.shard_map`` over the cache's own sharding (rows over ``data x fsdp``, KV heads over ``tensor``, the query
 heads with their KV heads): each device runs the kernel on its rows and heads, and the attention is per row and
-per KV-head group, so the result is exactly the unsharded one. ``"pallas_tpu"`` takes the same wrapper. The XLA
-paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
+per KV-head group, so the result is exactly the unsharded one. ``"pallas_tpu"`` and ``"pallas_mgpu"`` take the
+same wrapper. The XLA paths (``ragged``, ``dense``) are partitioned by GSPMD and need no wrapper.
 The cascade has no such wrapper (a row's prompt prefix need not sit on the row's shard: rows are permuted and
 sliced), so on a mesh of more than one device it takes the XLA passes (:func:`resolve_cascade_impl`).
 """
@@ -131,18 +153,21 @@ from treejax.errors import ConfigError
 from treejax.models.dense_attention import windowed_decode_attention
 from treejax.parallel.axis_rules import DEFAULT_RULES
 from treejax.parallel.mesh import rows_and_heads
+from treejax.sampling import mgpu_attention as mgpu_lib
 from treejax.sampling import tpu_attention as tpu_lib
 
-ATTENTION_IMPLS = ("ragged", "pallas", "pallas_tpu", "dense", "auto")
+ATTENTION_IMPLS = ("ragged", "pallas", "pallas_mgpu", "pallas_tpu", "dense", "auto")
 #: ``cascade`` choices (:func:`resolve_cascade_impl`; "auto": the kernel's passes where the per-row attention is a
-#: kernel, ``"pallas"`` or ``"pallas_tpu"``).
+#: kernel, ``"pallas"``, ``"pallas_mgpu"`` or ``"pallas_tpu"``).
 CASCADE_IMPLS = ("auto", "xla")
 #: Head sizes and cache dtypes the Pallas kernel takes, and its K/V tile cap in bytes (module docstring).
 PALLAS_HEAD_DIMS = (16, 32, 64, 128, 256)
 PALLAS_CACHE_DTYPES = ("bfloat16", "float16", "float32")
 PALLAS_TILE_BYTES = 128 * 128 * 2
 #: The passes :func:`cascade_decode_attention` can run (:func:`resolve_cascade_impl` picks one).
-CASCADE_PASSES = ("xla", "pallas", "pallas_tpu")
+CASCADE_PASSES = ("xla", "pallas", "pallas_mgpu", "pallas_tpu")
+#: The per-row kernels, each with cascade passes of its own (:func:`resolve_cascade_impl`).
+KERNEL_IMPLS = ("pallas", "pallas_mgpu", "pallas_tpu")
 
 
 def round_cache_length(length: int, block_size: int) -> int:
@@ -277,6 +302,11 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
       :func:`default_prefix_block_h` of ``W G``) with ``prefix_num_warps`` warps (``None``: the kernel's 4), the
       suffix pass the kernel's 16. Both cache lengths must be multiples of 16 (:func:`_pallas_tiling`); traced
       under ``default_matmul_precision("highest")`` (module docstring: fp32 caches get IEEE fp32 dots, not TF32).
+    * ``"pallas_mgpu"``: treejax's Mosaic GPU kernel, which returns ``lse`` (:func:`_mgpu_cascade_passes`; a Hopper
+      GPU, or Mosaic GPU's interpret mode with ``interpret``): KV blocks
+      :func:`treejax.sampling.mgpu_attention.mgpu_block` of each cache length and ``block_size`` (128 or 64 slots;
+      lengths multiples of 64); the prefix pass holds up to 128 of a prompt's ``W G`` queries of a KV head in one
+      program (``prefix_block_h`` / ``prefix_num_warps`` do not apply).
     * ``"pallas_tpu"``: treejax's Pallas TPU kernel, which returns ``lse`` (:func:`_tpu_cascade_passes`; TPU, or
       Pallas' TPU interpreter with ``interpret``): KV blocks :func:`treejax.sampling.tpu_attention.tpu_block` of
       each cache length and ``block_size`` (multiples of 128 on a TPU, of 8 in the interpreter); the prefix pass
@@ -296,6 +326,8 @@ def cascade_decode_attention(q_Rx1xQxH: jax.Array, k_suf_RxKxLsxH: jax.Array, v_
         passes = _xla_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size)
     elif impl == "pallas_tpu":
         passes = _tpu_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size, interpret)
+    elif impl == "pallas_mgpu":
+        passes = _mgpu_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size, interpret)
     else:
         passes = _pallas_cascade_passes(q_Rx1xQxH, *caches, flat_R, P, W, block_size, prefix_block_h,
                                         prefix_num_warps, interpret, target_programs)
@@ -367,6 +399,34 @@ def _tpu_cascade_passes(q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R,
     o1_PxKxWGxH, lse1_PxKxWG = tpu_lib.tpu_attention_lse(q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P,
                                                          block_k=tpu_lib.tpu_block(Lp, block_size, interpret),
                                                          interpret=interpret)
+    return o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG
+
+
+def _mgpu_cascade_passes(q_Rx1xQxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_pos_R, k_pre_PxKxLpxH, v_pre_PxKxLpxH,
+                         prefix_len_P, flat_R, P: int, W: int, block_size: int, interpret):
+    """The cascade's two passes through the Mosaic GPU kernel (:func:`treejax.sampling.mgpu_attention.
+    mgpu_attention_lse`, which returns ``lse``), ``(o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG)``: the suffix
+    pass per row over slots ``0..suffix_pos_R`` (dead rows: length 0, no KV block loaded, ``o = 0``, ``lse =
+    -inf``), the prefix pass per prompt over ``prefix_len_P`` slots with a prompt's ``W G`` queries of a KV head in
+    one program up to 128 queries (:func:`treejax.sampling.mgpu_attention.mgpu_block_q`; the prefix is read
+    ``ceil(W G / 128)`` times per step and KV head). Queries unscaled in the cache dtype (the kernel scales the fp32
+    scores); KV blocks :func:`treejax.sampling.mgpu_attention.mgpu_block` of each cache length and
+    ``block_size``."""
+    R, _, Q, H = q_Rx1xQxH.shape
+    K = k_suf_RxKxLsxH.shape[1]
+    G = Q // K
+    Lp, Ls = k_pre_PxKxLpxH.shape[2], k_suf_RxKxLsxH.shape[2]
+    dtype = k_suf_RxKxLsxH.dtype
+    qg_RxKxGxH = q_Rx1xQxH[:, 0].reshape(R, K, G, H).astype(dtype)
+    suffix_len_R = jnp.where(suffix_pos_R < Ls, suffix_pos_R + 1, 0)
+    bq_suf, bq_pre = mgpu_lib.mgpu_block_q(G), mgpu_lib.mgpu_block_q(W * G)
+    o2_RxKxGxH, lse2_RxKxG = mgpu_lib.mgpu_attention_lse(
+        qg_RxKxGxH, k_suf_RxKxLsxH, v_suf_RxKxLsxH, suffix_len_R, block_q=bq_suf,
+        block_k=mgpu_lib.mgpu_block(Ls, block_size, H, dtype, bq_suf), interpret=interpret)
+    q_PxKxWGxH = _group_queries_by_prompt(qg_RxKxGxH.astype(k_pre_PxKxLpxH.dtype), flat_R, P, W)
+    o1_PxKxWGxH, lse1_PxKxWG = mgpu_lib.mgpu_attention_lse(
+        q_PxKxWGxH, k_pre_PxKxLpxH, v_pre_PxKxLpxH, prefix_len_P, block_q=bq_pre,
+        block_k=mgpu_lib.mgpu_block(Lp, block_size, H, k_pre_PxKxLpxH.dtype, bq_pre), interpret=interpret)
     return o1_PxKxWGxH, lse1_PxKxWG, o2_RxKxGxH, lse2_RxKxG
 
 
@@ -539,16 +599,43 @@ def pallas_problem(head_dim: int, cache_dtype, block_size: int, backend: str) ->
     return None
 
 
+def mgpu_problem(head_dim: int, cache_dtype, block_size: int, backend: str, interpret: bool = False) -> str | None:
+    """Why the Mosaic GPU kernel (:mod:`treejax.sampling.mgpu_attention`) cannot run this attention (a sentence), or
+    ``None`` if it can (module docstring). ``interpret``: it will run in Mosaic GPU's interpret mode (any backend;
+    float32 caches allowed there)."""
+    if backend != "gpu" and not interpret:
+        return (f"the Mosaic GPU decode kernel is a Pallas Mosaic GPU (Hopper) kernel, the backend is {backend!r} (off "
+                "a GPU it runs only in Mosaic GPU's interpret mode: make_decode_attention(..., interpret=True))")
+    if backend == "gpu" and not interpret and jax.default_backend() == "gpu":
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        if capability is not None and float(capability) < 9.0:
+            return (f"the Mosaic GPU decode kernel needs a Hopper GPU (compute capability 9.0: TMA and wgmma), this "
+                    f"one is {capability}")
+    if head_dim not in mgpu_lib.MGPU_HEAD_DIMS:
+        return (f"head_dim {head_dim} is not one of {mgpu_lib.MGPU_HEAD_DIMS} (the swizzled SMEM tiles' width and the "
+                "wgmma depth; larger heads would not fit SMEM with the fp32 output tile)")
+    dtypes = mgpu_lib.MGPU_INTERPRET_CACHE_DTYPES if interpret else mgpu_lib.MGPU_CACHE_DTYPES
+    if jnp.dtype(cache_dtype).name not in dtypes:
+        return (f"cache dtype {jnp.dtype(cache_dtype).name} is not one of {dtypes}"
+                + ("" if interpret else " (wgmma takes 16-bit operands; float32 runs in interpret mode only)"))
+    if block_size % mgpu_lib.MGPU_BLOCK_MULTIPLE:
+        return (f"block_size {block_size} is not a multiple of {mgpu_lib.MGPU_BLOCK_MULTIPLE} (the kernel's KV block, "
+                f"one of {mgpu_lib.MGPU_BLOCKS}, must divide the cache length, allocated in multiples of block_size)")
+    return None
+
+
 def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, backend: str | None = None,
                  interpret: bool = False) -> str:
     """``"auto"`` -> ``"pallas"`` on a GPU when :func:`pallas_problem` finds none and the cache is 16-bit,
     ``"pallas_tpu"`` on a TPU when :func:`tpu_problem` finds none and the cache is bfloat16, ``"ragged"``
-    otherwise (module docstring); a kernel (``"pallas"``, ``"pallas_tpu"``) where it cannot run raises
-    :class:`~treejax.errors.ConfigError` (a ``ValueError``; the CLIs print it as one line).
+    otherwise (module docstring; never ``"pallas_mgpu"``, asked for by name until it has run on a GPU); a kernel
+    (``"pallas"``, ``"pallas_mgpu"``, ``"pallas_tpu"``; :func:`mgpu_problem` for the Mosaic GPU one) where it
+    cannot run raises :class:`~treejax.errors.ConfigError` (a ``ValueError``; the CLIs print it as one line).
 
     ``backend``: ``jax.default_backend()`` if ``None`` (tests pass ``"gpu"`` / ``"tpu"`` to check those choices
     anywhere). ``interpret``: the TPU kernel will run in Pallas' TPU interpreter (allowed off a TPU, smaller KV
-    blocks); ``"auto"`` never picks a kernel for an interpreter.
+    blocks), the Mosaic GPU kernel in Mosaic GPU's interpret mode (allowed off a GPU, float32 caches too);
+    ``"auto"`` never picks a kernel for an interpreter.
     """
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {name!r}")
@@ -557,9 +644,11 @@ def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, back
     backend = jax.default_backend() if backend is None else backend
     if name == "pallas_tpu":
         problem = tpu_problem(head_dim, cache_dtype, block_size, backend, interpret)
+    elif name == "pallas_mgpu":
+        problem = mgpu_problem(head_dim, cache_dtype, block_size, backend, interpret)
     else:
         problem = pallas_problem(head_dim, cache_dtype, block_size, backend)
-    if name in ("pallas", "pallas_tpu"):
+    if name in KERNEL_IMPLS:
         if problem is not None:
             raise ConfigError(f"attention={name!r} cannot be used: {problem}; fix: attention='auto' or 'ragged' "
                               "(RunConfig.decode_attention = 'auto' for treejax-train and treejax-eval)")
@@ -597,6 +686,7 @@ def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim
 
     ``interpret``: run the kernel in Pallas' interpreter (tests off the GPU / TPU, with ``backend="gpu"`` /
     ``"tpu"``; the TPU kernel in Pallas' TPU interpreter, ``pltpu.InterpretParams``).
+    ``interpret`` for ``"pallas_mgpu"``: Mosaic GPU's interpret mode (``InterpretGPUParams``).
     ``mesh`` / ``rules``: a sampler on a device mesh; a kernel (Pallas on GPU or TPU) is then run per shard
     (:func:`shard_decode_attention`); the XLA paths are partitioned by GSPMD as they are.
     """
@@ -604,10 +694,12 @@ def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim
                         interpret=interpret)
     if impl == "ragged":
         return functools.partial(ragged_decode_attention, block_size=block_size)
-    if impl in ("pallas", "pallas_tpu"):
+    if impl in KERNEL_IMPLS:
         if impl == "pallas":
             fn = functools.partial(pallas_decode_attention, block_size=pallas_block(block_size, head_dim, cache_dtype),
                                    interpret=interpret)
+        elif impl == "pallas_mgpu":
+            fn = functools.partial(mgpu_lib.mgpu_decode_attention, block_size=block_size, interpret=interpret)
         else:
             fn = functools.partial(tpu_lib.tpu_decode_attention, block_size=block_size, interpret=interpret)
         return fn if mesh is None or mesh.size == 1 else shard_decode_attention(fn, mesh, rules)
@@ -615,23 +707,25 @@ def make_decode_attention(name: str = "auto", block_size: int = 256, *, head_dim
 
 
 def resolve_cascade_impl(name: str, per_row_impl: str, mesh=None) -> str:
-    """The passes of :func:`cascade_decode_attention`: the per-row attention's kernel (``"pallas"`` or
-    ``"pallas_tpu"``) where ``name`` is ``"auto"``, the per-row attention resolved to that kernel
+    """The passes of :func:`cascade_decode_attention`: the per-row attention's kernel (``"pallas"``,
+    ``"pallas_mgpu"`` or ``"pallas_tpu"``) where ``name`` is ``"auto"``, the per-row attention resolved to that kernel
     (:func:`resolve_impl`: backend, head size, dtype, block size all fit it) and no mesh of more than one device is
     given (module docstring: no per-shard wrapper), else ``"xla"``; ``name = "xla"`` forces the XLA passes (e.g.
     to compare them)."""
     if name not in CASCADE_IMPLS:
         raise ValueError(f"cascade must be one of {CASCADE_IMPLS}, got {name!r}")
     single = mesh is None or mesh.size == 1
-    return per_row_impl if name == "auto" and per_row_impl in ("pallas", "pallas_tpu") and single else "xla"
+    return per_row_impl if name == "auto" and per_row_impl in KERNEL_IMPLS and single else "xla"
 
 
 def make_cascade_attention(impl: str, block_size: int = 256, *, interpret: bool = False,
                            prefix_block_h: int | None = None, prefix_num_warps: int | None = None):
     """:func:`cascade_decode_attention` with its static settings bound: ``impl`` ``"xla"`` | ``"pallas"`` |
-    ``"pallas_tpu"`` (:func:`resolve_cascade_impl`), ``block_size`` (the cache multiple; the Pallas passes cap
-    their K/V block, :func:`pallas_block`; the TPU passes take :func:`treejax.sampling.tpu_attention.tpu_block`),
-    ``interpret`` (Pallas' interpreter, tests off the GPU / TPU), the prefix pass's ``prefix_block_h`` /
+    ``"pallas_mgpu"`` | ``"pallas_tpu"`` (:func:`resolve_cascade_impl`), ``block_size`` (the cache multiple; the
+    Pallas passes cap their K/V block, :func:`pallas_block`; the TPU passes take
+    :func:`treejax.sampling.tpu_attention.tpu_block`, the Mosaic GPU ones
+    :func:`treejax.sampling.mgpu_attention.mgpu_block`), ``interpret`` (Pallas' interpreter, tests off the GPU /
+    TPU), the prefix pass's ``prefix_block_h`` /
     ``prefix_num_warps`` (GPU Pallas only). The caller binds the cache's row/prompt fields."""
     if impl not in CASCADE_PASSES:
         raise ValueError(f"cascade impl must be one of {CASCADE_PASSES}, got {impl!r}")

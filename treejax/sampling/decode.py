@@ -99,7 +99,7 @@ class ModelFns:
     extend: Callable | None = None
     init_shared_cache: Callable | None = None
     attention: str = "custom"  # the per-row decode attention make_model_fns resolved ("pallas", "pallas_tpu", ...)
-    cascade_attention: str | None = None  # the cascade's passes ("pallas" | "pallas_tpu" | "xla"; None: no cascade)
+    cascade_attention: str | None = None  # the cascade's passes (attention.CASCADE_PASSES; None: no cascade)
 
     def shard_cache(self, cache):
         """``cache`` constrained to its sharding on :attr:`mesh` (identity without a mesh)."""
@@ -118,7 +118,8 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     """:class:`ModelFns` of the treejax transformer.
 
     ``attention`` (:mod:`treejax.sampling.attention`): ``"ragged"`` (online softmax over ``block_size`` KV
-    blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"pallas_tpu"``
+    blocks up to the longest live row), ``"pallas"`` (GPU split-K kernel with per-row lengths), ``"pallas_mgpu"``
+    (its Mosaic GPU successor, :mod:`treejax.sampling.mgpu_attention`; not yet run on a GPU), ``"pallas_tpu"``
     (treejax's Pallas TPU kernel with per-row lengths, :mod:`treejax.sampling.tpu_attention`; tested in the TPU
     interpreter only), ``"dense"`` (masked attention over the whole allocated cache) or ``"auto"`` (pallas on GPU
     for power-of-two head sizes and 16-bit caches, pallas_tpu on TPU for head sizes that are multiples of 64,
@@ -132,9 +133,9 @@ def make_model_fns(config: ModelConfig, attention: str = "auto", block_size: int
     :class:`ModelFns`; :mod:`treejax.sampling.cache` says how the cache is laid out).
     ``cascade``: the passes of the shared-prefix cache's cascade attention
     (:func:`treejax.sampling.attention.resolve_cascade_impl`): ``"auto"`` = the per-row kernel where ``attention``
-    resolved to ``"pallas"`` or ``"pallas_tpu"`` (and no multi-device mesh), XLA otherwise; ``"xla"`` forces XLA.
-    ``cascade_block_h`` / ``cascade_num_warps``: the Pallas prefix pass's queries per program and warps
-    (``None``: :func:`treejax.sampling.attention.default_prefix_block_h`, the kernel's 4 warps).
+    resolved to a kernel (``"pallas"``, ``"pallas_mgpu"``, ``"pallas_tpu"``; no multi-device mesh), else XLA;
+    ``"xla"`` forces XLA. ``cascade_block_h`` / ``cascade_num_warps``: the Pallas prefix pass's queries per program
+    and warps (``None``: :func:`treejax.sampling.attention.default_prefix_block_h`, the kernel's 4 warps).
     """
     if fuse is None:
         fuse = jax.device_count() == 1 if mesh is None else mesh.shape.get("tensor", 1) == 1

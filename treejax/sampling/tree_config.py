@@ -41,8 +41,9 @@ def auto_shared_prefix(prompt_bucket: int, rows_per_prompt: int, per_row_attenti
     * XLA cascade against the per-row Pallas kernel (e.g. a multi-device mesh, where the cascade has no
       ``shard_map`` wrapper): per-row rows.
 
-    On a TPU (``"pallas_tpu"`` per-row attention and cascade passes, or the XLA cascade on a mesh) nothing has
-    been measured, so the second rule applies: shared from ``SHARED_PREFIX_MIN_PROMPT`` tokens."""
+    On a TPU (``"pallas_tpu"`` per-row attention and cascade passes, or the XLA cascade on a mesh) and with the
+    Mosaic GPU kernel (``"pallas_mgpu"`` per-row and cascade passes, asked for by name) nothing has been
+    measured, so the second rule applies: shared from ``SHARED_PREFIX_MIN_PROMPT`` tokens."""
     if rows_per_prompt < 2:
         return False
     if cascade_attention == "pallas":

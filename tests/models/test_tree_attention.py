@@ -138,14 +138,10 @@ def test_packed_gradients_through_the_pallas_kernel():
         assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b)) + 1e-12
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["default", "128,64,64,full=1", "128,64,64,full=1,split=1,dq=128x32,dkv=64x32",
-                                   "128,64,64,4,3,full=1"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_pallas_kernel_on_gpu_matches_dense(head_dim, tiles):
-    """The compiled Triton kernel (bf16 inputs, the update's tiles, and the kernel variants: mask-free full tiles,
-    the split backward with rectangular tiles) against the dense path in fp32 on the same bf16 inputs: bf16
-    tolerance (probabilities are cast to bf16 before the PV product, as in any flash kernel)."""
+def bf16_tree_inputs(q_heads: int, head_dim: int):
+    """The GPU kernel tests' inputs: two synthetic depth-4 trees packed one per row (``bench_packed``'s), and
+    random bf16 ``q [B, L, q_heads, head_dim]``, ``k, v`` over 2 KV heads and a cotangent like ``q``. Returns
+    ``(lo, hi, q, k, v, cot)``."""
     import sys
 
     sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
@@ -157,9 +153,20 @@ def test_pallas_kernel_on_gpu_matches_dense(head_dim, tiles):
     lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
     B, L = lo.shape
     ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (B, L, 8, head_dim), jnp.bfloat16)
+    q = jax.random.normal(ks[0], (B, L, q_heads, head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (B, L, 2, head_dim), jnp.bfloat16) for kk in ks[1:3])
-    cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+    return lo, hi, q, k, v, jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["default", "128,64,64,full=1", "128,64,64,full=1,split=1,dq=128x32,dkv=64x32",
+                                   "128,64,64,4,3,full=1"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pallas_kernel_on_gpu_matches_dense(head_dim, tiles):
+    """The compiled Triton kernel (bf16 inputs, the update's tiles, and the kernel variants: mask-free full tiles,
+    the split backward with rectangular tiles) against the dense path in fp32 on the same bf16 inputs: bf16
+    tolerance (probabilities are cast to bf16 before the PV product, as in any flash kernel)."""
+    lo, hi, q, k, v, cot = bf16_tree_inputs(8, head_dim)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
     dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
     blocks = tree_flash.default_blocks(head_dim) if tiles == "default" else tree_flash.TreeFlashBlocks.parse(tiles)

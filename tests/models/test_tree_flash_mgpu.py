@@ -136,18 +136,9 @@ def test_mgpu_kernels_on_gpu_match_dense_and_triton(head_dim, q_heads):
     """Compiled (bf16) on a Hopper GPU, at qwen2.5-0.5b's heads (14 over 2, 64 wide) and qwen2.5-1.5b's (12 over 2,
     128 wide), on two depth-4 trees (one per row): forward and gradients against the dense path in fp32 on the
     same bf16 inputs (the Triton kernel's bf16 tolerances), and against the Triton kernel."""
-    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/experiments")
-    from bench_packed import synthetic_tree
+    from tests.models.test_tree_attention import bf16_tree_inputs
 
-    prompts, lens, forest = synthetic_tree(2, 4, 3, 64, 40, 200, 0.5)
-    plan = packing.plan_packing(prompts, lens, forest.leaf_path, forest.leaf_length, forest.tokens, 64,
-                                packing.PackingConfig(granule=128, max_trees_per_row=1))
-    lo, hi = jnp.asarray(plan.node_lo), jnp.asarray(plan.node_hi)
-    B, L = lo.shape
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (B, L, q_heads, head_dim), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (B, L, 2, head_dim), jnp.bfloat16) for kk in ks[1:3])
-    cot = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+    lo, hi, q, k, v, cot = bf16_tree_inputs(q_heads, head_dim)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
     dense = lambda q, k, v: T.attention(*f32(q, k, v), tree_attention.tree_mask(lo, hi))  # noqa: E731
     triton_blocks = tree_flash.default_blocks(head_dim)

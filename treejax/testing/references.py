@@ -43,3 +43,17 @@ def assert_tree_attention_matches_dense(attend, lo_BxL, hi_BxL, q, k, v, cotange
     np.testing.assert_allclose(np.asarray(out_k), np.asarray(out_d), atol=atol)
     for name, a, b in zip("qkv", vjp_k(cotangent), vjp_d(cotangent)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, err_msg=f"d{name}")
+
+
+def assert_decode_lse_matches_reference(o_BxKxGxH, lse_BxKxG, q, k, v, rows_and_lengths, atol: float = 1e-5) -> None:
+    """A decode kernel's ``(o, lse)`` on cache rows ``b`` of live length ``n`` (``rows_and_lengths``: ``(b, n)``
+    pairs) against float64 NumPy: ``lse = log sum_{j < n} e^{q.k_j / sqrt(H)}`` (natural base) and ``o = softmax .
+    v``; ``q: [B, K, G, H]``, ``k, v: [B, K, L, H]``."""
+    H = q.shape[-1]
+    o, lse = np.asarray(o_BxKxGxH), np.asarray(lse_BxKxG)
+    s = np.einsum("bkgh,bklh->bkgl", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(H)
+    for b, n in rows_and_lengths:
+        np.testing.assert_allclose(lse[b], np.log(np.exp(s[b, ..., :n]).sum(-1)), rtol=0, atol=atol)
+        w = np.exp(s[b, ..., :n] - lse[b][..., None].astype(np.float64))
+        want = np.einsum("kgl,klh->kgh", w, np.asarray(v, np.float64)[b, :, :n])
+        np.testing.assert_allclose(o[b], want, rtol=0, atol=atol)

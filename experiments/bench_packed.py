@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treejax.forest import forest_from_paths
-from treejax.models import transformer
+from treejax.models import transformer, tree_attention
 from treejax.rl import packing
 from treejax.rl.batch import expanded_batch, forest_to_batch
 from treejax.rl.layouts import Expanded, Packed
@@ -148,6 +148,15 @@ def run_layout(name, cfg, loss, batch, micro, args):
     return out
 
 
+
+def tree_kernel(args, cfg, row_length: int) -> str:
+    """The tree attention the packed update runs (``auto`` resolved for the preset's heads and the row length; the
+    tiles' kernel where ``--tree-blocks`` names tiles)."""
+    if args.blocks is not None and args.tree_attention == "auto":
+        return "pallas"
+    return tree_attention.resolve_impl(args.tree_attention, head_dim=cfg.head_dim, row_length=row_length,
+                                       dtype=jnp.dtype(cfg.compute_dtype))
+
 def bench_setting(preset, Lp, args):
     cfg = get_config(preset)
     W, D, S, P = args.leaves, args.depth, args.segment, args.prompts
@@ -173,8 +182,8 @@ def bench_setting(preset, Lp, args):
     flops = {"expanded": useful_flops(cfg, exp_pos), "packed": useful_flops(cfg, pk_pos)}
     print(f"\n{preset}: P={P} W={W} b=2 D={D} S={S} Lp={Lp}: expanded {P * W} rows x {expanded.sequence_length}, "
           f"packed {info['rows']} rows x {info['row_length']} ({info['unique_tokens']} unique of "
-          f"{info['expanded_tokens']} tokens: {info['token_saving']:.2f}x fewer; row fill {info['fill']:.0%})",
-          flush=True)
+          f"{info['expanded_tokens']} tokens: {info['token_saving']:.2f}x fewer; row fill {info['fill']:.0%}); tree "
+          f"attention {args.tree_attention} -> {tree_kernel(args, cfg, info['row_length'])}", flush=True)
     results = {}
     for name, batch, micro in (("expanded", expanded, args.micro), ("packed", packed, args.micro_packed)):
         try:

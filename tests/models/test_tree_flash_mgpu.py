@@ -93,12 +93,10 @@ def test_mgpu_kernels_match_dense_tree_attention(rows, blocks):
 
 
 def test_mgpu_through_make_tree_attention():
-    """``attention_impl="pallas_mgpu"`` is a valid ``PackingConfig`` choice (``auto`` still resolves to the Triton
-    kernel on a GPU), picks the Mosaic GPU kernel (interpret mode off a GPU) and equals the dense path; its tiles
+    """``attention_impl="pallas_mgpu"`` is a valid ``PackingConfig`` choice, picks the Mosaic GPU kernel (interpret mode off a GPU) and equals the dense path; its tiles
     type is checked."""
     assert "pallas_mgpu" in tree_attention.TREE_ATTENTION_IMPLS
     assert packing.PackingConfig(attention_impl="pallas_mgpu").attention_impl == "pallas_mgpu"  # validated
-    assert tree_attention.resolve_impl("auto", "gpu") == "pallas"
     lo, hi = _rows(*_ROWS["packed"])
     lo, hi = lo[:1], hi[:1]
     on_gpu = jax.default_backend() == "gpu"  # compiled there: bf16 inputs (fp32 is interpret mode's only)
@@ -112,6 +110,63 @@ def test_mgpu_through_make_tree_attention():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol)
     with pytest.raises(ValueError, match="TreeFlashMgpuBlocks"):
         tree_attention.make_tree_attention(lo, hi, "pallas_mgpu", tree_flash.TreeFlashBlocks())
+
+
+def test_auto_picks_the_kernel_measured_faster_for_the_shape():
+    """``auto`` on a GPU (``tree_attention.resolve_impl``): Mosaic GPU on Hopper for 16-bit inputs at 128-wide heads
+    or rows of >= 65,536 tokens (where it ran faster than the Triton kernel on an H200), Triton otherwise; XLA off a
+    GPU; the shape unknown -> Triton; forced names are kept."""
+    r = functools.partial(tree_attention.resolve_impl, "auto", "gpu", capability=9.0)
+    bf16 = jnp.bfloat16
+    assert r(head_dim=128, row_length=16384, dtype=bf16) == "pallas_mgpu"  # qwen2.5-1.5b / 7b heads
+    assert r(head_dim=64, row_length=16384, dtype=bf16) == "pallas"  # qwen2.5-0.5b heads on a depth-4 tree
+    assert r(head_dim=64, row_length=98304, dtype=bf16) == "pallas_mgpu"  # TreePO's 14 x 512 row
+    assert r(head_dim=64, row_length=65536, dtype=jnp.float16) == "pallas_mgpu"
+    assert r(head_dim=64, row_length=65536 - 128, dtype=bf16) == "pallas"
+    assert r(head_dim=128, row_length=16384, dtype=jnp.float32) == "pallas"  # wgmma takes 16-bit operands
+    assert r(head_dim=96, row_length=98304, dtype=bf16) == "pallas"  # not a multiple of 64
+    assert r(head_dim=256, row_length=98304, dtype=bf16) == "pallas"  # never measured
+    assert r(head_dim=128, row_length=16384 + 32, dtype=bf16) == "pallas"  # rows must be multiples of 64
+    assert r(head_dim=128, row_length=16384, dtype=bf16, capability=8.0) == "pallas"  # an A100: no wgmma / TMA
+    assert r() == "pallas" and r(head_dim=128) == "pallas"  # the shape not given
+    assert tree_attention.resolve_impl("auto", "cpu", head_dim=128, row_length=98304, dtype=bf16) == "xla"
+    assert tree_attention.resolve_impl("auto", "tpu", head_dim=128, row_length=98304, dtype=bf16) == "xla"
+    assert tree_attention.resolve_impl("pallas", "gpu", head_dim=128, row_length=98304, dtype=bf16) == "pallas"
+    with pytest.raises(ValueError, match="tree attention_impl must be one of"):
+        tree_attention.resolve_impl("mgpu", "gpu")
+
+
+def test_auto_resolves_each_call_from_its_query(monkeypatch):
+    """``make_tree_attention(..., "auto")`` on a (simulated) Hopper GPU picks the kernel from each call's query:
+    128-wide bf16 heads -> the Mosaic GPU kernel, 64-wide -> the Triton one (both in interpret mode here); given
+    tiles pick the kernel they are for; each result equals the dense path."""
+    real = tree_attention.resolve_impl
+    seen = []
+
+    def on_hopper(impl, backend=None, **shape):
+        seen.append(real(impl, "gpu", capability=9.0, **shape))
+        return seen[-1]
+
+    monkeypatch.setattr(tree_attention, "resolve_impl", on_hopper)
+    lo, hi = _rows(*_ROWS["packed"])
+    lo, hi = lo[:1], hi[:1]
+    for head_dim, want_impl in ((128, "pallas_mgpu"), (64, "pallas")):
+        ks = jax.random.split(jax.random.key(head_dim), 3)
+        q = jax.random.normal(ks[0], (1, lo.shape[1], 2, head_dim), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (1, lo.shape[1], 1, head_dim), jnp.bfloat16) for kk in ks[1:])
+        seen.clear()
+        got = tree_attention.make_tree_attention(lo, hi, "auto")(q, k, v)
+        assert seen[-1] == want_impl, seen
+        want = tree_attention.make_tree_attention(lo, hi, "xla")(*(x.astype(jnp.float32) for x in (q, k, v)))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
+    built = []
+    kernel_attention = tree_attention._kernel_attention
+    monkeypatch.setattr(tree_attention, "_kernel_attention", lambda impl, *a: built.append(impl) or kernel_attention(
+        impl, *a))
+    for blocks, want_impl in ((tree_flash_mgpu.TreeFlashMgpuBlocks(), "pallas_mgpu"),
+                              (tree_flash.TreeFlashBlocks(), "pallas")):
+        tree_attention.make_tree_attention(lo, hi, "auto", blocks)
+        assert built[-1] == want_impl  # built at once, for the tiles' kernel, whatever the query
 
 
 def test_tiles_and_shapes_the_kernels_refuse():

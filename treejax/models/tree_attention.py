@@ -20,14 +20,17 @@ Implementations (``attention_impl``):
 * ``"pallas_mgpu"``: the same block-sparse flash attention as Pallas **Mosaic GPU** kernels for Hopper (wgmma,
   TMA copies in a software pipeline over the listed blocks; :mod:`treejax.models.tree_flash_mgpu`), the Triton
   lowering's successor in JAX; forward and backward kernels, head sizes that are multiples of 64, rows a
-  multiple of 64 tokens. Off a GPU it runs in Mosaic GPU's interpret mode (slow; correctness tests only). On an
-  H200 it ran: faster than the Triton kernel at 128-wide heads (2.30 against 2.43 ms fwd+bwd, depth-4 tree) and
-  on TreePO's 14 x 512 row (17.5 against 21.8 ms), slower at 64-wide heads on depth-4 trees (1.80 against 1.70);
-  ``auto`` does not pick it yet: its gradients have been checked on the GPU at 64-wide heads only
-  (:mod:`treejax.models.tree_flash_mgpu`).
-* ``"auto"``: ``"pallas"`` on a GPU, ``"xla"`` elsewhere, a TPU included: the TPU kernel is asked for by name
-  until it has been compiled by Mosaic and run on a chip (it has run only in the TPU interpreter; the sampler's
-  TPU decode kernel, in the same state, is picked by its ``"auto"``: :mod:`treejax.sampling.attention`).
+  multiple of 64 tokens. Off a GPU it runs in Mosaic GPU's interpret mode (slow; correctness tests only).
+* ``"auto"``: on a GPU the faster of the two GPU kernels for the shape, as measured on an H200
+  (``experiments/bench_tree_attention.py``, fwd+bwd, docs/performance.md): the Mosaic GPU kernel on a Hopper GPU
+  (compute capability >= 9.0) for 16-bit inputs with 128-wide heads (2.30 against the Triton kernel's 2.43 ms,
+  depth-4 tree, qwen2.5-1.5b's heads) or rows of at least :data:`MGPU_AUTO_MIN_ROW` tokens (TreePO's 14 x 512
+  row of 98,304 tokens: 17.5 against 21.8 ms), the Triton kernel otherwise (64-wide heads on shorter rows: 1.70
+  against 1.80 ms; GPUs before Hopper; float32). The choice is made per call from the query's shape and dtype
+  (:func:`resolve_impl`), so one model picks one kernel for all its layers. Elsewhere ``"xla"``, a TPU included:
+  the TPU kernel is asked for by name until it has been compiled by Mosaic and run on a chip (it has run only in
+  the TPU interpreter; the sampler's TPU decode kernel, in the same state, is picked by its ``"auto"``:
+  :mod:`treejax.sampling.attention`).
 
 Sharding: the XLA path is partitioned by GSPMD like the rest of the update (rows over ``data x fsdp``, heads
 over ``tensor``). GSPMD cannot split a Pallas call (it would gather every operand onto every device and run it
@@ -58,20 +61,52 @@ def tree_mask(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array) -> jax.Array:
     return causal_mask(node_lo_BxL.shape[1])[None] & (node_lo_BxL[:, None, :] <= q) & (q <= node_hi_BxL[:, None, :])
 
 
-def resolve_impl(attention_impl: str, backend: str | None = None) -> str:
-    """The implementation ``attention_impl`` runs on ``backend`` (default: :func:`jax.default_backend`):
-    ``"auto"`` is ``"pallas"`` on a GPU, ``"xla"`` elsewhere. The TPU kernel (``"pallas_tpu"``,
-    :mod:`treejax.models.tree_splash`) is tested in Pallas' TPU interpreter and lowers for TPU, but has not run on
-    TPU hardware yet, so ``auto`` does not pick it there until it has; ask for it with
-    ``PackingConfig.attention_impl = "pallas_tpu"``. Likewise the Mosaic GPU kernel (``"pallas_mgpu"``,
-    :mod:`treejax.models.tree_flash_mgpu`), timed on an H200 but with its gradients checked on the GPU at 64-wide
-    heads only: ``auto`` keeps the Triton kernel on a GPU until both head sizes are."""
+#: ``auto`` takes the Mosaic GPU kernel on rows of at least this many tokens, whatever the head size (module
+#: docstring): at 98,304 tokens it ran 1.25x the Triton kernel's speed; at 16,384 (depth-4 trees, 64-wide heads)
+#: 0.94x.
+MGPU_AUTO_MIN_ROW = 65_536
+#: ... and at head sizes of at least this on shorter rows (1.06x at 128; 0.94x at 64).
+MGPU_AUTO_MIN_HEAD_DIM = 128
+#: The head sizes ``auto`` hands to the Mosaic GPU kernel (the ones measured and gradient-checked on the GPU).
+MGPU_AUTO_HEAD_DIMS = (64, 128)
+
+
+def _capability() -> float | None:
+    """The first device's CUDA compute capability (``None`` where JAX does not report one)."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return None if capability is None else float(capability)
+
+
+def resolve_impl(attention_impl: str, backend: str | None = None, *, head_dim: int | None = None,
+                 row_length: int | None = None, dtype=None, capability: float | None = None) -> str:
+    """The implementation ``attention_impl`` runs on ``backend`` (default: :func:`jax.default_backend`).
+
+    ``"auto"``: ``"xla"`` off a GPU; on a GPU ``"pallas_mgpu"`` where the Mosaic GPU kernel measured faster than
+    the Triton one (module docstring):
+
+        capability >= 9.0  and  dtype in (bfloat16, float16)  and  head_dim in MGPU_AUTO_HEAD_DIMS
+        and  row_length % 64 == 0  and  (head_dim >= MGPU_AUTO_MIN_HEAD_DIM  or  row_length >= MGPU_AUTO_MIN_ROW)
+
+    and ``"pallas"`` otherwise, or when the shape is not given (``head_dim`` / ``row_length`` / ``dtype`` is
+    ``None``). ``capability``: the GPU's compute capability (default: the first device's; tests pass one). The TPU
+    kernel (``"pallas_tpu"``, :mod:`treejax.models.tree_splash`) is tested in Pallas' TPU interpreter and lowers
+    for TPU, but has not run on TPU hardware yet, so ``auto`` does not pick it there until it has; ask for it with
+    ``PackingConfig.attention_impl = "pallas_tpu"``."""
     if attention_impl not in TREE_ATTENTION_IMPLS:
         raise ValueError(f"tree attention_impl must be one of {TREE_ATTENTION_IMPLS}, got {attention_impl!r}")
-    if attention_impl == "auto":
-        backend = backend or jax.default_backend()
-        return {"gpu": "pallas"}.get(backend, "xla")
-    return attention_impl
+    if attention_impl != "auto":
+        return attention_impl
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
+        return "xla"
+    if head_dim is None or row_length is None or dtype is None:
+        return "pallas"
+    capability = _capability() if capability is None else capability
+    mgpu = (capability is not None and capability >= 9.0 and jnp.dtype(dtype).itemsize == 2
+            and jnp.issubdtype(dtype, jnp.floating) and head_dim in MGPU_AUTO_HEAD_DIMS
+            and row_length % tree_flash_mgpu.MIN_TILE == 0
+            and (head_dim >= MGPU_AUTO_MIN_HEAD_DIM or row_length >= MGPU_AUTO_MIN_ROW))
+    return "pallas_mgpu" if mgpu else "pallas"
 
 
 def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attention_impl: str = "xla",
@@ -90,6 +125,20 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     if impl == "xla":
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
         return lambda q, k, v: attention(q, k, v, mask)
+    if attention_impl == "auto":  # a GPU: the kernel for the shape (resolve_impl), or the one the tiles are for
+        if isinstance(blocks, (tree_flash_mgpu.TreeFlashMgpuBlocks, tree_flash.TreeFlashBlocks)):
+            impl = "pallas_mgpu" if isinstance(blocks, tree_flash_mgpu.TreeFlashMgpuBlocks) else "pallas"
+        elif blocks is None:
+            def attend(q, k, v):
+                chosen = resolve_impl("auto", head_dim=q.shape[-1], row_length=q.shape[1], dtype=q.dtype)
+                return _kernel_attention(chosen, node_lo_BxL, node_hi_BxL, None)(q, k, v)
+            return attend
+    return _kernel_attention(impl, node_lo_BxL, node_hi_BxL, blocks)
+
+
+def _kernel_attention(impl, node_lo_BxL, node_hi_BxL, blocks):
+    """``attend(q, k, v)`` of the Pallas kernel ``impl`` (``"pallas"``, ``"pallas_tpu"`` or ``"pallas_mgpu"``),
+    under the context mesh's ``shard_map`` where there is one (module docstring)."""
     if impl == "pallas_tpu":
         if blocks is not None and not isinstance(blocks, tree_splash.TreeSplashBlocks):
             raise ValueError(f"tree attention 'pallas_tpu' takes tree_splash.TreeSplashBlocks tiles, got {blocks!r}; "

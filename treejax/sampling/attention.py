@@ -142,6 +142,7 @@ sliced), so on a mesh of more than one device it takes the XLA passes (:func:`re
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 
 import jax
@@ -586,10 +587,19 @@ def tpu_problem(head_dim: int, cache_dtype, block_size: int, backend: str, inter
     return None
 
 
+def triton_decode_available() -> bool:
+    """Whether this JAX still ships the Triton decode kernel (``jax.experimental.pallas.ops.gpu.decode_attention``,
+    deprecated in jax 0.11 with Pallas' Triton backend)."""
+    return importlib.util.find_spec("jax.experimental.pallas.ops.gpu.decode_attention") is not None
+
+
 def pallas_problem(head_dim: int, cache_dtype, block_size: int, backend: str) -> str | None:
     """Why the Pallas kernel cannot run this attention (a sentence), or ``None`` if it can (module docstring)."""
     if backend != "gpu":
         return f"the Pallas decode kernel is a Triton (GPU) kernel, the backend is {backend!r}"
+    if not triton_decode_available():
+        return (f"this JAX ({jax.__version__}) no longer has the Triton decode kernel "
+                "(jax.experimental.pallas.ops.gpu.decode_attention; attention='pallas_mgpu' is its Mosaic GPU successor)")
     if head_dim not in PALLAS_HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {PALLAS_HEAD_DIMS} (Triton tiles are powers of two, dots >= 16)"
     if jnp.dtype(cache_dtype).name not in PALLAS_CACHE_DTYPES:
@@ -656,7 +666,14 @@ def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, back
     if backend == "tpu":
         tpu_ok = tpu_problem(head_dim, cache_dtype, block_size, backend) is None
         return "pallas_tpu" if tpu_ok and jnp.dtype(cache_dtype).itemsize == 2 else "ragged"
-    return "pallas" if problem is None and jnp.dtype(cache_dtype).itemsize == 2 else "ragged"
+    if jnp.dtype(cache_dtype).itemsize != 2:
+        return "ragged"
+    if problem is None:
+        return "pallas"
+    if backend == "gpu" and not triton_decode_available() and mgpu_problem(head_dim, cache_dtype, block_size,
+                                                                          backend) is None:
+        return "pallas_mgpu"  # the Triton kernel gone from this JAX: its Mosaic GPU successor
+    return "ragged"
 
 
 def shard_decode_attention(attention_fn, mesh, rules=None):

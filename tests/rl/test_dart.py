@@ -95,7 +95,8 @@ def test_step_mask_keeps_the_highest_mean_entropy_responses():
     want[1, 0] = 1.0
     np.testing.assert_array_equal(np.asarray(new_mask).reshape(2, 2, 3), want)
     np.testing.assert_array_equal(np.asarray(adv).reshape(2, 2, 3), want)
-    np.testing.assert_allclose(float(metrics["shaping/dart_entropy/kept_frac"]), 5 / 8)
+    np.testing.assert_allclose(float(metrics["shaping/dart_entropy/kept_frac"]), 5 / 8)  # tokens
+    np.testing.assert_allclose(float(metrics["shaping/dart_entropy/kept_response_frac"]), 2 / 3)  # responses
 
 
 def test_token_mask_and_the_loss_denominator():

@@ -77,9 +77,12 @@ class DARTEntropyMask(Shaper):
         keep = self.keep_mask(x.entropy, on)
         kept = keep > 0
         h = x.entropy.astype(jnp.float32)
-        return Shaped(jnp.where(kept, x.advantages, 0.0), x.eps_scale, {
-            "kept_frac": jnp.sum(kept) / jnp.maximum(jnp.sum(on), 1),
-            "entropy_kept": masked_mean(h, kept), "entropy_dropped": masked_mean(h, on & ~kept)}, keep=keep)
+        leaf_on = jnp.any(on, axis=-1)
+        stats = {"kept_frac": jnp.sum(kept) / jnp.maximum(jnp.sum(on), 1),  # a share of the tokens
+                 # a share of the responses (top_ratio of them with unit="response"; the token share differs)
+                 "kept_response_frac": jnp.sum(jnp.any(kept, axis=-1)) / jnp.maximum(jnp.sum(leaf_on), 1),
+                 "entropy_kept": masked_mean(h, kept), "entropy_dropped": masked_mean(h, on & ~kept)}
+        return Shaped(jnp.where(kept, x.advantages, 0.0), x.eps_scale, stats, keep=keep)
 
 
 __all__ = ["DART_UNITS", "DARTEntropyMask", "top_fraction_mask"]

@@ -143,7 +143,7 @@ def make_sft_step(model_config, cfg: SFTConfig, optimizer):
         (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, targets, mask, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(m, **{"sft/loss": loss, "sft/grad_norm": optax.global_norm(grads),
+        return params, opt_state, dict(m, **{"sft/loss": loss, "sft/grad_norm": optax.tree.norm(grads),
                                              "sft/tokens": jnp.sum(mask)})
 
     return step

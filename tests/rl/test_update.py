@@ -87,7 +87,7 @@ def test_loss_gradient_matches_finite_differences_on_tiny_model():
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
     direction = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
-    norm = optax.global_norm(direction)
+    norm = optax.tree.norm(direction)
     direction = jax.tree.map(lambda d: d / norm, direction)
     analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
     h = 1e-2

@@ -285,8 +285,9 @@ def forward_tree(params: Params, config: ModelConfig, tokens: jax.Array, positio
     dense ``[L, L]`` mask and scores (exact on every backend; memory ``O(L^2)`` per row and head), ``"pallas"``
     runs the block-sparse flash kernel (GPU; ``interpret`` mode elsewhere, for tests), ``"pallas_tpu"`` its TPU
     (Mosaic) form (``treejax.models.tree_splash``; the TPU interpreter elsewhere), ``"pallas_mgpu"`` its Mosaic GPU
-    form (``treejax.models.tree_flash_mgpu``; Mosaic GPU's interpret mode off a GPU), ``"auto"`` picks pallas on a
-    GPU and xla elsewhere (pallas_tpu is asked for by name until it has run on TPU hardware); ``blocks`` the Pallas kernel's tiles (``pallas``:
+    form (``treejax.models.tree_flash_mgpu``; Mosaic GPU's interpret mode off a GPU), ``"auto"`` picks pallas_mgpu or
+    pallas on a GPU, whichever ran faster for the shape (``tree_attention.resolve_impl``), and xla elsewhere
+    (pallas_tpu is asked for by name until it has run on TPU hardware); ``blocks`` the Pallas kernel's tiles (``pallas``:
     ``tree_flash.TreeFlashBlocks``, default ``tree_flash.default_blocks(head_dim, row_length)``; ``pallas_tpu``:
     ``tree_splash.TreeSplashBlocks``, default ``tree_splash.default_blocks(row_length)``; ``pallas_mgpu``:
     ``tree_flash_mgpu.TreeFlashMgpuBlocks``). ``remat`` as in

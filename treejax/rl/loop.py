@@ -216,7 +216,7 @@ class StepLogger:
         self.diverged = r.data_state.setdefault("divergence", [])
         # the norm of the parameters the first step starts from (initial or restored): a jump in step 1 is seen too
         self.prev_norm = (self.history[-1].get("update/param_norm") if self.history
-                          else float(optax.global_norm(lora.split(r.state.params)[0])))  # trainable, as the update's
+                          else float(optax.tree.norm(lora.split(r.state.params)[0])))  # trainable, as the update's
         self.dispatched: tuple[int, float] | None = None  # (step, when its learning was dispatched)
 
     def push(self, step: int, host: dict, device_metrics: dict, learn_start: float) -> None:

@@ -114,9 +114,10 @@ class PackingConfig:
         mask, exact everywhere, ``O(L^2)`` memory), ``"pallas"`` (block-sparse flash kernel, GPU),
         ``"pallas_tpu"`` (the same as a TPU kernel; rows a multiple of 128 tokens, the default ``granule``),
         ``"pallas_mgpu"`` (the same as Pallas Mosaic GPU kernels for Hopper; head sizes and rows multiples of 64;
-        faster than ``"pallas"`` on an H200 at 128-wide heads and 14 x 512 rows, not picked by ``auto`` yet) or
-        ``"auto"`` (pallas on a GPU, xla elsewhere: ``"pallas_tpu"``, the TPU kernel, is asked for by name until it has
-        run on TPU hardware).
+        faster than ``"pallas"`` on an H200 at 128-wide heads and 14 x 512 rows) or ``"auto"`` (on a GPU the faster
+        of ``"pallas_mgpu"`` and ``"pallas"`` for the model's heads and the row length,
+        :func:`treejax.models.tree_attention.resolve_impl`; xla elsewhere: ``"pallas_tpu"``, the TPU kernel, is
+        asked for by name until it has run on TPU hardware).
       sticky: fix the layout at the first mini-batch from the config's bounds (:func:`startup_layout`, module
         docstring) and pack every later mini-batch into it; only the row count can grow. ``False``: each
         mini-batch gets its own bucketed layout (a compile per new shape).

@@ -170,7 +170,7 @@ def make_update_fn(
         params, frozen = lora.split(state.params)  # LoRA: only the adapters train (frozen is None otherwise)
         loss, metrics, grads = grads_fn(params, batch, frozen)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if nonfinite == "raise":
             jax.debug.callback(_raise_nonfinite, finite, state.step, loss, grad_norm)
@@ -187,7 +187,7 @@ def make_update_fn(
         metrics = dict(metrics)
         metrics["loss"] = loss
         metrics["grad_norm"] = grad_norm
-        metrics["param_norm"] = optax.global_norm(lora.split(new_state.params)[0])  # of the trainable params
+        metrics["param_norm"] = optax.tree.norm(lora.split(new_state.params)[0])  # of the trainable params
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         if learning_rate_fn is not None:
             metrics["learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)

@@ -22,8 +22,9 @@ step. Five implementations share the ``attention_fn`` hook of :func:`treejax.mod
   the 64 rows of a wgmma, the row's KV blocks TMA-pipelined over a dynamic trip count ``ceil((pos_b + 1) /
   block)`` (blocks past a row's last live block are neither loaded nor computed; a dead row loads none), the
   online softmax in fp32 registers, the log-sum-exp returned with the output. Tested in Mosaic GPU's interpret
-  mode on CPU and lowered for the ``cuda`` platform (tests/sampling/test_mgpu_attention.py); **not yet compiled
-  to PTX, run or timed on a GPU**, so ``"auto"`` does not pick it: it is asked for by name.
+  mode on CPU, lowered for the ``cuda`` platform, and compiled on an H200 against the Triton kernel and the dense
+  path (tests/sampling/test_mgpu_attention.py); there it ran slower than the Triton kernel (0.76-0.90x alone), so
+  ``"auto"`` picks it only where the Triton kernel is gone from JAX (below).
 * ``"pallas_tpu"`` (TPU): treejax's Pallas TPU (Mosaic) kernel, :mod:`treejax.sampling.tpu_attention`: one
   program per (row, KV head) with that KV head's ``G`` query heads, the row lengths ``pos_b + 1`` scalar-prefetched
   so the KV block index stops at each row's last live block (blocks past it are neither copied nor computed), the
@@ -60,7 +61,9 @@ Choosing the implementation (:func:`resolve_impl`, once, when the sampler is bui
 ``"pallas_tpu"`` on a TPU where all of the TPU kernel's constraints hold and the cache is bfloat16, ``"ragged"``
 otherwise (CPU, other head sizes, float32 caches); a forced ``"pallas"``, ``"pallas_mgpu"`` or ``"pallas_tpu"``
 whose constraints do not hold raises a ``ConfigError`` (a ``ValueError``) then, not inside a trace. ``"auto"``
-never picks ``"pallas_mgpu"`` (it has not run on a GPU yet; it takes over from ``"pallas"`` once measured there).
+takes ``"pallas_mgpu"`` on a GPU only where this JAX no longer ships the Triton kernel
+(:func:`triton_decode_available`; it was deprecated in jax 0.11): on an H200 the Mosaic GPU kernel ran at
+0.76-0.90x of the Triton kernel's speed alone and 0.93-1.00x of its decode step (docs/performance.md).
 
 On a TPU, ``"auto"`` picks a kernel that has run only in Pallas' TPU interpreter: the issue asked that the decode
 path on a TPU use a TPU kernel, and the kernel passes Pallas' Mosaic lowering for the TPU platform (block shapes,
@@ -638,7 +641,7 @@ def resolve_impl(name: str, *, head_dim: int, cache_dtype, block_size: int, back
                  interpret: bool = False) -> str:
     """``"auto"`` -> ``"pallas"`` on a GPU when :func:`pallas_problem` finds none and the cache is 16-bit,
     ``"pallas_tpu"`` on a TPU when :func:`tpu_problem` finds none and the cache is bfloat16, ``"ragged"``
-    otherwise (module docstring; never ``"pallas_mgpu"``, asked for by name until it has run on a GPU); a kernel
+    otherwise, ``"pallas_mgpu"`` on a GPU where the Triton kernel is gone from this JAX (module docstring); a kernel
     (``"pallas"``, ``"pallas_mgpu"``, ``"pallas_tpu"``; :func:`mgpu_problem` for the Mosaic GPU one) where it
     cannot run raises :class:`~treejax.errors.ConfigError` (a ``ValueError``; the CLIs print it as one line).
 

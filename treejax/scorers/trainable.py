@@ -187,7 +187,7 @@ def scorer_update(state: ScorerState, batch: Any) -> tuple[ScorerState, dict]:
         params, opt_state = carry
         loss, g = loss_grad(params)
         upd, opt_state = tx.update(g, opt_state, params)
-        return (optax.apply_updates(params, upd), opt_state), (loss, optax.global_norm(g))
+        return (optax.apply_updates(params, upd), opt_state), (loss, optax.tree.norm(g))
 
     (params, opt_state), (losses, norms) = jax.lax.scan(one, (state.params, state.opt_state), None,
                                                         length=state.config.updates)

@@ -202,7 +202,8 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r['prompt_len']} | {r['variant']} | {r.get('attention', '')} | {r['status']} | | | | |")
             continue
         ref = base.get(r["prompt_len"])
-        speed = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "n/a (per_row failed)"
+        speed = (f"{r['tokens_per_s'] / ref:.2f}x" if ref else "n/a (no per_row run)" if r["prompt_len"] not in base
+                 else "n/a (per_row failed)")
         step_ms = 1e3 * r["median_s"] / r["steps"]
         lines.append(f"| {r['prompt_len']} | {r['variant']} | {r['attention']} | {r['tokens_per_s']:.0f} | "
                      f"{step_ms:.2f} | {fmt_bytes(r['peak_bytes'])} | {fmt_bytes(r['cache_bytes'])} | {speed} |")

@@ -132,3 +132,33 @@ def test_two_processes_train_on_each_others_rows(tmp_path):
             assert np.all(tok[3:] // 1000 == 1 - me) and np.all(tok[3:] // 100 % 10 == step)
             np.testing.assert_array_equal(np.array(mine["logprobs"])[3:], FAKE_LOGP)
             assert mine["metrics"]["sapo/external_rows"] == 2 and mine["metrics"]["sapo/pool_rows"] == 3
+
+
+@pytest.mark.slow
+def test_two_process_trainer_runs_sapo(tiny_checkpoint, tmp_path):
+    """The whole loop on 2 CPU processes x 1 device, each its own policy: 2 steps of the quickstart on the tiny
+    model with SAPO (2 local + 2 external rows). Step 0: both nodes hold the same initial weights, so the re-scored
+    log-probs of the other's rows equal the sender's sampler log-probs (``sapo/external_logp_shift`` ~ 0)."""
+    tiny = ["RunConfig.num_steps = 2", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
+            "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2",
+            "EvalConfig.max_new_tokens = 2", "EvalConfig.batch_size = 2", "RunConfig.rollouts = [@SAPOConfig()]",
+            "SAPOConfig.external_rows = 2", "SAPOConfig.sampling = 'uniform'", "RunConfig.checkpoint_every = 0",
+            "RunConfig.save_final = False", "RunConfig.export_hf = False", "RunConfig.dynamic_sampling = False",
+            f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'"]
+    args = ["--gin_file", os.path.join(ROOT, "configs", "quickstart.gin")] + sum((["--gin_param", p] for p in tiny), [])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run([sys.executable, "-m", "treejax.launch", "-n", "2", "--devices_per_process", "1",
+                          "--timeout_s", "900", "--", *args], env=env, cwd=ROOT, timeout=960, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    hist = summary["history"]
+    assert summary["num_processes"] == 2 and len(hist) == 2
+    for h in hist:
+        assert (h["sapo/external_rows"], h["sapo/pool_rows"], h["sapo/filler_rows"]) == (2, 2, 0)
+    assert hist[0]["sapo/external_logp_shift"] < 1e-3, hist[0]["sapo/external_logp_shift"]

@@ -212,7 +212,8 @@ class RunConfig(LegacySourceFields):
                         tis_cap=self.loss.tis_cap, packed_update=self.packed_update,
                         async_enabled=self.async_rollouts.enabled, dynamic_sampling=self.dynamic_sampling,
                         shapers=tuple(s.name for s in self.shapers), tree=self.rollout,
-                        prompts_per_step=self.prompts_per_step, task=self.task)
+                        prompts_per_step=self.prompts_per_step, task=self.task,
+                        saves_checkpoints=bool(self.checkpoint_every) or bool(self.save_final))
 
     def _check_proximal(self) -> None:
         """PPO-EWMA: the EMA of the parameters and the ratio that reads it come together."""

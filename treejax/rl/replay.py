@@ -90,8 +90,6 @@ class ReplayRollouts:
 
     # -------------------------------------------------------------------------------------------- the step
     def sample(self, params, key, step):
-        from treejax.rl.rollouts import Rollouts, concat_forests
-
         fresh = self.base.sample(params, key, step)
         cfg = self.config
         self.buffer = collections.deque(r for r in self.buffer if step - r.step <= cfg.max_age)
@@ -99,29 +97,10 @@ class ReplayRollouts:
         host = _host_rows(fresh, step)
         filler = cfg.rows - len(chosen)
         rows = chosen + [dataclasses.replace(host[0], step=step)] * filler
-        forests = [fresh.forest] + [_forest_of(rows)]
-        mask = np.ones((cfg.rows, 1, 1), np.float32)
-        mask[len(chosen):] = 0.0  # the missing replay rows train on nothing
-        forests[1] = forests[1].replace(loss_mask=forests[1].loss_mask * jnp.asarray(mask))
         ages = [step - r.step for r in chosen]
-        ro = Rollouts(
-            forest=concat_forests(forests),
-            rewards_PxW=jnp.concatenate([fresh.rewards_PxW, jnp.asarray(np.stack([r.rewards for r in rows]))]),
-            scores_PxW=None if fresh.scores_PxW is None else np.concatenate(
-                [fresh.scores_PxW, np.stack([r.scores for r in rows])]),
-            prompts_PxLp=np.concatenate([fresh.prompts_PxLp, np.stack([r.prompt for r in rows])]),
-            lengths_P=np.concatenate([fresh.lengths_P, np.stack([r.length for r in rows])]),
-            counters=fresh.counters,
-            estimator_inputs={k: jnp.concatenate([v, jnp.asarray(np.stack([r.inputs[k] for r in rows]))])
-                              for k, v in fresh.estimator_inputs.items()},
-            examples=None if fresh.examples is None else list(fresh.examples) + [r.example for r in rows],
-            reward_scores_PxW=None if fresh.reward_scores_PxW is None else np.concatenate(
-                [fresh.reward_scores_PxW, np.stack([r.reward_scores for r in rows])]),
-            fresh_rows=fresh.num_rows,
-            extra_metrics={**(fresh.extra_metrics or {}), "replay/buffer_rows": len(self.buffer),
-                           "replay/replayed_rows": len(chosen),
-                           "replay/mean_age": float(np.mean(ages)) if ages else 0.0,
-                           "replay/max_age": max(ages) if ages else 0})
+        ro = append_rows(fresh, rows, len(chosen), {
+            "replay/buffer_rows": len(self.buffer), "replay/replayed_rows": len(chosen),
+            "replay/mean_age": float(np.mean(ages)) if ages else 0.0, "replay/max_age": max(ages) if ages else 0})
         for r in host:  # the fresh rows join the buffer after the step's replay was chosen
             if not cfg.informative_only or not np.all(r.rewards == r.rewards[0]):
                 self.buffer.append(r)
@@ -166,4 +145,31 @@ def _forest_of(rows: list[_Row]):
     return jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[r.forest for r in rows])
 
 
-__all__ = ["ReplayConfig", "ReplayRollouts"]
+def append_rows(fresh, rows: list[_Row], live: int, metrics: dict):
+    """``fresh`` (this step's :class:`~treejax.rl.rollouts.Rollouts`) with the host ``rows`` appended after its own
+    rows (replayed rows here, rows shared by other processes in :mod:`treejax.rl.sapo`); rows ``live..`` of
+    ``rows`` are fillers that train on nothing (``loss_mask = 0``). ``fresh_rows`` marks the fresh ones (the
+    step's ``reward/accuracy``); ``metrics`` join the source's ``extra_metrics``."""
+    from treejax.rl.rollouts import Rollouts, concat_forests
+
+    added = _forest_of(rows)
+    mask = np.ones((len(rows), 1, 1), np.float32)
+    mask[live:] = 0.0
+    added = added.replace(loss_mask=added.loss_mask * jnp.asarray(mask))
+    return Rollouts(
+        forest=concat_forests([fresh.forest, added]),
+        rewards_PxW=jnp.concatenate([fresh.rewards_PxW, jnp.asarray(np.stack([r.rewards for r in rows]))]),
+        scores_PxW=None if fresh.scores_PxW is None else np.concatenate(
+            [fresh.scores_PxW, np.stack([r.scores for r in rows])]),
+        prompts_PxLp=np.concatenate([fresh.prompts_PxLp, np.stack([r.prompt for r in rows])]),
+        lengths_P=np.concatenate([fresh.lengths_P, np.stack([r.length for r in rows])]),
+        counters=fresh.counters,
+        estimator_inputs={k: jnp.concatenate([v, jnp.asarray(np.stack([r.inputs[k] for r in rows]))])
+                          for k, v in fresh.estimator_inputs.items()},
+        examples=None if fresh.examples is None else list(fresh.examples) + [r.example for r in rows],
+        reward_scores_PxW=None if fresh.reward_scores_PxW is None else np.concatenate(
+            [fresh.reward_scores_PxW, np.stack([r.reward_scores for r in rows])]),
+        fresh_rows=fresh.num_rows, extra_metrics={**(fresh.extra_metrics or {}), **metrics})
+
+
+__all__ = ["ReplayConfig", "ReplayRollouts", "append_rows"]

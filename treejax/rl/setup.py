@@ -38,7 +38,7 @@ from treejax.rl.layouts import make_layout
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
 from treejax.rl.sources import catalog  # noqa: F401  (registers every rollout stage)
 from treejax.rl.rollouts import TaskRollouts
-from treejax.rl.sources.base import RolloutSource, SourceContext, build_chain
+from treejax.rl.sources.base import RolloutSource, SourceContext, build_chain, chain_process_local
 from treejax.rl.shaping import init_states
 from treejax.rl.shaping import probes as shaping_probes
 from treejax.rl.step import Learner, initial_reference, make_learner
@@ -170,8 +170,9 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, stop_ids=resolve_stop_ids(cfg.rollout.stop_ids, tokenizer=tokenizer)))
-    sampler_devices, learner_devices = collect.split_devices(cfg.async_rollouts, jax.devices(),
-                                                             jax.process_count())
+    local = chain_process_local(cfg.rollouts)  # each process its own policy (SAPO's nodes), or one global one
+    sampler_devices, learner_devices = collect.split_devices(
+        cfg.async_rollouts, jax.local_devices() if local else jax.devices(), 1 if local else jax.process_count())
     mesh = make_mesh(cfg.mesh, learner_devices)
     sampler_mesh = sampler_mesh_of(cfg, mesh, sampler_devices, learner_devices)
     if sampler_devices != learner_devices:
@@ -187,7 +188,8 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
     rollout_fns = sampler_fns if sampler_mesh is mesh else model_fns(sampler_mesh)
     learner, state, ref_params = _learner(cfg, prec, model_config, params, pad_id, mesh)
     del params
-    pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step, seed=cfg.seed)
+    pipeline = make_prompt_pipeline(train_records, batch_size=cfg.prompts_per_step,
+                                    seed=cfg.seed + (jax.process_index() if local else 0))
     make_rollout = path_scored(cfg, tokenizer, lambda tc: make_tree_rollout(rollout_fns, tc,
                                                                          continuations=cfg.continuation_config()))
     source = build_chain(cfg.rollouts, SourceContext(

@@ -17,6 +17,9 @@ that subclasses :class:`Stage` and declares, as class attributes:
   wrapper adds them to the rollouts it wraps, e.g. a judge's step scores); ``passes_inputs`` (wrappers): whether
   the inputs of the chain before it survive it;
 * ``dynamic_sampling`` (planners): whether it honours ``RunConfig.dynamic_sampling``;
+* ``process_local``: in a multi-process job, each process trains its own copy of the policy (its learner and
+  sampler on its own devices, its own prompt stream, seeded ``RunConfig.seed + process index``) instead of one
+  data-parallel model over every process's devices (SAPO's swarm nodes, :mod:`treejax.rl.sapo`);
 * ``check(facts)``: its own checks; ``added_rows()`` / ``rows_per_problem()``: its share of a step's rows;
 * ``build(inner, ctx)``: the runtime :class:`RolloutSource` (planners get ``inner = None``).
 
@@ -49,6 +52,7 @@ class Stage:
     supplies: ClassVar[frozenset[str]] = frozenset()
     passes_inputs: ClassVar[bool] = True
     dynamic_sampling: ClassVar[bool] = False
+    process_local: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -221,6 +225,11 @@ def chain_rows(stages, prompts_per_step: int, num_leaves: int) -> tuple[int, int
     for s in stages:
         per_problem *= s.rows_per_problem()
     return rows, rows * num_leaves * per_problem
+
+
+def chain_process_local(stages) -> bool:
+    """Whether a stage of the chain makes every process train its own policy (``Stage.process_local``)."""
+    return any(s.process_local for s in normalize_chain(stages))
 
 
 def chain_sources(source) -> list:

@@ -17,3 +17,4 @@ from treejax.rl.judges.ssl import SSLConfig  # noqa: F401
 from treejax.rl.judges.slate import SLATEConfig  # noqa: F401
 from treejax.rl.judges.mapo import MAPOConfig  # noqa: F401
 from treejax.rl.dart import DARTConfig  # noqa: F401
+from treejax.rl.sapo import SAPOConfig  # noqa: F401

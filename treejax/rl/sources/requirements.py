@@ -18,7 +18,8 @@ class RunFacts:
     ``estimator_inputs``: the estimator's declared inputs (``EstimatorSpec.inputs``); ``estimator_ragged``: it
     honours unused leaf slots; ``ragged_estimators``: every registered estimator that does (for messages);
     ``tis_cap``: ``LossConfig.tis_cap``; ``shapers``: the shapers' names; ``tree``: the ``TreeConfig``; ``task``:
-    ``RunConfig.task`` (``""``: not known)."""
+    ``RunConfig.task`` (``""``: not known); ``saves_checkpoints``: the run saves orbax checkpoints
+    (``RunConfig.checkpoint_every > 0`` or ``RunConfig.save_final``)."""
 
     estimator: str
     estimator_inputs: tuple[str, ...]
@@ -35,6 +36,7 @@ class RunFacts:
     tree: Any
     prompts_per_step: int
     task: str = ""
+    saves_checkpoints: bool = False  # RunConfig.checkpoint_every > 0 or RunConfig.save_final
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,7 +207,7 @@ def test_option_and_config_errors_name_the_fix(task):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-@pytest.mark.slow  # one RL step of the whole loop on a tiny random model: ~100 s on the shared 2-core machine
+@pytest.mark.slow  # one RL step of the whole loop on a tiny random model: 154 s on the shared 2-core machine
 def test_the_shipped_uis1_config_runs_one_step(tiny_checkpoint, tmp_path):
     """configs/multiturn_retrieval_uis1.gin end to end (task, world, semi-online wrapper, step rewards, estimator,
     update, evaluation with the environment) for one step on a tiny random model with SmolLM2's tokenizer."""

@@ -43,6 +43,7 @@ __all__ = ["add_gin_arguments", "check_config", "check_devices", "configurable_c
 # ----------------------------------------------------------------------------------------------- registration
 def _core_configs() -> dict[str, type]:
     """The configuration classes of the programs, in no registry (the order suggestions list them in)."""
+    from treejax.envs.semi_online import SemiOnlineConfig
     from treejax.models.lora import LoRAConfig
     from treejax.parallel.mesh import MeshConfig
     from treejax.precision import Precision
@@ -60,7 +61,8 @@ def _core_configs() -> dict[str, type]:
             "TreeConfig": TreeConfig, "LossConfig": LossConfig, "OptimizerConfig": OptimizerConfig,
             "MeshConfig": MeshConfig, "Precision": Precision, "PackingConfig": PackingConfig,
             "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig, "ScorerConfig": ScorerConfig,
-            "TrainableScorerConfig": TrainableScorerConfig, "LoRAConfig": LoRAConfig}
+            "TrainableScorerConfig": TrainableScorerConfig, "LoRAConfig": LoRAConfig,
+            "SemiOnlineConfig": SemiOnlineConfig}
 
 
 def _source_configs() -> dict[str, type]:

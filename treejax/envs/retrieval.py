@@ -149,6 +149,16 @@ class RetrievalEnv:
     tasks: ClassVar[tuple[str, ...]] = ("retrieval_multihop",)
     #: Its examples ship reference tool calls (``metadata["reference_calls"]``) for MatchTIR's matching rewards.
     reference_calls: ClassVar[bool] = True
+    #: It can replay an expert trajectory (``parse_action`` / ``render_call``): UI-S1's semi-online rollout,
+    #: :class:`treejax.envs.semi_online.SemiOnlineEnv`.
+    expert_steps: ClassVar[bool] = True
+    parse_action = staticmethod(parse_call)
+
+    @staticmethod
+    def render_call(call: dict) -> str:
+        """The action text of a parsed call (``{"name": "search", "args": {"query": "X"}}`` -> ``<search>X</search>``),
+        which :func:`parse_call` reads back as the same call."""
+        return f"<{call['name']}>{call['args'][TOOLS[call['name']]]}</{call['name']}>"
 
     def __post_init__(self):
         if self.max_calls < 0 or self.top_k < 1:

@@ -41,6 +41,7 @@ import numpy as np
 
 from treejax.envs import env_names, get_env
 from treejax.envs.sandbox import ISOLATION, SandboxConfig, check_isolation
+from treejax.envs.semi_online import SemiOnlineConfig, SemiOnlineEnv, semi_online_arrays
 from treejax.errors import ConfigError
 from treejax.rl.chains import CHAIN_INPUTS, chain_arrays
 from treejax.rl.sources.base import Stage
@@ -53,7 +54,9 @@ from treejax.sampling.partial import check_chains
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
                     "action_signature_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD",
-                    "feedback_gain_PxN")
+                    "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD")
+#: The inputs of UI-S1's semi-online rollout (``MultiTurnConfig.semi_online``; :mod:`treejax.envs.semi_online`).
+SEMI_ONLINE_INPUTS = ("step_reward_PxWxD", "step_match_PxWxD")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,11 @@ class MultiTurnConfig(Stage):
     ``environment = "simulated_user"`` (:class:`~treejax.envs.simulated_user.SimulatedUserEnv`: a user with a
     persona and a hidden goal, played by a model or by rules, for the goals of ``RunConfig.task = "user_goals"``);
     InfoPO (``infopo``) reads each turn's counterfactual feedback gain ``feedback_gain_PxN`` (any environment whose
-    turns get observations)."""
+    turns get observations). ``semi_online`` (a :class:`~treejax.envs.semi_online.SemiOnlineConfig`, default
+    ``None``: off): UI-S1's semi-online rollout on the environment's expert trajectories (its examples' reference
+    calls; an environment with ``expert_steps``, the retrieval world): a matched step continues from the expert's
+    next state, a mismatch is patched (up to ``patch_limit``) or ends the episode; each turn's step reward and
+    match are the estimator inputs ``step_reward_PxWxD`` / ``step_match_PxWxD`` (``ui_s1``)."""
 
     max_turns: int = 3
     turn_tokens: int = 128
@@ -108,6 +115,7 @@ class MultiTurnConfig(Stage):
     tool_match_name_weight: float = 0.5
     tool_match_assignment: str = "hard"
     tool_match_epsilon: float = 0.1
+    semi_online: SemiOnlineConfig | None = None
 
     def __post_init__(self):
         if self.max_turns < 1 or self.turn_tokens < 1 or self.chunk < 1 or self.tool_timeout_s <= 0:
@@ -143,6 +151,21 @@ class MultiTurnConfig(Stage):
     def check(self, facts) -> None:
         self.check_tree(facts.tree)
         self.check_world(facts)
+        self.check_semi_online(facts)
+
+    def check_semi_online(self, facts) -> None:
+        """The semi-online rollout runs on an environment that replays expert steps (``expert_steps``), and an
+        estimator that reads its step rewards (``ui_s1``) has it switched on."""
+        env = get_env(self.environment)
+        if self.semi_online is not None and not getattr(env, "expert_steps", False):
+            with_steps = [n for n in env_names() if getattr(get_env(n), "expert_steps", False)]
+            raise ConfigError(f"MultiTurnConfig.semi_online replays expert trajectories, which environment "
+                              f"{self.environment!r} cannot (no reference calls to replay); fix: "
+                              f"MultiTurnConfig.environment = {with_steps[0] if with_steps else '?'!r} (with its task)")
+        needs = [i for i in SEMI_ONLINE_INPUTS if i in facts.estimator_inputs]
+        if needs and self.semi_online is None:
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} reads the semi-online rollout's "
+                              f"{needs[0]}, which is off; fix: MultiTurnConfig.semi_online = @SemiOnlineConfig()")
 
     def check_world(self, facts) -> None:
         """The environment fits the run's task (an environment with ``tasks`` acts only on those tasks' worlds),
@@ -213,7 +236,8 @@ class MultiTurnRollouts:
                  model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: ",
                  feedback_placeholder: str | None = None):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
-        self.make_env = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
+        make = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
+        self.make_env = make if config.semi_online is None else (lambda: SemiOnlineEnv(make(), config.semi_online))
         self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
         self.pipeline = base.pipeline
         unknown = [i for i in estimator_inputs if i not in MULTITURN_INPUTS]
@@ -337,6 +361,10 @@ class MultiTurnRollouts:
                                        cfg.tool_match_name_weight, cfg.tool_match_assignment, cfg.tool_match_epsilon)
             inputs["tool_match_PxWxD"] = jnp.asarray(match)
             metrics["multiturn/tool_match_mean"] = float(np.nanmean(match)) if np.isfinite(match).any() else 0.0
+        if any(i in self.estimator_inputs for i in SEMI_ONLINE_INPUTS):
+            arrays = semi_online_arrays(trees, forest.leaf_path.shape[2] - 1)
+            inputs.update({k: jnp.asarray(v) for k, v in arrays.items() if k in self.estimator_inputs})
+            self.semi_online_metrics(trees, arrays, metrics)
         if "action_signature_PxWxD" in self.estimator_inputs:
             sig, names = action_signatures(trees, forest.leaf_path.shape[2] - 1)
             inputs["action_signature_PxWxD"] = jnp.asarray(sig)
@@ -362,6 +390,19 @@ class MultiTurnRollouts:
             inputs["truth_logp_PxN"] = self.truth_logp(params, examples, prompts, lens, forest)
             metrics["multiturn/truth_scoring_s"] = time.perf_counter() - t
         return inputs
+
+    @staticmethod
+    def semi_online_metrics(trees, arrays: dict, metrics: dict) -> None:
+        """``multiturn/semi_online/step_reward_mean``, ``match_frac`` (turns matching the expert's step),
+        ``patches_mean`` (patched turns per leaf slot)."""
+        made = np.isfinite(arrays["step_reward_PxWxD"])
+        slots = [ep for tr in trees for ep in tr.slot_episode]
+        metrics["multiturn/semi_online/step_reward_mean"] = (float(np.mean(arrays["step_reward_PxWxD"][made]))
+                                                            if made.any() else 0.0)
+        metrics["multiturn/semi_online/match_frac"] = (float(np.mean(arrays["step_match_PxWxD"][made]))
+                                                      if made.any() else 0.0)
+        metrics["multiturn/semi_online/patches_mean"] = float(np.mean(
+            [sum(bool(i.get("semi_online", {}).get("patched")) for i in ep.infos) for ep in slots])) if slots else 0.0
 
     def answer_rows(self, examples):
         """``(answer_PxLa, answer_lengths_P, answer_scored_PxLa)``: each prompt's ground truth written as the
@@ -522,5 +563,5 @@ def action_signatures(trees, depth: int) -> tuple[np.ndarray, list[list[str]]]:
     return out, names
 
 
-__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "action_signatures", "MultiTurnConfig", "MultiTurnRollouts", "answered",
+__all__ = ["FORK_RULES", "MULTITURN_INPUTS", "SEMI_ONLINE_INPUTS", "action_signatures", "MultiTurnConfig", "MultiTurnRollouts", "answered",
            "episode_score", "episode_status", "state_clusters", "tool_success"]

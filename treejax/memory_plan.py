@@ -15,6 +15,8 @@ Learner, per device (:func:`learner_memory`):
   the two moments ``N (b_m + b_p)`` (``b_m``: ``OptimizerConfig.moments_dtype``, default the param dtype), plus
   ``N b_p`` for PPO-EWMA's parameter average (``OptimizerConfig.proximal_ewma``); the frozen reference ``N b_p``
   when the KL term or a shaper reads it (:func:`treejax.rl.step.initial_reference`); all sharded like the params;
+  a scorer model's weights (a judge's or a PRM's, ``ScorerConfig``): ``N_s b(compute_dtype)`` each, whole, on the
+  first device, from the first judged step on (:func:`scorer_bytes`; the ``scorers`` row);
 * the update's backward phase: fp32 gradients ``4 N`` (``8 N`` with micro-batches: the scan's accumulator and one
   micro-batch's gradient, :func:`treejax.rl.update.make_grad_fn`); the log-prob head's chunked copy of the output
   weights and its gradient ``(b_c + 4) V E``; the activations one micro-batch of ``n`` tokens saves (rows x row
@@ -156,7 +158,9 @@ class MemoryPlan:
         if self.backend != "cpu":
             return self.peak
         learners = math.prod(self.shape.mesh)
-        return self.peak_learner * learners + self.peak_sampler * (self.devices - learners)
+        scorers = self.learner.get("scorers", 0)  # on the first device only, counted in each learner's peak
+        return (self.peak_learner * learners - scorers * (learners - 1)
+                + self.peak_sampler * (self.devices - learners))
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -307,6 +311,47 @@ def learner_memory(model, cfg, dtypes: dict[str, str], shape: PlanShape, dense_a
     out["batch"] = cfg.micro_batches * tokens * 4 * 8
     out["optimizer_step"] = 3 * 4 * n_params  # the fp32 gradients and AdamW's update temporaries (2 x 4 N)
     return out
+
+
+def scorer_configs(cfg) -> list:
+    """Every :class:`~treejax.scorers.config.ScorerConfig` of the run (judge stages of ``RunConfig.rollouts``, a
+    branching rule's PRM in ``RunConfig.rollout``, ...), found through the configs' dataclass fields; one per
+    distinct (model, dtype): a second stage naming the same scorer loads its own copy only if the dtype differs."""
+    from treejax.scorers.config import ScorerConfig
+    from treejax.scorers.model import resolve_model
+
+    found, seen = [], set()
+
+    def walk(x, depth=0):
+        if depth > 6:
+            return
+        if isinstance(x, ScorerConfig):
+            key = (resolve_model(x, cfg.model), x.compute_dtype)
+            if key not in seen:
+                seen.add(key)
+                found.append(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name), depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, depth + 1)
+
+    walk(list(getattr(cfg, "rollouts", []) or []) + [getattr(cfg, "rollout", None)])
+    return found
+
+
+def scorer_bytes(cfg) -> int:
+    """Bytes of the scorer models' weights (:func:`scorer_configs`): each loaded whole on the run's first device
+    in its ``compute_dtype`` (``treejax.scorers.model.load_scorer``), ``N_scorer x bytes(compute_dtype)``; resident
+    from the first judged step on. Their forwards' activations (``batch_size`` rows) are not counted."""
+    from treejax.scorers.model import resolve_model
+
+    total = 0
+    for sc in scorer_configs(cfg):
+        model = model_config_of(resolve_model(sc, cfg.model), sc.compute_dtype)
+        total += param_elements(model, (1, 1, 1)) * _DTYPE_BYTES[sc.compute_dtype]
+    return total
 
 
 def update_phases(learner: dict[str, int]) -> tuple[int, int]:
@@ -483,7 +528,7 @@ def peaks(cfg, learner: dict[str, int], sampler: dict[str, int], eval_bytes: int
     """``(learner device peak, sampler device peak)`` (module docstring): the resident state plus the largest
     program that runs beside it (the update's larger phase, :func:`update_phases`); both programs at once for
     asynchronous rollouts on a shared device."""
-    state = learner["params"] + learner["optimizer"] + learner["reference"]
+    state = learner["params"] + learner["optimizer"] + learner["reference"] + learner.get("scorers", 0)
     update = max(update_phases(learner))
     rollout = sum(sampler.values())
     if split:
@@ -505,6 +550,9 @@ def plan_memory(cfg, model, *, devices: int = 1, prompt_width: int, rollout_widt
     rollout_width = prompt_width if rollout_width is None else rollout_width
     shape, split, fused = plan_shape(cfg, model, prompt_width, rollout_width, devices, backend, dtypes)
     learner = learner_memory(model, cfg, dtypes, shape, dense_update_attention(cfg, backend, dtypes))
+    scorers = scorer_bytes(cfg)
+    if scorers:
+        learner["scorers"] = scorers
     sampler = sampler_memory(model, dtypes, shape, fused, cfg.lora)
     eval_bytes = eval_memory(model, dtypes, shape, cfg.lora)
     peak_l, peak_s = peaks(cfg, learner, sampler, eval_bytes, split)
@@ -585,7 +633,8 @@ def _replan(cfg, model, plan: MemoryPlan, changes: dict, devices: int) -> Memory
 def _eval_fix(cfg, model, plan: MemoryPlan) -> tuple[Any, str]:
     """``(config, binding)``: the largest ``EvalConfig.batch_size`` (halving) whose held-out decode fits beside the
     state, when the current one does not (``(cfg, "")`` when it does or nothing smaller fits)."""
-    state = plan.learner["params"] + plan.learner["optimizer"] + plan.learner["reference"]
+    state = (plan.learner["params"] + plan.learner["optimizer"] + plan.learner["reference"]
+             + plan.learner.get("scorers", 0))
     size = cfg.eval.batch_size
     if state + plan.sampler["eval_decode"] <= plan.device_memory:
         return cfg, ""

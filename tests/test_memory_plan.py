@@ -257,8 +257,25 @@ def test_scorer_models_are_counted_once_on_the_first_device():
     assert mp.scorer_configs(twice) == [judge]
     both = types.SimpleNamespace(model="m", rollout=None,
                                  rollouts=[SLATEConfig(scorer=judge), FAPOConfig(scorer=f32)])
-    assert mp.scorer_bytes(both) == 494_032_768 * (2 + 4)
+    assert mp.scorer_bytes(both) == (494_032_768 * (2 + 4), 0)
     # on 2 CPU devices the host holds the scorer once
     two = mp.plan_memory(cfg, TINY, devices=2, prompt_width=16, backend="cpu")
     two_bare = mp.plan_memory(_cfg(), TINY, devices=2, prompt_width=16, backend="cpu")
     assert two.need - two_bare.need == 494_032_768 * 2
+
+
+def test_a_mesh_sharded_scorer_is_counted_per_device():
+    """``ScorerConfig.sharding = "mesh"``: each device holds its share, the policy's rules over the learner mesh
+    (default fsdp = all devices), in the ``scorer_shards`` row; on CPU the summed need counts every share once."""
+    from treejax.rl.judges.fapo import FAPOConfig
+    from treejax.scorers.config import ScorerConfig
+
+    judge = ScorerConfig(model="qwen2.5-0.5b", compute_dtype="bfloat16", sharding="mesh")
+    plan = mp.plan_memory(_cfg(rollouts=[FAPOConfig(scorer=judge)]), TINY, devices=2, prompt_width=16,
+                          backend="cpu")
+    qwen = presets.get_config("qwen2.5-0.5b")
+    share = mp.param_elements(qwen, plan.shape.mesh) * 2
+    assert plan.shape.mesh == (1, 2, 1) and "scorers" not in plan.learner
+    assert plan.learner["scorer_shards"] == share and 0.45 < share / (494_032_768 * 2) < 0.55  # about half each
+    bare = mp.plan_memory(_cfg(), TINY, devices=2, prompt_width=16, backend="cpu")
+    assert plan.need - bare.need == 2 * share

@@ -16,7 +16,8 @@ Learner, per device (:func:`learner_memory`):
   ``N b_p`` for PPO-EWMA's parameter average (``OptimizerConfig.proximal_ewma``); the frozen reference ``N b_p``
   when the KL term or a shaper reads it (:func:`treejax.rl.step.initial_reference`); all sharded like the params;
   a scorer model's weights (a judge's or a PRM's, ``ScorerConfig``): ``N_s b(compute_dtype)`` each, whole, on the
-  first device, from the first judged step on (:func:`scorer_bytes`; the ``scorers`` row);
+  first device (the ``scorers`` row), or with ``ScorerConfig.sharding = "mesh"`` sharded like the params (the
+  ``scorer_shards`` row), from the first judged step on (:func:`scorer_bytes`);
 * the update's backward phase: fp32 gradients ``4 N`` (``8 N`` with micro-batches: the scan's accumulator and one
   micro-batch's gradient, :func:`treejax.rl.update.make_grad_fn`); the log-prob head's chunked copy of the output
   weights and its gradient ``(b_c + 4) V E``; the activations one micro-batch of ``n`` tokens saves (rows x row
@@ -341,17 +342,22 @@ def scorer_configs(cfg) -> list:
     return found
 
 
-def scorer_bytes(cfg) -> int:
-    """Bytes of the scorer models' weights (:func:`scorer_configs`): each loaded whole on the run's first device
-    in its ``compute_dtype`` (``treejax.scorers.model.load_scorer``), ``N_scorer x bytes(compute_dtype)``; resident
-    from the first judged step on. Their forwards' activations (``batch_size`` rows) are not counted."""
+def scorer_bytes(cfg, mesh: tuple[int, int, int] = (1, 1, 1)) -> tuple[int, int]:
+    """``(whole, shard)``: bytes of the scorer models' weights (:func:`scorer_configs`), ``N_s x bytes(compute
+    dtype)`` each as ``treejax.scorers.model.load_scorer`` places them: whole on the run's first device
+    (``ScorerConfig.sharding = "device"``), or each device's share over the learner ``mesh`` (``"mesh"``: the
+    policy's rules, :func:`param_elements`); resident from the first judged step on. Their forwards' activations
+    (``batch_size`` rows) are not counted."""
     from treejax.scorers.model import resolve_model
 
-    total = 0
+    whole = shard = 0
     for sc in scorer_configs(cfg):
         model = model_config_of(resolve_model(sc, cfg.model), sc.compute_dtype)
-        total += param_elements(model, (1, 1, 1)) * _DTYPE_BYTES[sc.compute_dtype]
-    return total
+        if sc.sharding == "mesh":
+            shard += param_elements(model, mesh) * _DTYPE_BYTES[sc.compute_dtype]
+        else:
+            whole += param_elements(model, (1, 1, 1)) * _DTYPE_BYTES[sc.compute_dtype]
+    return whole, shard
 
 
 def update_phases(learner: dict[str, int]) -> tuple[int, int]:
@@ -528,7 +534,8 @@ def peaks(cfg, learner: dict[str, int], sampler: dict[str, int], eval_bytes: int
     """``(learner device peak, sampler device peak)`` (module docstring): the resident state plus the largest
     program that runs beside it (the update's larger phase, :func:`update_phases`); both programs at once for
     asynchronous rollouts on a shared device."""
-    state = learner["params"] + learner["optimizer"] + learner["reference"] + learner.get("scorers", 0)
+    state = (learner["params"] + learner["optimizer"] + learner["reference"] + learner.get("scorers", 0)
+             + learner.get("scorer_shards", 0))
     update = max(update_phases(learner))
     rollout = sum(sampler.values())
     if split:
@@ -550,9 +557,11 @@ def plan_memory(cfg, model, *, devices: int = 1, prompt_width: int, rollout_widt
     rollout_width = prompt_width if rollout_width is None else rollout_width
     shape, split, fused = plan_shape(cfg, model, prompt_width, rollout_width, devices, backend, dtypes)
     learner = learner_memory(model, cfg, dtypes, shape, dense_update_attention(cfg, backend, dtypes))
-    scorers = scorer_bytes(cfg)
-    if scorers:
-        learner["scorers"] = scorers
+    whole, shard = scorer_bytes(cfg, shape.mesh)
+    if whole:
+        learner["scorers"] = whole
+    if shard:
+        learner["scorer_shards"] = shard
     sampler = sampler_memory(model, dtypes, shape, fused, cfg.lora)
     eval_bytes = eval_memory(model, dtypes, shape, cfg.lora)
     peak_l, peak_s = peaks(cfg, learner, sampler, eval_bytes, split)
@@ -634,7 +643,7 @@ def _eval_fix(cfg, model, plan: MemoryPlan) -> tuple[Any, str]:
     """``(config, binding)``: the largest ``EvalConfig.batch_size`` (halving) whose held-out decode fits beside the
     state, when the current one does not (``(cfg, "")`` when it does or nothing smaller fits)."""
     state = (plan.learner["params"] + plan.learner["optimizer"] + plan.learner["reference"]
-             + plan.learner.get("scorers", 0))
+             + plan.learner.get("scorers", 0) + plan.learner.get("scorer_shards", 0))
     size = cfg.eval.batch_size
     if state + plan.sampler["eval_decode"] <= plan.device_memory:
         return cfg, ""

@@ -130,12 +130,15 @@ def test_the_wrapper_judges_the_leaves_and_rewrites_rewards(stage, tiny_checkpoi
 
 
 @pytest.mark.slow  # one step of the whole loop with the judge on the tiny model (~60 s on 2 cores)
-@pytest.mark.parametrize("name", ["efficacy_fapo.gin", "efficacy_ssl.gin"])
-def test_one_loop_step_with_the_judge_on(name, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name,sharding", [("efficacy_fapo.gin", "device"), ("efficacy_ssl.gin", "device"),
+                                           ("efficacy_ssl.gin", "mesh")])
+def test_one_loop_step_with_the_judge_on(name, sharding, tiny_checkpoint, tmp_path):
+    """The suite's 8 fake devices: the learner's mesh is fsdp = 8; with ``sharding = "mesh"`` the judge's weights
+    are laid out on it too."""
     from treejax import train
 
     params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8",
+              "ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8", f"ScorerConfig.sharding = '{sharding}'",
               "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
               "TreeConfig.init_divergence = 4", "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4",
               "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2", "EvalConfig.batch_size = 2",

@@ -196,6 +196,9 @@ def test_config_checks():
         ETS(exact_max_paths=20)
     with pytest.raises(ConfigError, match=r"fix: ETS.scorer = @ScorerConfig\(\)"):
         ETS(scorer="policy")
+    from treejax.scorers.config import ScorerConfig
+    with pytest.raises(ConfigError, match="runs inside the sampler .* fix: ScorerConfig.sharding = 'device'"):
+        ETS(scorer=ScorerConfig(sharding="mesh"))
     with pytest.raises(ConfigError, match="fix: TreeConfig.budget_transfer = True"):
         tree.TreeConfig(num_leaves=8, branch_factor=2, budget_transfer=False, branching=ETS())
     with pytest.raises(ConfigError, match="fix: ETS.solver = 'greedy'"):

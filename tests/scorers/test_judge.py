@@ -107,3 +107,36 @@ def test_decode_mode_parses_the_sampler_greedy_text(scorer):
     assert texts[0] == s.tokenizer.decode(np.asarray(out.tokens)[0, :n].tolist(), skip_special_tokens=True)
     want = parse_verdict(texts[0], r"(.+)", ("yes",), ("*",))
     assert (math.isnan(scores[0]) and math.isnan(want)) or scores[0] == want
+
+
+@pytest.mark.devices(8)
+def test_a_mesh_sharded_scorer_scores_as_the_one_device_scorer(scorer):
+    """``ScorerConfig.sharding = "mesh"``: the weights laid out over a 2 x 4 (data x fsdp) mesh by the policy's rules
+    (every matrix split over fsdp), rows of each forward over the batch axes; the judge's and the PRM's scores equal
+    the one-device scorer's; decode mode and a mesh-less load are refused."""
+    from jax.sharding import Mesh
+
+    from treejax.scorers.judge import judge_scores
+    from treejax.scorers.model import from_params
+    from treejax.scorers.prm import line_steps, step_scores
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    cfg = ScorerConfig(model=scorer.config.model, batch_size=4, sharding="mesh")
+    sharded = from_params(cfg, scorer.model_config, scorer.params, scorer.tokenizer, mesh)
+    shards = {len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params)}
+    assert shards == {8} and sharded.mesh is mesh
+    big = max(jax.tree.leaves(sharded.params), key=lambda x: x.size)
+    assert big.addressable_shards[0].data.size == big.size // 4  # split over fsdp, replicated over data
+    qs = ["What is 2 + 3?", "What is 40 + 2?", "What is 7 + 8?", "What is 1 + 1?", "What is 9 + 9?"]
+    rs = ["2 + 3 = 5\nAnswer: 5", "40 + 2 = 41\nAnswer: 41", "Answer: 15", "Answer: 2", "9 + 9 = 18\nAnswer: 18"]
+    one = from_params(ScorerConfig(model=scorer.config.model, batch_size=4), scorer.model_config, scorer.params,
+                      scorer.tokenizer)
+    np.testing.assert_allclose(judge_scores(sharded, qs, rs), judge_scores(one, qs, rs), rtol=1e-5, atol=1e-6)
+    steps = [line_steps(r) for r in rs]
+    np.testing.assert_allclose(step_scores(sharded, qs, steps), step_scores(one, qs, steps), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="mode = 'decode' decodes with the sampler on one device"):
+        ScorerConfig(sharding="mesh", mode="decode")
+    with pytest.raises(ConfigError, match="sharding must be one of"):
+        ScorerConfig(sharding="fsdp")
+    with pytest.raises(ValueError, match="needs the run's mesh"):
+        from_params(cfg, scorer.model_config, scorer.params, scorer.tokenizer)

@@ -194,7 +194,7 @@ def build_run(cfg: RunConfig, operative_config: str | None = None, before_load=N
                                                                          continuations=cfg.continuation_config()))
     source = build_chain(cfg.rollouts, SourceContext(
         cfg, tokenizer, task, pipeline, make_rollout(cfg.rollout), make_rollout, rollout_fns, model_config,
-        prompt_width, pad_id, learner.estimator_inputs, task_rollouts))
+        prompt_width, pad_id, learner.estimator_inputs, task_rollouts, mesh))
     writer = (metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
                                         console_keys=CONSOLE_KEYS)
               if multihost.is_primary() else metrics_lib.NullWriter())  # one process writes the event files

@@ -16,6 +16,8 @@ DEFAULT_TEMPLATE = ("Here is a math problem and a student's solution.\n\nProblem
 DEFAULT_STEP_TEMPLATE = "Check this solution step by step.\n\nProblem: {question}"
 MODES = ("logprob", "decode")
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``ScorerConfig.sharding`` values.
+SHARDINGS = ("device", "mesh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,13 @@ class ScorerConfig:
       ``score_range`` to [0, 1]; unparsable: ``NaN``);
     * ``batch_size``: rows per forward (the last batch is padded: one compiled program per length bucket);
     * ``step_template`` / ``step_tag``: the PRM's user turn and the text inserted after each step
-      (:mod:`treejax.scorers.prm`).
+      (:mod:`treejax.scorers.prm`);
+    * ``sharding``: where the scorer's weights live: ``"device"`` (whole, on the run's first device) or ``"mesh"``
+      (laid out over the run's learner mesh by the policy's logical-axis rules, ``treejax.parallel.axis_rules``:
+      FSDP shards every matrix, tensor parallelism splits the heads; the rows of each forward split over the
+      mesh's batch axes where they divide). ``"mesh"`` serves the teacher-forced passes (``mode = "logprob"``, the
+      PRM's step scores) of judge stages; ``mode = "decode"`` and a branching rule's PRM, which run inside the
+      sampler, take ``"device"``.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -53,6 +61,7 @@ class ScorerConfig:
     max_length: int = 1024
     step_template: str = DEFAULT_STEP_TEMPLATE
     step_tag: str = "\nIs this step correct? Answer:"
+    sharding: str = "device"
 
     def __post_init__(self):
         object.__setattr__(self, "yes_tokens", tuple(self.yes_tokens))
@@ -64,6 +73,13 @@ class ScorerConfig:
     def _check(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"ScorerConfig.mode must be one of {MODES}, got {self.mode!r}; fix: "
+                              "ScorerConfig.mode = 'logprob'")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"ScorerConfig.sharding must be one of {SHARDINGS}, got {self.sharding!r}; fix: "
+                              "ScorerConfig.sharding = 'mesh' (or 'device')")
+        if self.sharding == "mesh" and self.mode == "decode":
+            raise ConfigError("ScorerConfig.sharding = 'mesh' serves the teacher-forced passes; mode = 'decode' "
+                              "decodes with the sampler on one device; fix: ScorerConfig.sharding = 'device', or "
                               "ScorerConfig.mode = 'logprob'")
         if self.compute_dtype not in DTYPES:
             raise ConfigError(f"ScorerConfig.compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")

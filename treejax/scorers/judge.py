@@ -89,8 +89,8 @@ def verdict_logodds(scorer: Scorer, rows: list[list[int]]) -> np.ndarray:
     for i in range(0, len(rows), bs):
         chunk = rows[i:i + bs]
         tokens, lengths = pad_rows(chunk, bs, scorer.pad_id)
-        ly, ln = verdict_logprobs_at(scorer.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                     jnp.asarray(lengths[:, None] - 1), model_config=scorer.model_config,
+        tokens, lengths_, gather = scorer.place_rows(tokens, lengths, (lengths[:, None] - 1).astype(np.int32))
+        ly, ln = verdict_logprobs_at(scorer.params, tokens, lengths_, gather, model_config=scorer.model_config,
                                      yes_ids=scorer.yes_ids, no_ids=scorer.no_ids)
         out.append(np.asarray(ly - ln, np.float32)[: len(chunk), 0])
     return np.concatenate(out) if out else np.zeros((0,), np.float32)

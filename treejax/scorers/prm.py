@@ -67,8 +67,8 @@ def step_scores(scorer: Scorer, questions, steps_lists) -> np.ndarray:
         gather = np.zeros((bs, S), np.int32)
         for j, (_, ends) in enumerate(chunk):
             gather[j, : len(ends)] = ends
-        ly, ln = verdict_logprobs_at(scorer.params, tokens, lengths, gather, model_config=scorer.model_config,
-                                     yes_ids=scorer.yes_ids, no_ids=scorer.no_ids)
+        ly, ln = verdict_logprobs_at(scorer.params, *scorer.place_rows(tokens, lengths, gather),
+                                     model_config=scorer.model_config, yes_ids=scorer.yes_ids, no_ids=scorer.no_ids)
         p = 1.0 / (1.0 + np.exp(-np.asarray(ly - ln, np.float32)))
         for j, (_, ends) in enumerate(chunk):
             out[i + j, : len(ends)] = p[j, : len(ends)]

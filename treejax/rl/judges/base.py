@@ -65,7 +65,7 @@ class JudgeStage:
                               f"{name}.scorer = @ScorerConfig()")
 
     def build(self, inner, ctx):
-        return JudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.reward_style, ctx.cfg.model)
+        return JudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.reward_style, ctx.cfg.model, ctx.mesh)
 
     def judged(self, correct_PxW: np.ndarray) -> np.ndarray:
         return np.ones(correct_PxW.shape, bool)
@@ -113,9 +113,9 @@ class BaseStateOnly:
 class JudgedRollouts(BaseStateOnly):
     """The runtime wrapper (module docstring). ``base``: the chain before it."""
 
-    def __init__(self, base, stage: JudgeStage, tokenizer, style: str, policy_model: str):
+    def __init__(self, base, stage: JudgeStage, tokenizer, style: str, policy_model: str, mesh=None):
         self.base, self.stage, self.tokenizer, self.style = base, stage, tokenizer, style
-        self.policy_model = policy_model
+        self.policy_model, self.mesh = policy_model, mesh
         self.pipeline = getattr(base, "pipeline", None)
         self.estimator_inputs = getattr(base, "estimator_inputs", ())
         self.scorer = None
@@ -135,7 +135,7 @@ class JudgedRollouts(BaseStateOnly):
         out = np.full(need.shape, np.nan, np.float32)
         if len(where):
             if self.scorer is None:  # loaded when there is a first leaf to judge
-                self.scorer = load_scorer(self.stage.scorer, self.policy_model)
+                self.scorer = load_scorer(self.stage.scorer, self.policy_model, self.mesh)
             out[need] = score_leaves(self.scorer, getattr(self.stage, "scope", "verdict"),
                                      [questions[p] for p, _ in where], [texts[p][w] for p, w in where],
                                      [answers[p] for p, _ in where])

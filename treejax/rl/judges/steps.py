@@ -49,7 +49,7 @@ class StepJudgeStage:
     check_scorer = JudgeStage.check_scorer  # the stage's scorer is a ScorerConfig (one line with the fix)
 
     def build(self, inner, ctx):
-        return StepJudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.model)
+        return StepJudgedRollouts(inner, self, ctx.tokenizer, ctx.cfg.model, ctx.mesh)
 
 
 def leaf_step_texts(tokenizer, forest) -> list[list[list[str]]]:
@@ -95,8 +95,9 @@ def judge_steps(scorer, questions: list[str], steps_PxW: list[list[list[str]]], 
 class StepJudgedRollouts(BaseStateOnly):
     """The runtime wrapper (module docstring). ``base``: the chain before it."""
 
-    def __init__(self, base, stage: StepJudgeStage, tokenizer, policy_model: str):
+    def __init__(self, base, stage: StepJudgeStage, tokenizer, policy_model: str, mesh=None):
         self.base, self.stage, self.tokenizer, self.policy_model = base, stage, tokenizer, policy_model
+        self.mesh = mesh
         self.pipeline = getattr(base, "pipeline", None)
         self.estimator_inputs = tuple(getattr(base, "estimator_inputs", ())) + (stage.input_name,)
         self.scorer = None
@@ -118,7 +119,7 @@ class StepJudgedRollouts(BaseStateOnly):
         distinct, end = (np.asarray(x) for x in jax.device_get((forest.distinct_leaves(),
                                                                  end_nodes(forest.leaf_path))))
         if self.scorer is None:
-            self.scorer = load_scorer(self.stage.scorer, self.policy_model)
+            self.scorer = load_scorer(self.stage.scorer, self.policy_model, self.mesh)
         return judge_steps(self.scorer, questions, steps, distinct, end, forest.max_depth)
 
     def sample(self, params, key, step):

@@ -95,7 +95,8 @@ class SourceContext:
     rollout on the same sampler (the shape search's candidate trees); ``sampler_fns``: the sampler's model
     functions; ``estimator_inputs``: the learner's estimator inputs; ``seed``: ``RunConfig.seed``;
     ``rollout_service(ctx, estimator_inputs)``: builds the task's rollout service (set-up passes
-    :class:`treejax.rl.rollouts.TaskRollouts`; tests may pass a fake)."""
+    :class:`treejax.rl.rollouts.TaskRollouts`; tests may pass a fake); ``mesh``: the learner's device mesh (a
+    judge's scorer with ``ScorerConfig.sharding = "mesh"`` is laid out on it; ``None`` in tests)."""
 
     cfg: Any
     tokenizer: Any
@@ -109,6 +110,7 @@ class SourceContext:
     pad_id: int
     estimator_inputs: tuple[str, ...]
     rollout_service: Callable
+    mesh: Any = None
 
     @property
     def seed(self) -> int:

@@ -255,6 +255,10 @@ class ETS(BranchingRule):
         if self.scorer is not None and not isinstance(self.scorer, ScorerConfig):
             raise ConfigError(f"ETS.scorer must be a ScorerConfig (the PRM), got {self.scorer!r}; fix: "
                               "ETS.scorer = @ScorerConfig()")
+        if self.scorer is not None and self.scorer.sharding != "device":
+            raise ConfigError("ETS.scorer: the branching rule's PRM runs inside the sampler on its devices; "
+                              "ScorerConfig.sharding = 'mesh' is for judge stages; fix: ScorerConfig.sharding = "
+                              "'device'")
 
     @property
     def path_scorer(self):  # type: ignore[override]

@@ -69,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from treejax.models import tree_flash_mgpu as tfm
+from treejax.sampling.tpu_attention import grouped_decode_query
 
 #: Head sizes, cache dtypes (compiled; interpret mode also takes float32), the KV blocks and the query tiles.
 MGPU_HEAD_DIMS = (64, 128)
@@ -244,14 +245,9 @@ def mgpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
     [B]`` -> ``[B, 1, Q, H]`` in ``q``'s dtype) through :func:`mgpu_attention_lse`: row ``b`` attends to slots
     ``0..positions[b]``; a dead row (``positions[b] >= L``) loads no KV block and gets 0. ``q`` is cast to the cache
     dtype; the KV block is :func:`mgpu_block` of ``L`` and ``block_size``."""
-    if q.ndim != 4 or q.shape[1] != 1:
-        raise ValueError(f"decode attention expects q [B, 1, Q, H], got {q.shape}")
+    q_BxKxGxH, length_B = grouped_decode_query(q, k_cache, positions, "Mosaic GPU")
     B, _, Q, H = q.shape
     K, L = k_cache.shape[1], k_cache.shape[2]
-    if Q % K:
-        raise ValueError(f"Mosaic GPU decode attention: {Q} query heads are not a multiple of {K} KV heads")
-    q_BxKxGxH = q[:, 0].reshape(B, K, Q // K, H).astype(k_cache.dtype)
-    length_B = jnp.where(positions < L, positions + 1, 0)
     block_q = mgpu_block_q(Q // K)
     o, _ = mgpu_attention_lse(q_BxKxGxH, k_cache, v_cache, length_B,
                               block_k=mgpu_block(L, block_size, H, k_cache.dtype, block_q), block_q=block_q,

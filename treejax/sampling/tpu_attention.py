@@ -195,20 +195,29 @@ def tpu_attention_lse(q_BxKxGxH: jax.Array, k_BxKxLxH: jax.Array, v_BxKxLxH: jax
     return o, lse[..., 0]
 
 
+def grouped_decode_query(q: jax.Array, k_cache: jax.Array, positions: jax.Array, kernel: str):
+    """``(q_BxKxGxH, length_B)`` of a per-row decode call (shared by this kernel and the Mosaic GPU one): ``q [B, 1,
+    Q, H]`` grouped by KV head and cast to the cache dtype, and each row's live length ``positions[b] + 1`` (0 for a
+    dead row, ``positions[b] >= L``). ``kernel`` names the caller in the errors."""
+    if q.ndim != 4 or q.shape[1] != 1:
+        raise ValueError(f"decode attention expects q [B, 1, Q, H], got {q.shape}")
+    B, _, Q, H = q.shape
+    K, L = k_cache.shape[1], k_cache.shape[2]
+    if Q % K:
+        raise ValueError(f"{kernel} decode attention: {Q} query heads are not a multiple of {K} KV heads")
+    q_BxKxGxH = q[:, 0].reshape(B, K, Q // K, H).astype(k_cache.dtype)
+    return q_BxKxGxH, jnp.where(positions < L, positions + 1, 0)
+
+
 def tpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, *,
                          block_size: int = 256, interpret: bool | str = False) -> jax.Array:
     """The sampler's per-row decode attention hook (``q [B, 1, Q, H]``, caches ``[B, K, L, H]``, ``positions
     [B]`` -> ``[B, 1, Q, H]`` in ``q``'s dtype) through :func:`tpu_attention_lse`: row ``b`` attends to slots
     ``0..positions[b]``; a dead row (``positions[b] >= L``) reads no slot and gets 0. ``q`` is cast to the cache
     dtype; the KV block is :func:`tpu_block` of ``L`` and ``block_size``."""
-    if q.ndim != 4 or q.shape[1] != 1:
-        raise ValueError(f"decode attention expects q [B, 1, Q, H], got {q.shape}")
+    q_BxKxGxH, length_B = grouped_decode_query(q, k_cache, positions, "TPU")
     B, _, Q, H = q.shape
-    K, L = k_cache.shape[1], k_cache.shape[2]
-    if Q % K:
-        raise ValueError(f"TPU decode attention: {Q} query heads are not a multiple of {K} KV heads")
-    q_BxKxGxH = q[:, 0].reshape(B, K, Q // K, H).astype(k_cache.dtype)
-    length_B = jnp.where(positions < L, positions + 1, 0)
+    L = k_cache.shape[2]
     o, _ = tpu_attention_lse(q_BxKxGxH, k_cache, v_cache, length_B, block_k=tpu_block(L, block_size, interpret),
                              interpret=interpret)
     return o.reshape(B, 1, Q, H).astype(q.dtype)

@@ -279,3 +279,22 @@ def test_mgpu_kernels_have_no_smem_races():
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_d), atol=1e-5)
     for name, a, b in zip("qkv", grads, vjp_d(q)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
+
+
+def test_default_tiles_by_shape_and_what_the_library_passes(monkeypatch):
+    """``default_blocks``: 128-query ``dk, dv`` tiles on rows of >= 65,536 tokens at 64-wide heads (measured
+    faster on TreePO's 14 x 512 row), the defaults elsewhere; ``make_tree_attention('pallas_mgpu')`` without
+    tiles passes the call's default (the kernel is replaced by a recorder: no 65,536-token row in interpret mode)."""
+    M = tree_flash_mgpu
+    assert M.default_blocks(64, 98_304) == M.TreeFlashMgpuBlocks(dkv_blocks=(64, 128))
+    assert M.default_blocks(64, M.LONG_ROW) == M.TreeFlashMgpuBlocks(dkv_blocks=(64, 128))
+    for head_dim, L in ((64, M.LONG_ROW - 64), (128, 98_304), (128, 16_384)):
+        assert M.default_blocks(head_dim, L) == M.TreeFlashMgpuBlocks()
+    seen = []
+    monkeypatch.setattr(M, "tree_flash_attention", lambda q, k, v, lo, hi, blocks, interpret: seen.append(blocks) or q)
+    for L in (M.LONG_ROW, 1024):
+        lo = jnp.zeros((1, L), jnp.int32)
+        attend = tree_attention.make_tree_attention(lo, lo, "pallas_mgpu")
+        x = jax.ShapeDtypeStruct((1, L, 2, 64), jnp.bfloat16)
+        jax.eval_shape(attend, x, x, x)
+    assert seen == [M.default_blocks(64, M.LONG_ROW), M.TreeFlashMgpuBlocks()]

@@ -120,7 +120,8 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
     (default: :func:`treejax.models.tree_flash.default_blocks` of the head size), for ``"pallas_tpu"`` a
     :class:`~treejax.models.tree_splash.TreeSplashBlocks` (default:
     :func:`treejax.models.tree_splash.default_blocks` of the row length), for ``"pallas_mgpu"`` a
-    :class:`~treejax.models.tree_flash_mgpu.TreeFlashMgpuBlocks` (default: its defaults)."""
+    :class:`~treejax.models.tree_flash_mgpu.TreeFlashMgpuBlocks` (default:
+    :func:`treejax.models.tree_flash_mgpu.default_blocks` of the head size and row length)."""
     impl = resolve_impl(attention_impl)
     if impl == "xla":
         mask = tree_mask(node_lo_BxL, node_hi_BxL)
@@ -152,7 +153,7 @@ def _kernel_attention(impl, node_lo_BxL, node_hi_BxL, blocks):
                              f"{blocks!r}; pass TreeFlashMgpuBlocks or None (its defaults)")
         interpret = jax.default_backend() != "gpu"  # Mosaic GPU's interpret mode off a GPU
         kernel = lambda q, k, v, lo, hi: tree_flash_mgpu.tree_flash_attention(  # noqa: E731
-            q, k, v, lo, hi, blocks or tree_flash_mgpu.TreeFlashMgpuBlocks(), interpret)
+            q, k, v, lo, hi, blocks or tree_flash_mgpu.default_blocks(q.shape[-1], q.shape[1]), interpret)
     else:
         if blocks is not None and not isinstance(blocks, tree_flash.TreeFlashBlocks):
             raise ValueError(f"tree attention 'pallas' takes tree_flash.TreeFlashBlocks tiles, got {blocks!r}; "

@@ -144,6 +144,24 @@ class TreeFlashMgpuBlocks:
                 + (", empty tiles skipped" if self.skip_empty else ""))
 
 
+#: rows of at least this many tokens at 64-wide heads take 128-query tiles in the ``dk, dv`` kernel
+#: (:func:`default_blocks`)
+LONG_ROW = 65_536
+
+
+def default_blocks(head_dim: int, row_length: int) -> TreeFlashMgpuBlocks:
+    """The tiles the library uses when none are given: :class:`TreeFlashMgpuBlocks`' defaults, except on rows of
+    at least :data:`LONG_ROW` tokens at 64-wide heads, where the ``dk, dv`` kernel takes 128-query tiles
+    (``dkv_blocks=(64, 128)``). Measured on an NVIDIA H200 (jax 0.11.2, bf16, fwd+bwd of TreePO's 14 x 512 row,
+    98,304 tokens, qwen2.5-0.5b's heads; two calls): 16.36 / 16.36 ms against the defaults' 17.49 / 17.07 (cuDNN on
+    the expanded rows 14.51 / 14.30); 128-key tiles in the other kernels, 3 buffers, or warp-specialised kernels
+    were slower there (``experiments/results/mgpu/session4/``). Elsewhere the defaults stay: that tile alone is
+    unmeasured on the depth-4 rows, where 128-wide tiles in all three kernels were slower."""
+    if head_dim == 64 and row_length >= LONG_ROW:
+        return TreeFlashMgpuBlocks(dkv_blocks=(64, 128))
+    return TreeFlashMgpuBlocks()
+
+
 def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -631,7 +649,8 @@ tree_flash_attention.defvjp(_vjp_fwd, _vjp_bwd)
 
 def make_attention(node_lo_BxL, node_hi_BxL, blocks: TreeFlashMgpuBlocks | None = None, interpret: bool = False):
     """``attend(q, k, v)`` closure for :func:`treejax.models.tree_attention.make_tree_attention` (``blocks``
-    default: :class:`TreeFlashMgpuBlocks`)."""
+    default: :func:`default_blocks` of the call's head size and row length)."""
     lo = node_lo_BxL.astype(jnp.int32)
     hi = node_hi_BxL.astype(jnp.int32)
-    return lambda q, k, v: tree_flash_attention(q, k, v, lo, hi, blocks or TreeFlashMgpuBlocks(), interpret)
+    return lambda q, k, v: tree_flash_attention(
+        q, k, v, lo, hi, blocks or default_blocks(q.shape[-1], q.shape[1]), interpret)

@@ -236,6 +236,7 @@ class MultiTurnRollouts:
                  model_config=None, pad_id: int = 0, truth_prefix: str = "Answer: ",
                  feedback_placeholder: str | None = None):
         self.base, self.config, self.truth_prefix = base, config, truth_prefix
+        self.draw = base.draw  # the step's prompt draw; a wrapper may filter it (RAPO's curriculum, rl/rapo.py)
         make = make_env or (lambda: get_env(config.environment).from_config(config, base.task, self.sandbox))
         self.make_env = make if config.semi_online is None else (lambda: SemiOnlineEnv(make(), config.semi_online))
         self.observation_format = chat_observation(base.tokenizer) if config.observation_format == "chat" else None
@@ -280,7 +281,7 @@ class MultiTurnRollouts:
         from treejax.rl.rollouts import RolloutCounters, Rollouts
 
         b, tc, cfg = self.base, self.tree_config, self.config
-        examples, prompts, lens = b.draw()
+        examples, prompts, lens = self.draw()
         P, W = len(examples), tc.num_leaves
         limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
                             chunk=cfg.chunk)

@@ -7,7 +7,7 @@ Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps
 matchtir (matched tool-call turn rewards), infopo (counterfactual feedback gains, variance-gated), a3 (episode
 feedback, AST action sub-chain residuals, tree-level margins), sage (task chains: per-problem GRPO on a
 skill-integrated reward), ui_s1 (semi-online expert trajectories: discounted step returns, step- plus
-episode-level group advantages).
+episode-level group advantages), rapo (reward-aware scaled outcome advantage plus a step-level tool-call term).
 Judged steps (a scorer model's scores as inputs): slate (step rewards z-scored among siblings), mapo (per-turn judge
 rewards, Monte-Carlo returns, turn- and batch-level normalisation mixed).
 """
@@ -32,6 +32,7 @@ from treejax.rl.advantages.a3 import A3Options, a3
 from treejax.rl.advantages.mapo import MAPOOptions, mapo
 from treejax.rl.advantages.sage import SAGEOptions, sage
 from treejax.rl.advantages.ui_s1 import UIS1Options, ui_s1
+from treejax.rl.advantages.rapo import RAPOOptions, rapo
 from treejax.rl.advantages.slate import SLATEOptions, slate
 from treejax.rl.advantages.flat import (
     GRPOOptions,
@@ -71,4 +72,5 @@ __all__ = [
     "GiGPOOptions", "HGPOOptions", "SALTOptions", "TreeGRPOOptions", "TreePSOptions", "PORToolOptions",
     "PORToolToolOptions", "matchtir", "MatchTIROptions", "a3", "A3Options", "slate", "SLATEOptions", "mapo",
     "MAPOOptions", "sage", "SAGEOptions", "infopo", "InfoPOOptions", "ui_s1", "UIS1Options",
+    "rapo", "RAPOOptions",
 ]

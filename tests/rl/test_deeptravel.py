@@ -74,7 +74,8 @@ def test_failure_replay_by_hand():
     key = jax.random.key(3)
     ro = src.sample(None, key, 0)
     assert ro.num_rows == 3 and ro.fresh_rows == 2 and uids(ro) == ["a", "b", "a"]  # the filler copies row 0
-    assert float(np.asarray(ro.forest.loss_mask)[2].sum()) == 0.0 and float(np.asarray(ro.forest.loss_mask)[0].sum()) > 0
+    mask = np.asarray(ro.forest.loss_mask)
+    assert float(mask[2].sum()) == 0.0 and float(mask[0].sum()) > 0
     m = ro.extra_metrics
     assert (m["deeptravel/replayed_prompts"], m["deeptravel/added"], m["deeptravel/buffer_prompts"]) == (0, 1, 1)
     assert [f.uid for f in src.buffer] == ["a"] and ro.counters.decoded_tokens == 20

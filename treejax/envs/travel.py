@@ -5,14 +5,15 @@ consistency verifier. The requests are the task ``"travel_plans"`` (:mod:`treeja
 
 The protocol follows the code tool's: a turn that ends with a call runs it, the output comes back between
 ``<output>`` and ``</output>``; a turn without a call is the answer, its last line ``Answer: go=<id>; back=<id>;
-hotel=<id>``::
+hotel=<id>`` (the values below are illustrative)::
 
     env = TravelEnv(task)
     env.reset(example)                         # -> ""
-    env.step("<trains>Oshal Halav 3</trains>") # -> "\\n<output>\\nTR087 Oshal->Halav day 3 dep 07:10 arr 11:25 $96\\n..."
+    env.step("<trains>Oshal Halav 3</trains>")
+        # -> "\\n<output>\\nTR087 Oshal->Halav day 3 dep 07:10 arr 11:25 $96\\n..."
     env.step("<hotels>Halav</hotels>")         # -> "\\n<output>\\nHT004 Halav 3 stars $135/night\\n...</output>\\n"
     env.step("TR087 at $96 is the cheapest. Answer: go=TR087; back=TR017; hotel=HT004")
-                                               # -> StepResult("", 1.0, True, {"answered": True, "travel_level": "ok", ...})
+        # -> StepResult("", 1.0, True, {"answered": True, "travel_level": "ok", ...})
 
 **Tools** (:data:`TOOLS`): ``<flights>FROM TO DAY</flights>`` and ``<trains>FROM TO DAY</trains>`` list that
 day's legs (``id from->to day d dep HH:MM arr HH:MM $price``, by departure), ``<hotels>CITY</hotels>`` a city's

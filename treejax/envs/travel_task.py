@@ -51,7 +51,8 @@ class TravelTask(Task):
         if not (isinstance(inconsistent_credit, (int, float)) and 0.0 <= inconsistent_credit < 1.0):
             raise DataError(f"travel_plans: inconsistent_credit must be in [0, 1), got {inconsistent_credit!r}; fix: "
                             "RunConfig.task_options['inconsistent_credit'] = 0.0")
-        self.size, self.eval_size, self.seed, self.inconsistent_credit = size, eval_size, seed, float(inconsistent_credit)
+        self.size, self.eval_size, self.seed = size, eval_size, seed
+        self.inconsistent_credit = float(inconsistent_credit)
         self.system_prompt, self.instruction, self.name = system_prompt, instruction, name
 
     @functools.lru_cache(maxsize=2)

@@ -49,6 +49,10 @@ def _tasks() -> list[str]:
                     "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'num_files': ..., "
                     "'max_output_chars': ..., "
                     "'extraction': 'answer_line'}")
+        elif name == "travel_plans":
+            what = ("the travel world's planning requests (MultiTurnConfig.environment='travel'): "
+                    "task_options={'size': ..., 'eval_size': ..., 'seed': ..., 'inconsistent_credit': ..., "
+                    "'extraction': 'answer_line'}")
         elif name == "reasoning_gym":
             what = "any reasoning-gym dataset: task_options={'dataset': ..., ...}"
         else:

@@ -53,6 +53,7 @@ def _load_builtins() -> None:
         from treejax.envs import shell_task  # noqa: F401  (the shell world's questions)
         from treejax.envs import task_chain_task  # noqa: F401  (chains of any task's problems)
         from treejax.envs import user_task  # noqa: F401  (the simulated users' goals)
+        from treejax.envs import travel_task  # noqa: F401  (the travel world's planning requests)
 
 
 def task_names() -> list[str]:

@@ -4,7 +4,8 @@ tasks (:mod:`.code_tool`), a guessing game with feedback (:mod:`.guess`) and a r
 BM25 search over the generated multi-hop corpus of :mod:`.retrieval_corpus`, and a calculator) and a shell-like world
 (:mod:`.shell`: a small shell language, :mod:`.shell_lang`, parsed to an AST and run over an in-memory file system),
 task chains (:mod:`.task_chain`: related problems of any task in one episode, for SAGE) and a simulated user with a
-persona and a hidden goal (:mod:`.simulated_user`, the goals of :mod:`.user_task`). Multi-turn
+persona and a hidden goal (:mod:`.simulated_user`, the goals of :mod:`.user_task`) and a travel-planning sandbox
+(:mod:`.travel`: flights, trains and hotels generated from a seed, DeepTravel's hierarchical verifiers). Multi-turn
 rollouts name an environment by ``MultiTurnConfig.environment``: the registry is :data:`ENVS` (:func:`register_env`), filled by the imports
 below."""
 
@@ -15,6 +16,7 @@ from treejax.envs.retrieval import RetrievalEnv
 from treejax.envs.shell import ShellEnv
 from treejax.envs.simulated_user import SimulatedUserEnv
 from treejax.envs.task_chain import TaskChainEnv
+from treejax.envs.travel import TravelEnv
 
 __all__ = ["ENVS", "CodeToolEnv", "GuessNumberEnv", "RetrievalEnv", "ShellEnv", "SimulatedUserEnv", "TaskChainEnv",
-           "env_names", "get_env", "register_env"]
+           "TravelEnv", "env_names", "get_env", "register_env"]

@@ -278,10 +278,15 @@ class MultiTurnRollouts:
             check_isolation(self.sandbox)  # at start-up: one line saying what to install where no layer works
 
     def sample(self, params, key, step):
+        return self.roll(params, key, *self.draw())
+
+    def roll(self, params, key, examples, prompts, lens):
+        """The episodes of ``examples`` (their right-padded ``prompts [P, Lp]`` and ``lengths [P]``) as one step's
+        :class:`~treejax.rl.rollouts.Rollouts` (:meth:`sample` on the pipeline's next prompts; a wrapper may roll
+        prompts of its own, e.g. :mod:`treejax.rl.deeptravel`'s failed ones)."""
         from treejax.rl.rollouts import RolloutCounters, Rollouts
 
         b, tc, cfg = self.base, self.tree_config, self.config
-        examples, prompts, lens = self.draw()
         P, W = len(examples), tc.num_leaves
         limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
                             chunk=cfg.chunk)

@@ -19,3 +19,4 @@ from treejax.rl.judges.mapo import MAPOConfig  # noqa: F401
 from treejax.rl.dart import DARTConfig  # noqa: F401
 from treejax.rl.sapo import SAPOConfig  # noqa: F401
 from treejax.rl.rapo import RAPOConfig  # noqa: F401
+from treejax.rl.deeptravel import FailureReplayConfig  # noqa: F401

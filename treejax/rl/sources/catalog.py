@@ -18,3 +18,4 @@ from treejax.rl.judges.slate import SLATEConfig  # noqa: F401
 from treejax.rl.judges.mapo import MAPOConfig  # noqa: F401
 from treejax.rl.dart import DARTConfig  # noqa: F401
 from treejax.rl.sapo import SAPOConfig  # noqa: F401
+from treejax.rl.judges.scope import SCOPEConfig  # noqa: F401

@@ -291,7 +291,8 @@ class SCOPERollouts(BaseStateOnly):
                  for i, (r, a, m) in enumerate(zip(chosen, starts, kept))]
         prompts = np.asarray(ro.prompts_PxLp)[[r.p for r in chosen]]
         lens = np.asarray(ro.lengths_P)[[r.p for r in chosen]]
-        ct, cl, cn, stopped, head_logp = self.continue_rows(params, prompts, lens, heads, jax.random.fold_in(key, 0x5C1))
+        ct, cl, cn, stopped, head_logp = self.continue_rows(params, prompts, lens, heads,
+                                                            jax.random.fold_in(key, 0x5C1))
         rows, ratios = [], []
         for i, (r, a, m) in enumerate(zip(chosen, starts, kept)):
             room = T - a - m

@@ -54,6 +54,7 @@ def _core_configs() -> dict[str, type]:
     from treejax.rl.packing import PackingConfig
     from treejax.sampling.tree import TreeConfig
     from treejax.scorers.config import ScorerConfig
+    from treejax.scorers.refiner import RefinerConfig
     from treejax.scorers.trainable import TrainableScorerConfig
     from treejax.sft_config import OTRConfig, SFTConfig
 
@@ -62,7 +63,7 @@ def _core_configs() -> dict[str, type]:
             "MeshConfig": MeshConfig, "Precision": Precision, "PackingConfig": PackingConfig,
             "AsyncConfig": AsyncConfig, "EvalConfig": EvalConfig, "ScorerConfig": ScorerConfig,
             "TrainableScorerConfig": TrainableScorerConfig, "LoRAConfig": LoRAConfig,
-            "SemiOnlineConfig": SemiOnlineConfig}
+            "SemiOnlineConfig": SemiOnlineConfig, "RefinerConfig": RefinerConfig}
 
 
 def _source_configs() -> dict[str, type]:

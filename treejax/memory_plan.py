@@ -15,7 +15,8 @@ Learner, per device (:func:`learner_memory`):
   the two moments ``N (b_m + b_p)`` (``b_m``: ``OptimizerConfig.moments_dtype``, default the param dtype), plus
   ``N b_p`` for PPO-EWMA's parameter average (``OptimizerConfig.proximal_ewma``); the frozen reference ``N b_p``
   when the KL term or a shaper reads it (:func:`treejax.rl.step.initial_reference`); all sharded like the params;
-  a scorer model's weights (a judge's or a PRM's, ``ScorerConfig``): ``N_s b(compute_dtype)`` each, whole, on the
+  a scorer model's weights (a judge's, a PRM's or a refiner's, ``ScorerConfig`` / ``RefinerConfig``): ``N_s
+  b(compute_dtype)`` each, whole, on the
   first device (the ``scorers`` row), or with ``ScorerConfig.sharding = "mesh"`` sharded like the params (the
   ``scorer_shards`` row), from the first judged step on (:func:`scorer_bytes`);
 * the update's backward phase: fp32 gradients ``4 N`` (``8 N`` with micro-batches: the scan's accumulator and one
@@ -320,13 +321,14 @@ def scorer_configs(cfg) -> list:
     distinct (model, dtype): a second stage naming the same scorer loads its own copy only if the dtype differs."""
     from treejax.scorers.config import ScorerConfig
     from treejax.scorers.model import resolve_model
+    from treejax.scorers.refiner import RefinerConfig
 
     found, seen = [], set()
 
     def walk(x, depth=0):
         if depth > 6:
             return
-        if isinstance(x, ScorerConfig):
+        if isinstance(x, (ScorerConfig, RefinerConfig)):  # a refiner (SCOPE) shares a PRM's weights when equal
             key = (resolve_model(x, cfg.model), x.compute_dtype)
             if key not in seen:
                 seen.add(key)
@@ -353,7 +355,7 @@ def scorer_bytes(cfg, mesh: tuple[int, int, int] = (1, 1, 1)) -> tuple[int, int]
     whole = shard = 0
     for sc in scorer_configs(cfg):
         model = model_config_of(resolve_model(sc, cfg.model), sc.compute_dtype)
-        if sc.sharding == "mesh":
+        if getattr(sc, "sharding", "device") == "mesh":  # a RefinerConfig is always whole on one device
             shard += param_elements(model, mesh) * _DTYPE_BYTES[sc.compute_dtype]
         else:
             whole += param_elements(model, (1, 1, 1)) * _DTYPE_BYTES[sc.compute_dtype]

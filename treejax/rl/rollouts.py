@@ -113,6 +113,9 @@ class Rollouts:
     error, no time-out); ``None`` for other sources. ``fixed_advantage_PxW`` (SPEAR's self-imitation rows,
     :mod:`treejax.rl.spear`): where not NaN, the leaf's advantage on every token of its loss mask, in place of
     the estimator's (the learner applies it right after the estimator); ``None``: the estimator's everywhere.
+    ``refined_PxWxT`` (SCOPE's rewritten rows, :mod:`treejax.rl.judges.scope`): 1 on the tokens a refiner model
+    wrote, whose ``forest.logprobs`` are that model's behaviour log-probs (off-policy, corrected by the loss's
+    truncated IS or kept out of the loss); ``None``: every token is the policy sampler's.
     """
 
     forest: Forest
@@ -130,6 +133,7 @@ class Rollouts:
     extra_metrics: dict | None = None  # the source's own host metrics (``alloc/...``, ``replay/...``)
     tool_calls_PxW: np.ndarray | None = None  # multi-turn: each leaf slot's tool calls that ran cleanly
     fixed_advantage_PxW: np.ndarray | None = None  # SPEAR: a leaf's advantage set by the source (NaN: estimator's)
+    refined_PxWxT: np.ndarray | None = None  # SCOPE: 1 on tokens another model wrote (their log-probs are its own)
 
     @property
     def main_rows(self) -> int:

@@ -20,3 +20,4 @@ from treejax.rl.dart import DARTConfig  # noqa: F401
 from treejax.rl.sapo import SAPOConfig  # noqa: F401
 from treejax.rl.rapo import RAPOConfig  # noqa: F401
 from treejax.rl.deeptravel import FailureReplayConfig  # noqa: F401
+from treejax.rl.judges.scope import SCOPEConfig  # noqa: F401

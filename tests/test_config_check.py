@@ -120,6 +120,9 @@ def test_unused_binding_names_the_field_that_takes_it(no_run, capsys):
     assert msg == ("MeshConfig.data is bound but nothing uses @MeshConfig(), so it would be ignored; fix: bind "
                    "RunConfig.mesh = @MeshConfig()")
     assert "fix: bind TreeConfig.branching = @ECHO()" in _cli_error(capsys, _params("ECHO.max_branches=3"))
+    # a wrapper stage goes into the chain's list, not a single-stage field
+    assert _cli_error(capsys, _params("FailureReplayConfig.rows=3")).endswith(
+        "fix: add @FailureReplayConfig() to RunConfig.rollouts (e.g. RunConfig.rollouts = [..., @FailureReplayConfig()])")
 
 
 @pytest.mark.parametrize("binding", ["RunConfig.estimator=grpo", "LossConfig.aggregation = token-mean"])

@@ -264,11 +264,15 @@ def _import(st: config_parser.ImportStatement, where: str) -> bool:
 
 def _fitting_classes(cls: type, arg: str, classes: dict[str, type]) -> list[str]:
     """The registered configurables whose instances field ``cls.arg`` takes (its annotation names a base class,
-    e.g. ``BranchingRule | None``): the valid ``@Name()`` values of that field, or [] for other fields."""
+    e.g. ``BranchingRule | None``, or a list of them, ``list[Stage]``): the valid ``@Name()`` values of that field
+    (or of its list's items), or [] for other fields."""
     import typing
 
     tp = field_types(cls)[arg]
-    bases = [t for t in (typing.get_args(tp) or (tp,)) if isinstance(t, type) and typing.get_origin(t) is None
+    members = []  # the union's members, a list's / tuple's element types in place of the list (RunConfig.rollouts)
+    for t in typing.get_args(tp) or (tp,):
+        members += typing.get_args(t) if typing.get_origin(t) in (list, tuple) else [t]
+    bases = [t for t in members if isinstance(t, type) and typing.get_origin(t) is None
              and t not in (type(None), typing.Any, str, int, float, bool, dict, list, tuple)]
     return [name for name, c in classes.items() if isinstance(c, type) and any(issubclass(c, b) for b in bases)]
 
@@ -381,6 +385,13 @@ def parse(gin_files: list[str], gin_params: list[str], check_mesh: bool = True, 
     return cfg
 
 
+def _takes_a_list(tp) -> bool:
+    """Whether annotation ``tp`` takes a list or tuple (``tuple[Stage, ...] | list[Stage]``)."""
+    import typing
+
+    return any(typing.get_origin(t) in (list, tuple) for t in (typing.get_args(tp) or (tp,)))
+
+
 def _check_unused_bindings(classes: dict[str, type]) -> None:
     """A binding of a configurable that the built config never called would be silently ignored (e.g.
     ``MeshConfig.data = 2`` without ``RunConfig.mesh = @MeshConfig()``): a :class:`ConfigError` naming the field
@@ -391,9 +402,12 @@ def _check_unused_bindings(classes: dict[str, type]) -> None:
             continue
         name = selector.rsplit(".", 1)[-1]
         params = ", ".join(f"{name}.{k}" for k in gin.config._CONFIG[(scope, selector)])
-        takers = [f"{owner}.{f}" for owner, cls in classes.items() for f in field_types(cls)
-                  if name in _fitting_classes(cls, f, classes)]
-        fix = (f"bind {takers[0]} = @{name}()" if takers else f"remove it, or reference @{name}() from a binding")
+        takers = [(f"{owner}.{f}", _takes_a_list(field_types(cls)[f])) for owner, cls in classes.items()
+                  for f in field_types(cls) if name in _fitting_classes(cls, f, classes)]
+        takers.sort(key=lambda t: not t[1])  # a list of stages (RunConfig.rollouts) before a single-stage field
+        fix = (f"remove it, or reference @{name}() from a binding" if not takers else
+               f"add @{name}() to {takers[0][0]} (e.g. {takers[0][0]} = [..., @{name}()])" if takers[0][1] else
+               f"bind {takers[0][0]} = @{name}()")
         raise ConfigError(f"{params} {'is' if ',' not in params else 'are'} bound but nothing uses @{name}(), so "
                           f"{'it' if ',' not in params else 'they'} would be ignored; fix: {fix}")
 

@@ -298,3 +298,15 @@ def test_default_tiles_by_shape_and_what_the_library_passes(monkeypatch):
         x = jax.ShapeDtypeStruct((1, L, 2, 64), jnp.bfloat16)
         jax.eval_shape(attend, x, x, x)
     assert seen == [M.default_blocks(64, M.LONG_ROW), M.TreeFlashMgpuBlocks()]
+
+
+def test_auto_logs_its_choice_once_per_shape(caplog):
+    """``attention_impl='auto'`` logs the kernel and tiles it chose, once per process and shape."""
+    tree_attention._log_choice.cache_clear()
+    with caplog.at_level("INFO", logger="treejax.models.tree_attention"):
+        for _ in range(2):
+            tree_attention._log_choice("pallas_mgpu", 98_304, 64, "bfloat16")
+    assert [r.getMessage() for r in caplog.records] == [
+        "tree attention auto -> pallas_mgpu on 98304-token rows (head_dim 64, bfloat16): "
+        + tree_flash_mgpu.default_blocks(64, 98_304).describe(98_304, 64)]
+    assert "k64/q128" in caplog.records[0].getMessage()

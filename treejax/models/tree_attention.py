@@ -41,6 +41,8 @@ its own heads (rows by the logical ``batch`` axis, heads by ``heads`` where that
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Callable
 
 import jax
@@ -132,9 +134,20 @@ def make_tree_attention(node_lo_BxL: jax.Array, node_hi_BxL: jax.Array, attentio
         elif blocks is None:
             def attend(q, k, v):
                 chosen = resolve_impl("auto", head_dim=q.shape[-1], row_length=q.shape[1], dtype=q.dtype)
+                _log_choice(chosen, q.shape[1], q.shape[-1], jnp.dtype(q.dtype).name)
                 return _kernel_attention(chosen, node_lo_BxL, node_hi_BxL, None)(q, k, v)
             return attend
     return _kernel_attention(impl, node_lo_BxL, node_hi_BxL, blocks)
+
+
+@functools.cache
+def _log_choice(impl: str, row_length: int, head_dim: int, dtype: str) -> None:
+    """One log line per process and shape: which kernel ``attention_impl='auto'`` chose, with its tiles."""
+    tiles = {"pallas_mgpu": lambda: tree_flash_mgpu.default_blocks(head_dim, row_length).describe(row_length, head_dim),
+             "pallas": lambda: str(tree_flash.default_blocks(head_dim, row_length))}.get(impl, lambda: "")()
+    logging.getLogger("treejax.models.tree_attention").info(
+        "tree attention auto -> %s on %d-token rows (head_dim %d, %s)%s", impl, row_length, head_dim, dtype,
+        f": {tiles}" if tiles else "")
 
 
 def _kernel_attention(impl, node_lo_BxL, node_hi_BxL, blocks):

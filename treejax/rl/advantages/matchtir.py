@@ -41,14 +41,22 @@ class MatchTIROptions:
             raise ValueError(f"MatchTIROptions.eps must be a finite number > 0, got {self.eps!r}")
 
 
-def matchtir_turns(forest: Forest, rewards_PxW, options: MatchTIROptions, tool_match_PxWxD):
-    """``(advantages [P, W, D], turn-level term [P, W, D], trajectory term [P, W])`` of :func:`matchtir`."""
+def tool_match_inputs(forest: Forest, rewards_PxW, tool_match_PxWxD):
+    """``(rewards [P, W], valid turns [P, W, D], tool_match [P, W, D] float32)``, each checked against the
+    forest (shared by the estimators that read ``tool_match_PxWxD``)."""
     R = check_rewards(forest, rewards_PxW)
     _, valid, _ = turn_layout(forest)
     P, W, D = valid.shape
     m = jnp.asarray(tool_match_PxWxD, jnp.float32)
     if tuple(m.shape) != (P, W, D):
         raise ValueError(f"tool_match_PxWxD has shape {tuple(m.shape)}, the forest has [P, W, D] = {(P, W, D)}")
+    return R, valid, m
+
+
+def matchtir_turns(forest: Forest, rewards_PxW, options: MatchTIROptions, tool_match_PxWxD):
+    """``(advantages [P, W, D], turn-level term [P, W, D], trajectory term [P, W])`` of :func:`matchtir`."""
+    R, valid, m = tool_match_inputs(forest, rewards_PxW, tool_match_PxWxD)
+    P, W, D = valid.shape
     tool = valid & jnp.isfinite(m)
     r = jnp.where(tool, m, 0.0)
     G = discounted_to_go(r, valid, options.gamma)  # matched rewards to go from each turn

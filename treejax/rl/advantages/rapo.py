@@ -20,9 +20,10 @@ import jax.numpy as jnp
 
 from treejax.errors import ConfigError
 from treejax.forest import Forest
-from treejax.rl.advantages.common import broadcast_segments, check_rewards
-from treejax.rl.advantages.info_gain import group_normalize, turn_layout
+from treejax.rl.advantages.common import broadcast_segments
+from treejax.rl.advantages.info_gain import group_normalize
 from treejax.rl.advantages.registry import Advantages, register_estimator
+from treejax.rl.advantages.matchtir import tool_match_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +66,8 @@ def reward_aware_scale(rewards_PxW, used_PxW, weight_PxW, success_reward: float,
 
 def rapo_turns(forest: Forest, rewards_PxW, options: RAPOOptions, tool_match_PxWxD):
     """``(advantages [P, W, D], step term [P, W, D], scaled outcome term [P, W], scale [P])`` of :func:`rapo`."""
-    R = check_rewards(forest, rewards_PxW)
-    _, valid, _ = turn_layout(forest)
+    R, valid, m = tool_match_inputs(forest, rewards_PxW, tool_match_PxWxD)
     P, W, D = valid.shape
-    m = jnp.asarray(tool_match_PxWxD, jnp.float32)
-    if tuple(m.shape) != (P, W, D):
-        raise ValueError(f"tool_match_PxWxD has shape {tuple(m.shape)}, the forest has [P, W, D] = {(P, W, D)}")
     lw = forest.leaf_weights()
     used = forest.leaf_path[:, :, 0] >= 0
     g = reward_aware_scale(R, used, lw, options.success_reward, options.scale_power)

@@ -201,6 +201,27 @@ def test_without_feedback_the_retry_is_on_policy(tiny, monkeypatch):
     assert not ro.refined_PxWxT.any() and ro.extra_metrics["r3l/feedback_tokens"] == 0.0
 
 
+def test_the_refiners_reflection_goes_into_the_feedback(tiny, monkeypatch):
+    """feedback = "refiner": the refiner's decoded line fills {reflection}; the context it reads is the question,
+    the prefix before the failure point and the wrong step."""
+    from treejax.rl.judges.r3l import DEFAULT_FEEDBACK_TEMPLATE
+    from treejax.rl.judges.scope import _Rewrite
+    from treejax.scorers.refiner import RefinedSpans
+
+    cfg_m, params, tok = tiny
+    src, _ = _source(tiny, "refiner", monkeypatch)
+    line = tok.encode(" Add again.\n")
+    asked = []
+    monkeypatch.setattr("treejax.scorers.refiner.refiner_context",
+                        lambda refiner, q, prefix, step: asked.append((q, prefix, step)) or [1, 2])
+    monkeypatch.setattr("treejax.scorers.refiner.refine", lambda refiner, contexts, key: RefinedSpans(
+        np.array([line], np.int32), np.zeros((1, len(line)), np.float32), np.array([len(line)])))
+    chosen = [_Rewrite(0, 0, [(0, 6), (6, 10)], 1, "a = 12 + 30\n", "a = 41\n")]
+    (ids,) = src.feedback_ids(chosen, ["What is 12 + 30?"], jax.random.key(0))
+    assert asked == [("What is 12 + 30?", "a = 12 + 30\n", "a = 41\n")]
+    assert ids == tok.encode(DEFAULT_FEEDBACK_TEMPLATE.format(step="a = 41", reflection="Add again. "))
+
+
 def test_nothing_changes_without_a_located_failure(tiny, monkeypatch):
     cfg_m, params, tok = tiny
     src, _ = _source(tiny, "template", monkeypatch)

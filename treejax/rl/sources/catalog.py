@@ -21,3 +21,4 @@ from treejax.rl.sapo import SAPOConfig  # noqa: F401
 from treejax.rl.rapo import RAPOConfig  # noqa: F401
 from treejax.rl.deeptravel import FailureReplayConfig  # noqa: F401
 from treejax.rl.judges.scope import SCOPEConfig  # noqa: F401
+from treejax.rl.judges.r3l import R3LConfig  # noqa: F401

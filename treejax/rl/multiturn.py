@@ -54,7 +54,8 @@ from treejax.sampling.partial import check_chains
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
                     "action_signature_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD",
-                    "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD")
+                    "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD",
+                    "safety_verdict_PxWxC")
 #: The inputs of UI-S1's semi-online rollout (``MultiTurnConfig.semi_online``; :mod:`treejax.envs.semi_online`).
 SEMI_ONLINE_INPUTS = ("step_reward_PxWxD", "step_match_PxWxD")
 
@@ -187,6 +188,10 @@ class MultiTurnConfig(Stage):
             raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} reads the problems of a task chain, "
                               f"which environment {self.environment!r} does not run; fix: MultiTurnConfig.environment "
                               "= 'task_chain' (with RunConfig.task = 'task_chain')")
+        if "safety_verdict_PxWxC" in facts.estimator_inputs and not getattr(env, "act_or_refuse", False):
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} compares act-or-refuse verdicts, which "
+                              f"environment {self.environment!r} does not give; fix: MultiTurnConfig.environment = "
+                              "'guarded_user' (with RunConfig.task = 'user_goals')")
         if "action_signature_PxWxD" in facts.estimator_inputs and not getattr(env, "ast_actions", False):
             with_ast = [n for n in env_names() if getattr(get_env(n), "ast_actions", False)]
             fix = with_ast[0] if with_ast else "?"
@@ -383,6 +388,10 @@ class MultiTurnRollouts:
                                                       if done.any() else 0.0)
             metrics["multiturn/chain_skill_mean"] = (float(np.mean(chains["chain_skill_PxWxD"][done]))
                                                      if done.any() else 0.0)
+        if "safety_verdict_PxWxC" in self.estimator_inputs:  # MOSAIC (treejax.envs.guarded_user)
+            from treejax.envs.guarded_user import safety_verdicts
+
+            inputs["safety_verdict_PxWxC"] = jnp.asarray(safety_verdicts(trees, metrics))
         if self.feedback_scorer is not None:
             t = time.perf_counter()
             gain = np.asarray(jax.device_get(self.feedback_scorer(params, jnp.asarray(prompts), jnp.asarray(lens),

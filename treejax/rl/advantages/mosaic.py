@@ -51,7 +51,7 @@ class MOSAICOptions:
         if not self.criteria or any(c not in CRITERIA for c in self.criteria) or len(set(self.criteria)) != len(
                 self.criteria):
             raise ConfigError(f"MOSAICOptions.criteria must be distinct names of {CRITERIA}, got {self.criteria!r}; "
-                              f"fix: MOSAICOptions.criteria = {list(CRITERIA)}")
+                              f"fix: MOSAICOptions.criteria = {CRITERIA}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"MOSAICOptions.objective must be one of {OBJECTIVES}, got {self.objective!r}; fix: "
                               "MOSAICOptions.objective = 'win_rate'")

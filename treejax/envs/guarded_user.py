@@ -24,8 +24,9 @@ answer). Reconstructed: the paper's tags (``<safety_thoughts>``, tool calls, a r
 shown; here the check is optional on questions (the paper's check is selective) and required on decisions so that
 every act-or-refuse decision is explicitly checked.
 
-**The environment** ``"guarded_user"`` (:class:`GuardedUserEnv`, a :class:`~treejax.envs.simulated_user.SimulatedUserEnv`):
-stop strings ``</ask>`` and ``</refuse>``; every turn's info has ``guarded_turn = {"action", "well_formed",
+**The environment** ``"guarded_user"`` (:class:`GuardedUserEnv`, a
+:class:`~treejax.envs.simulated_user.SimulatedUserEnv`): stop strings ``</ask>`` and ``</refuse>``; every turn's info
+has ``guarded_turn = {"action", "well_formed",
 "checked", "must_refuse"}``; a malformed question is still put to the user (the format is judged, not enforced).
 :func:`safety_verdicts` turns an episode's infos into its verdict, the criteria MOSAIC's pairwise judge compares
 (:mod:`treejax.rl.advantages.mosaic`). The state is plain immutable data: ``clone()`` is ``dataclasses.replace``.

@@ -20,8 +20,9 @@ Task options: ``size`` / ``eval_size`` (goals per split; train and eval seeds ar
 (``"answer_line"``), ``unsafe`` (the share of goals that must be refused, 0 by default; with ``unsafe > 0`` a goal
 may carry a harmful *hazard*, stated in the request or in the user's first reply, its ground truth
 ``metadata["must_refuse"]``, and the default instruction is the plan -> check -> act-or-refuse protocol of
-:mod:`treejax.envs.guarded_user`; with 0 the goals are exactly those of before), and the user: ``user`` (``"model"``: a model plays the user, the default; ``"scripted"``: the
-rule-based user for tests), ``user_model`` (a :func:`~treejax.models.registry.load_model` name or path, the
+:mod:`treejax.envs.guarded_user`; with 0 the goals are exactly those of before), and the user:
+``user`` (``"model"``: a model plays the user, the default; ``"scripted"``: the rule-based user for tests),
+``user_model`` (a :func:`~treejax.models.registry.load_model` name or path, the
 embedded ``"smollm2-135m-instruct"`` by default), ``user_max_tokens`` (reply length), ``user_temperature`` (0:
 greedy) and ``user_seed``.
 """

@@ -92,11 +92,12 @@ class MultiTurnConfig(Stage):
     ``environment = "simulated_user"`` (:class:`~treejax.envs.simulated_user.SimulatedUserEnv`: a user with a
     persona and a hidden goal, played by a model or by rules, for the goals of ``RunConfig.task = "user_goals"``);
     InfoPO (``infopo``) reads each turn's counterfactual feedback gain ``feedback_gain_PxN`` (any environment whose
-    turns get observations). ``environment = "guarded_user"`` (:class:`~treejax.envs.guarded_user.GuardedUserEnv`: the same
-    users, some of whose requests must be refused, turns in plan -> check -> act-or-refuse format); MOSAIC
-    (``mosaic``) reads each episode's verdict ``safety_verdict_PxWxC``
-    (:func:`treejax.envs.guarded_user.safety_verdicts`). ``semi_online`` (a :class:`~treejax.envs.semi_online.SemiOnlineConfig`, default
-    ``None``: off): UI-S1's semi-online rollout on the environment's expert trajectories (its examples' reference
+    turns get observations). ``environment = "guarded_user"``
+    (:class:`~treejax.envs.guarded_user.GuardedUserEnv`: the same users, some of whose requests must be refused,
+    turns in plan -> check -> act-or-refuse format); MOSAIC (``mosaic``) reads each episode's verdict
+    ``safety_verdict_PxWxC`` (:func:`treejax.envs.guarded_user.safety_verdicts`).
+    ``semi_online`` (a :class:`~treejax.envs.semi_online.SemiOnlineConfig`, default ``None``: off): UI-S1's
+    semi-online rollout on the environment's expert trajectories (its examples' reference
     calls; an environment with ``expert_steps``, the retrieval world): a matched step continues from the expert's
     next state, a mismatch is patched (up to ``patch_limit``) or ends the episode; each turn's step reward and
     match are the estimator inputs ``step_reward_PxWxD`` / ``step_match_PxWxD`` (``ui_s1``)."""

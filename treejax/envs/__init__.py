@@ -15,6 +15,7 @@ from treejax.envs.guess import GuessNumberEnv
 from treejax.envs.retrieval import RetrievalEnv
 from treejax.envs.shell import ShellEnv
 from treejax.envs.simulated_user import SimulatedUserEnv
+from treejax.envs.guarded_user import GuardedUserEnv  # noqa: F401  (MOSAIC's guarded user)
 from treejax.envs.task_chain import TaskChainEnv
 from treejax.envs.travel import TravelEnv
 

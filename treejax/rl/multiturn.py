@@ -54,7 +54,8 @@ from treejax.sampling.partial import check_chains
 #: Estimator inputs only multi-turn rollouts supply (module docstring).
 MULTITURN_INPUTS = ("truth_logp_PxN", "tool_success_PxN", "state_cluster_PxN", "tool_match_PxWxD",
                     "action_signature_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD",
-                    "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD")
+                    "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD",
+                    "safety_verdict_PxWxC")
 #: The inputs of UI-S1's semi-online rollout (``MultiTurnConfig.semi_online``; :mod:`treejax.envs.semi_online`).
 SEMI_ONLINE_INPUTS = ("step_reward_PxWxD", "step_match_PxWxD")
 
@@ -91,8 +92,12 @@ class MultiTurnConfig(Stage):
     ``environment = "simulated_user"`` (:class:`~treejax.envs.simulated_user.SimulatedUserEnv`: a user with a
     persona and a hidden goal, played by a model or by rules, for the goals of ``RunConfig.task = "user_goals"``);
     InfoPO (``infopo``) reads each turn's counterfactual feedback gain ``feedback_gain_PxN`` (any environment whose
-    turns get observations). ``semi_online`` (a :class:`~treejax.envs.semi_online.SemiOnlineConfig`, default
-    ``None``: off): UI-S1's semi-online rollout on the environment's expert trajectories (its examples' reference
+    turns get observations). ``environment = "guarded_user"``
+    (:class:`~treejax.envs.guarded_user.GuardedUserEnv`: the same users, some of whose requests must be refused,
+    turns in plan -> check -> act-or-refuse format); MOSAIC (``mosaic``) reads each episode's verdict
+    ``safety_verdict_PxWxC`` (:func:`treejax.envs.guarded_user.safety_verdicts`).
+    ``semi_online`` (a :class:`~treejax.envs.semi_online.SemiOnlineConfig`, default ``None``: off): UI-S1's
+    semi-online rollout on the environment's expert trajectories (its examples' reference
     calls; an environment with ``expert_steps``, the retrieval world): a matched step continues from the expert's
     next state, a mismatch is patched (up to ``patch_limit``) or ends the episode; each turn's step reward and
     match are the estimator inputs ``step_reward_PxWxD`` / ``step_match_PxWxD`` (``ui_s1``)."""
@@ -187,6 +192,10 @@ class MultiTurnConfig(Stage):
             raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} reads the problems of a task chain, "
                               f"which environment {self.environment!r} does not run; fix: MultiTurnConfig.environment "
                               "= 'task_chain' (with RunConfig.task = 'task_chain')")
+        if "safety_verdict_PxWxC" in facts.estimator_inputs and not getattr(env, "act_or_refuse", False):
+            raise ConfigError(f"MultiTurnConfig: estimator {facts.estimator!r} compares act-or-refuse verdicts, which "
+                              f"environment {self.environment!r} does not give; fix: MultiTurnConfig.environment = "
+                              "'guarded_user' (with RunConfig.task = 'user_goals')")
         if "action_signature_PxWxD" in facts.estimator_inputs and not getattr(env, "ast_actions", False):
             with_ast = [n for n in env_names() if getattr(get_env(n), "ast_actions", False)]
             fix = with_ast[0] if with_ast else "?"
@@ -383,6 +392,10 @@ class MultiTurnRollouts:
                                                       if done.any() else 0.0)
             metrics["multiturn/chain_skill_mean"] = (float(np.mean(chains["chain_skill_PxWxD"][done]))
                                                      if done.any() else 0.0)
+        if "safety_verdict_PxWxC" in self.estimator_inputs:  # MOSAIC (treejax.envs.guarded_user)
+            from treejax.envs.guarded_user import safety_verdicts
+
+            inputs["safety_verdict_PxWxC"] = jnp.asarray(safety_verdicts(trees, metrics))
         if self.feedback_scorer is not None:
             t = time.perf_counter()
             gain = np.asarray(jax.device_get(self.feedback_scorer(params, jnp.asarray(prompts), jnp.asarray(lens),

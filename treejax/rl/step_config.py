@@ -19,7 +19,8 @@ KNOWN_INPUTS = ("greedy_reward_P", "answer_step_PxW", "cut_PxWxB", "cut_value_Px
                 "nudge_context_PxW", "nudge_source_PxW", "truth_logp_PxN", "tool_success_PxN",
                 "state_cluster_PxN", "tool_match_PxWxD", "action_signature_PxWxD", "step_judge_PxWxD",
                 "turn_judge_PxWxD", "chain_link_PxWxD", "chain_outcome_PxWxD", "chain_skill_PxWxD",
-                "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD")
+                "feedback_gain_PxN", "step_reward_PxWxD", "step_match_PxWxD",
+                "safety_verdict_PxWxC")
 #: ``StepConfig.leaf_weighting``: ``"count"`` trains every leaf slot with weight 1 (TreePO's official weighting;
 #: slot trees and independent samples are unbiased this way); ``"mass"`` multiplies each leaf's per-token
 #: advantages by ``Forest.leaf_weight`` (``W`` x path mass for ``"transfer"`` trees), so the policy-gradient sum

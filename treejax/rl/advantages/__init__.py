@@ -7,7 +7,8 @@ Multi-turn (turn forests): gigpo, gigpo_similar, hgpo, salt (state-grouped steps
 matchtir (matched tool-call turn rewards), infopo (counterfactual feedback gains, variance-gated), a3 (episode
 feedback, AST action sub-chain residuals, tree-level margins), sage (task chains: per-problem GRPO on a
 skill-integrated reward), ui_s1 (semi-online expert trajectories: discounted step returns, step- plus
-episode-level group advantages), rapo (reward-aware scaled outcome advantage plus a step-level tool-call term).
+episode-level group advantages), rapo (reward-aware scaled outcome advantage plus a step-level tool-call term),
+mosaic (pairwise trajectory preferences of a lexicographic safety judge: win rates or Bradley-Terry strengths).
 Judged steps (a scorer model's scores as inputs): slate (step rewards z-scored among siblings), mapo (per-turn judge
 rewards, Monte-Carlo returns, turn- and batch-level normalisation mixed).
 """
@@ -33,6 +34,7 @@ from treejax.rl.advantages.mapo import MAPOOptions, mapo
 from treejax.rl.advantages.sage import SAGEOptions, sage
 from treejax.rl.advantages.ui_s1 import UIS1Options, ui_s1
 from treejax.rl.advantages.rapo import RAPOOptions, rapo
+from treejax.rl.advantages.mosaic import MOSAICOptions, mosaic  # noqa: F401  (MOSAIC's pairwise preferences)
 from treejax.rl.advantages.slate import SLATEOptions, slate
 from treejax.rl.advantages.flat import (
     GRPOOptions,

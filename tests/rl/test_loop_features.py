@@ -5,7 +5,11 @@ With the trainer recomputing old log-probs (the default), the first mini-batch's
 precision: the old-logp forward and the update's forward run the same program shapes on the same rows.
 """
 
+import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,14 +21,30 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 BUILT_IN = ("grpo", "rloo", "reinforce_pp_baseline", "treepo", "treepo_segment", "spo_tree", "mc_grpo", "remax")
 
 
-def _run(tiny_checkpoint, tmp_path, *extra):
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
+def _argv(model, tmp_path, *extra) -> list[str]:
+    params = [f"RunConfig.model = '{model}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
               "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
               "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4", "EvalConfig.num_problems = 2",
               "EvalConfig.max_new_tokens = 2", "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0",
               "OptimizerConfig.learning_rate = 1e-3", *extra]
-    return train.main(["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"]
-                      + sum((["--gin_param", p] for p in params), []))
+    return ["--gin_file", os.path.join(CONFIGS, "quickstart.gin"), "--quiet"] + sum((["--gin_param", p] for p in params),
+                                                                                   [])
+
+
+def _run(tiny_checkpoint, tmp_path, *extra):
+    return train.main(_argv(tiny_checkpoint, tmp_path, *extra))
+
+
+def _run_on_one_device(model, tmp_path, *extra) -> dict:
+    """:func:`_run` as ``treejax-train`` in a process of its own on ONE CPU device (this suite's other XLA flags
+    kept), returning the run's summary.json. Measured on the 2-core machine for SmolLM2's grpo case: 4.7 GB peak RSS
+    and 84 s, against 14.6 GB and ~190 s under the suite's 8 fake devices (NudgeRL's case: 21.4 GB), where the
+    full slow run died for memory; the multi-device paths have their own tests (tests/parallel)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip())
+    subprocess.run([sys.executable, "-m", "treejax.train", *_argv(model, tmp_path, *extra)], env=env, check=True,
+                   cwd=os.path.dirname(CONFIGS))
+    return json.load(open(tmp_path / "run" / "summary.json"))
 
 
 def test_builtin_list_is_complete():
@@ -174,9 +194,10 @@ _SMOLLM2_XFAIL = {"multiturn": "first ratio 1 + 1.14e-5 (fp32 rounding over the 
 
 #: The cases run on SmolLM2 as well: one per code path of the loop (a group estimator, the tree estimator, the
 #: packed update, the sampler's log-probs as old policy, KL + TIS, a shaper on packed rows, an allocator on packed
-#: rows, replay, NudgeRL's injected rows, multi-turn). Each took 2-3 min and up to ~17 GB of memory on the 2-core
-#: machine (all 33 cases: ~80 min of the slow run); the other cases run on the tiny model above (slow) and bit for
-#: bit in the golden runs (tests/golden), whose code paths these cases share.
+#: rows, replay, NudgeRL's injected rows, multi-turn). Under the suite's 8 fake devices each took 2-3 min and up to
+#: 21 GB of memory on the 2-core machine (all 33 cases: ~80 min of the slow run); they now run on one device
+#: (_run_on_one_device); the other cases run on the tiny model above (slow) and bit for bit in the golden runs
+#: (tests/golden), whose code paths these cases share.
 SMOLLM2_CASES = ("grpo", "treepo", "packed_update", "sampler_old_logp", "kl_k3_tis", "shaper_rose_prl_packed",
                  "alloc_xrpo_packed", "replay", "nudge", "multiturn")
 
@@ -186,7 +207,7 @@ SMOLLM2_CASES = ("grpo", "treepo", "packed_update", "sampler_old_logp", "kl_k3_t
                                   if c in _SMOLLM2_XFAIL else c for c in SMOLLM2_CASES])
 def test_feature_runs_on_smollm2(case, tmp_path):
     """Cases of the CLI test on the embedded SmolLM2-135M-Instruct (real task, real rewards): SMOLLM2_CASES."""
-    summary = _run("smollm2-135m-instruct", tmp_path, "LossConfig.entropy_coef = 0.01", *_extra(case))
+    summary = _run_on_one_device("smollm2-135m-instruct", tmp_path, "LossConfig.entropy_coef = 0.01", *_extra(case))
     row = summary["history"][0]
     assert row["update/skipped"] == 0.0 and np.isfinite(row["update/loss"])
     if case not in ("sampler_old_logp", "dynamic_sampling"):

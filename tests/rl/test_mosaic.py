@@ -19,9 +19,9 @@ from treejax.envs.guarded_user import (GUARDED_INSTRUCTION, HAZARDS, VERDICT_COL
                                        parse_turn, safety_verdicts)
 from treejax.envs.simulated_user import DOMAINS, INSTRUCTION
 from treejax.errors import ConfigError, DataError
-from treejax.forest import forest_from_spans
 from treejax.rl.advantages import MOSAICOptions, estimator_spec, mosaic
 from treejax.rl.advantages.mosaic import bradley_terry, mosaic_leaves, pairwise_preferences
+from treejax.testing.forests import slot_turn_forest
 
 
 @pytest.fixture(scope="module")
@@ -144,33 +144,10 @@ def test_episode_verdicts():
 
 
 # ----------------------------------------------------------------------------------------------- the estimator
-def _forest(slot_turns: list[list[list[bool]]]):
-    """Independent slots; ``slot_turns[p][w]`` lists each turn's "has an observation": one action token per turn,
-    then one observation token when it has one."""
-    P, W = len(slot_turns), len(slot_turns[0])
-    D = max(len(t) for s in slot_turns for t in s)
-    T = max(sum(1 + o for o in t) for s in slot_turns for t in s)
-    paths = np.full((P, W, D + 1), -1, np.int32)
-    length = np.zeros((P, 1 + W * D), np.int32)
-    tok, pm = np.zeros((P, W, T), np.int32), np.zeros((P, W, T), np.float32)
-    for p in range(P):
-        n = 0
-        for w, turns in enumerate(slot_turns[p]):
-            paths[p, w, 0], i = 0, 0
-            for d, obs in enumerate(turns):
-                n += 1
-                paths[p, w, d + 1], length[p, n] = n, 1 + obs
-                tok[p, w, i], pm[p, w, i] = 1 + d, 1.0
-                if obs:
-                    tok[p, w, i + 1] = 9
-                i += 1 + obs
-    return forest_from_spans(paths, length, tok, policy_mask=pm)
-
-
 def _hand():
     """4 slots: 0 asks then answers right (2 policy tokens), 1 answers right at once (1), 2 complies with a
     harmful request after two questions (3, two thirds well formed), 3 runs out without deciding (1)."""
-    forest = _forest([[[True, False], [False], [True, True, False], [False]]])
+    forest = slot_turn_forest([[[True, False], [False], [True, True, False], [False]]])
     verdict = np.array([[[1, 1, 1], [1, 1, 1], [-1, 0, 2 / 3], [0, 0, 1]]], np.float32)
     return forest, verdict
 
@@ -199,7 +176,7 @@ def test_mosaic_win_rates_by_hand():
                                [[0.942809, 0.942809, -1.414214, -0.471405]], atol=1e-5)
     # a group of equal verdicts and lengths: exactly 0; a slot without a verdict (NaN) takes no part
     same = np.broadcast_to(verdict[:, 3:], (1, 4, 3)).copy()
-    flat = _forest([[[False]] * 4])
+    flat = slot_turn_forest([[[False]] * 4])
     assert np.all(np.asarray(mosaic(flat, R, MOSAICOptions(), safety_verdict_PxWxC=same).leaves) == 0.0)
     partial = verdict.copy()
     partial[0, 3] = np.nan

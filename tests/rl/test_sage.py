@@ -14,42 +14,18 @@ import jax
 import numpy as np
 import pytest
 
-from treejax.forest import forest_from_spans
 from treejax.rl.advantages import SAGEOptions, estimator_spec, sage
 from treejax.rl.advantages.sage import later_weights, sage_turns
 from treejax.rl.chains import CHAIN_INPUTS, chain_arrays
+from treejax.testing.forests import slot_turn_forest
 
 NAN = np.nan
-
-
-def _forest(slot_turns: list[list[list[bool]]], T: int | None = None, D: int | None = None):
-    """A turn forest of independent slots: ``slot_turns[p][w]`` lists each turn's "has an observation"; a turn is
-    one action token, then one observation token when it has one; ``D`` turns at most (default: the longest)."""
-    P, W = len(slot_turns), len(slot_turns[0])
-    D = D or max(len(t) for s in slot_turns for t in s)
-    T = T or max(sum(1 + o for o in t) for s in slot_turns for t in s)
-    paths = np.full((P, W, D + 1), -1, np.int32)
-    length = np.zeros((P, 1 + W * D), np.int32)
-    tok = np.zeros((P, W, T), np.int32)
-    pm = np.zeros((P, W, T), np.float32)
-    for p in range(P):
-        n = 0
-        for w, turns in enumerate(slot_turns[p]):
-            paths[p, w, 0], i = 0, 0
-            for d, obs in enumerate(turns):
-                n += 1
-                paths[p, w, d + 1], length[p, n] = n, 1 + obs
-                tok[p, w, i], pm[p, w, i] = 1 + d, 1.0
-                if obs:
-                    tok[p, w, i + 1] = 9
-                i += 1 + obs
-    return forest_from_spans(paths, length, tok, policy_mask=pm)
 
 
 def _hand():
     """Slot 0: problem 1 (answer), problem 2 (answer); slot 1: problem 1 (a tool turn, then the answer), problem 2;
     slot 2: problem 1, problem 2. A chain of 2 problems, 3 turns at most."""
-    forest = _forest([[[True, False], [True, True, False], [True, False]]])
+    forest = slot_turn_forest([[[True, False], [True, True, False], [True, False]]])
     link = np.array([[[0, 1, -1], [0, 0, 1], [0, 1, -1]]], np.int32)
     outcome = np.array([[[1.0, 1.0, NAN], [1.0, 0.0, NAN], [0.5, 1.0, NAN]]], np.float32)
     skill = np.array([[[1, 0, 0], [0, 0, 0], [1, 0, 0]]], np.float32)
@@ -132,7 +108,7 @@ def test_sage_matches_the_reference_on_random_chains(seed):
                 links[p, w, d:d + n], d = k, d + n
                 outcome[p, w, k], skill[p, w, k] = rng.choice([0.0, 0.5, 1.0]), float(rng.integers(2))
             turns[p].append([True] * (d - 1) + [False])
-    forest = _forest(turns, T=2 * D, D=D)
+    forest = slot_turn_forest(turns, T=2 * D, D=D)
     R = np.zeros((P, W), np.float32)
     for opts in (SAGEOptions(), SAGEOptions(skill_weight=0.7, use_weight=0.2, gamma=0.5),
                  SAGEOptions(gamma=1.0, scale_by_std=False)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from treejax.forest import Forest, NodeStatus, forest_from_paths
+from treejax.forest import Forest, NodeStatus, forest_from_paths, forest_from_spans
 
 _LEAF_STATUSES = np.array(
     [NodeStatus.FINISHED, NodeStatus.EOS, NodeStatus.TRUNCATED, NodeStatus.REPETITION, NodeStatus.PRUNED], np.int32
@@ -190,3 +190,27 @@ def forests(num_prompts: int, num_leaves: int, max_depth: int, segment_length: i
         return forest, rewards
 
     return _strategy()
+
+
+def slot_turn_forest(slot_turns: list[list[list[bool]]], T: int | None = None, D: int | None = None) -> Forest:
+    """A turn forest of independent slots: ``slot_turns[p][w]`` lists each turn's "has an observation"; a turn is
+    one action token, then one observation token when it has one; ``D`` turns at most (default: the longest)."""
+    P, W = len(slot_turns), len(slot_turns[0])
+    D = D or max(len(t) for s in slot_turns for t in s)
+    T = T or max(sum(1 + o for o in t) for s in slot_turns for t in s)
+    paths = np.full((P, W, D + 1), -1, np.int32)
+    length = np.zeros((P, 1 + W * D), np.int32)
+    tok = np.zeros((P, W, T), np.int32)
+    pm = np.zeros((P, W, T), np.float32)
+    for p in range(P):
+        n = 0
+        for w, turns in enumerate(slot_turns[p]):
+            paths[p, w, 0], i = 0, 0
+            for d, obs in enumerate(turns):
+                n += 1
+                paths[p, w, d + 1], length[p, n] = n, 1 + obs
+                tok[p, w, i], pm[p, w, i] = 1 + d, 1.0
+                if obs:
+                    tok[p, w, i + 1] = 9
+                i += 1 + obs
+    return forest_from_spans(paths, length, tok, policy_mask=pm)

@@ -76,9 +76,11 @@ def main(argv=None):
     ap.add_argument("--problems", type=int, default=48)
     ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--out", default="experiments/results/judge_agreement.json")
+    ap.add_argument("--gin_param", action="append", default=[],
+                    help="a gin binding over the config (repeatable), e.g. \"ScorerConfig.model='/path/smollm2.gguf'\"")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    cfg = parse([args.gin_file], [], check_mesh=False)
+    cfg = parse([args.gin_file], args.gin_param, check_mesh=False)
     scorer_cfg = next(s.scorer for s in cfg.rollouts if hasattr(s, "scorer"))
     examples, texts, correct = policy_answers(cfg, args.problems, args.max_new_tokens)
     t1 = time.perf_counter()

@@ -185,6 +185,7 @@ class RunConfig(LegacySourceFields):
                               "gives ended subtrees new children, so no path mass makes the leaves an unbiased sample; "
                               "set TreeConfig.fallback=False (or use TreeConfig.allocation='slots')")
         self.step_config()  # validates old_logp, TIS, leaf weighting and the estimator's inputs
+        self._check_estimator_options()
         for s in self.shapers:  # each shaper's own checks against the run (Shaper.check_run)
             s.check_run(self)
         self._check_probe()
@@ -225,6 +226,14 @@ class RunConfig(LegacySourceFields):
             raise ConfigError("RunConfig.old_logp = 'ewma' with shapers: the shapers read the trainer pass of the "
                               "current weights, which then is not the PPO ratio's denominator; fix: "
                               "RunConfig.old_logp = 'trainer', or no shapers")
+
+    def _check_estimator_options(self) -> None:
+        """An estimator's options may check themselves against the run (``check_run(cfg)``, as a shaper's)."""
+        spec = estimator_spec(self.estimator)
+        options = spec.default_options() if self.estimator_options is None else self.estimator_options
+        check = getattr(options, "check_run", None)
+        if check is not None:
+            check(self)
 
     def continuation_config(self):
         """The rollout's Monte-Carlo continuations (:mod:`treejax.sampling.continuation`) when the estimator reads

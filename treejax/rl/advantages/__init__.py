@@ -9,6 +9,7 @@ feedback, AST action sub-chain residuals, tree-level margins), sage (task chains
 skill-integrated reward), ui_s1 (semi-online expert trajectories: discounted step returns, step- plus
 episode-level group advantages), rapo (reward-aware scaled outcome advantage plus a step-level tool-call term),
 mosaic (pairwise trajectory preferences of a lexicographic safety judge: win rates or Bradley-Terry strengths).
+Tree with agent labels: mars2 (MARS²: tree-consistent shaped node values, path-level group advantage).
 Judged steps (a scorer model's scores as inputs): slate (step rewards z-scored among siblings), mapo (per-turn judge
 rewards, Monte-Carlo returns, turn- and batch-level normalisation mixed).
 """
@@ -36,6 +37,7 @@ from treejax.rl.advantages.ui_s1 import UIS1Options, ui_s1
 from treejax.rl.advantages.rapo import RAPOOptions, rapo
 from treejax.rl.advantages.mosaic import MOSAICOptions, mosaic  # noqa: F401  (MOSAIC's pairwise preferences)
 from treejax.rl.advantages.slate import SLATEOptions, slate
+from treejax.rl.advantages.mars2 import MARS2Options, mars2  # noqa: F401  (MARS²'s path-level group advantage)
 from treejax.rl.advantages.flat import (
     GRPOOptions,
     MCGRPOOptions,

@@ -191,18 +191,22 @@ def mars2_core(leaf_path_WxD1, rewards_W, omega_W, node_parent_N, node_depth_N, 
     """One prompt: ``(A(n) [N], agent(n) [N])`` (module docstring). Values are deviations from the first leaf's
     reward (the advantage is shift-free), so a prompt whose rewards are all equal gets exactly 0."""
     num_nodes = node_parent_N.shape[0]
-    x = rewards_W - rewards_W[0]
-    mass, total, anc1 = _node_tables(leaf_path_WxD1, x, omega_W, num_nodes)
-    used = mass > 0
-    v = jnp.where(used, total / jnp.where(used, mass, 1.0), 0.0)
-    shaped = shaped_rewards(v, used, node_parent_N, node_depth_N, options.gamma, options.lam)
-    agent = jnp.where(used, node_agents(node_parent_N, node_depth_N, anc1, options.agents, options.assignment), -1)
-    u = mass / jnp.maximum(jnp.sum(omega_W), 1e-30) if options.node_weight == "mass" else used.astype(jnp.float32)
-    if options.group == "agent":
-        group, groups = agent, options.agents
+    x_W = rewards_W - rewards_W[0]
+    mass_N, total_N, anc1_N = _node_tables(leaf_path_WxD1, x_W, omega_W, num_nodes)
+    used_N = mass_N > 0
+    v_N = jnp.where(used_N, total_N / jnp.where(used_N, mass_N, 1.0), 0.0)
+    shaped_N = shaped_rewards(v_N, used_N, node_parent_N, node_depth_N, options.gamma, options.lam)
+    agent_N = jnp.where(used_N, node_agents(node_parent_N, node_depth_N, anc1_N, options.agents,
+                                            options.assignment), -1)
+    if options.node_weight == "mass":
+        u_N = mass_N / jnp.maximum(jnp.sum(omega_W), 1e-30)
     else:
-        group, groups = jnp.where(agent >= 0, 0, -1), 1
-    return group_normalize_nodes(shaped, u, group, groups, options.scale, options.eps), agent
+        u_N = used_N.astype(jnp.float32)
+    if options.group == "agent":
+        group_N, groups = agent_N, options.agents
+    else:
+        group_N, groups = jnp.where(agent_N >= 0, 0, -1), 1
+    return group_normalize_nodes(shaped_N, u_N, group_N, groups, options.scale, options.eps), agent_N
 
 
 def agent_token_masks(forest: Forest, options: MARS2Options) -> jax.Array:

@@ -49,8 +49,8 @@ def tiny_policy_and_judge():
     return cfg, params, from_params(sc, cfg, params, JudgeTokenizer())
 
 
-def tiny_learner(cfg, params, estimator: str, options=None):
-    """``(learner, state)`` of the RL step with ``estimator`` on the expanded layout."""
+def tiny_learner(cfg, params, estimator: str, options=None, shapers=()):
+    """``(learner, state)`` of the RL step with ``estimator`` (and ``shapers``) on the expanded layout."""
     from treejax.precision import Precision
     from treejax.rl.config import StepConfig
     from treejax.rl.layouts import Expanded
@@ -63,7 +63,7 @@ def tiny_learner(cfg, params, estimator: str, options=None):
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3, warmup_steps=0, total_steps=10))
     layout = Expanded(cfg, attention_impl="xla")
     update = jax.jit(make_update_fn(layout, LossConfig(), optimizer), donate_argnames=("state",))
-    learner = make_learner(cfg, StepConfig(estimator=estimator, estimator_options=options),
+    learner = make_learner(cfg, StepConfig(estimator=estimator, estimator_options=options, shapers=shapers),
                            Precision().resolve("cpu"), update, layout)
     return learner, TrainState.create(jax.tree_util.tree_map(np.array, params), optimizer)
 

@@ -361,7 +361,8 @@ def _pass_logprobs(learner: Learner, state, ro: Rollouts, pool, first: list, ref
                  if behaviour_params is not None and old is not None else None)
     b, mismatch = with_logprobs(pool.batch, old, ref, behaviour)
     if cfg.shapers:
-        x = shaping_inputs(learner.layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"))
+        x = shaping_inputs(learner.layout, b, dict(stats, ref_logp=ref), ro, ro.estimator_inputs.get("answer_step_PxW"),
+                           ro.estimator_inputs.get("prm_steps_PxWxD"))
         masks = any(getattr(s, "masks", False) for s in cfg.shapers)  # a shaper that takes pairs out of the loss
         shaped = apply_shapers(cfg.shapers, x, state.aux, with_mask=masks)
         shaped_adv, shaped_eps, shaping_metrics, aux = shaped[:4]

@@ -17,7 +17,9 @@ frozen dataclass subclassing :class:`Shaper` plus its import line below (gin the
                                                        step rewards are added as step advantages (stateful);
   ``dart_entropy`` :class:`DARTEntropyMask`            DART: only the top-rho highest-entropy steps (or tokens) stay
                                                        in the loss (``Shaped.keep``);
-  ``r3l_amplify``  :class:`PositiveAmplification`      R3L: correct leaves' advantages times a factor.
+  ``r3l_amplify``  :class:`PositiveAmplification`      R3L: correct leaves' advantages times a factor;
+  ``prm_steps``    :class:`PRMStepReward`              a PRM's step scores (the ``PRMStepsConfig`` stage), normalised,
+                                                       added as a per-step term to any estimator's advantages.
 """
 
 from treejax.rl.shaping.base import (SHAPERS, STATS, Shaped, Shaper, ShapingInputs, check_shapers, init_states,
@@ -32,9 +34,10 @@ from treejax.rl.shaping.spa import SPARLShaping
 from treejax.rl.shaping.oprl import OPRLShaping
 from treejax.rl.shaping.dart import DARTEntropyMask
 from treejax.rl.shaping.r3l import PositiveAmplification
+from treejax.rl.shaping.prm import PRMStepReward
 from treejax.rl.shaping.apply import apply_shapers, shaping_inputs
 
 __all__ = ["SHAPERS", "STATS", "Shaped", "Shaper", "ShapingInputs", "check_shapers", "init_states", "needed_stats",
            "probes",
            "register", "shaper_classes", "EchoShaping", "EntropyAdvantageReshaping", "RoseLengthPenalty",
-           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "SPARLShaping", "OPRLShaping", "DARTEntropyMask", "PositiveAmplification", "apply_shapers", "shaping_inputs"]
+           "ProcessRewardShaping", "EffectiveRankBonus", "QualityHead", "SPARLShaping", "OPRLShaping", "DARTEntropyMask", "PositiveAmplification", "PRMStepReward", "apply_shapers", "shaping_inputs"]

@@ -16,9 +16,10 @@ import numpy as np
 from treejax.rl.shaping.base import ShapingInputs, masked_mean
 
 
-def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None) -> ShapingInputs:
+def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None, step_scores=None) -> ShapingInputs:
     """:class:`ShapingInputs` of a pool ``batch`` (advantages, loss mask, old log-probs, eps scale) and the
-    trainer-pass ``stats`` (``entropy``, ``topk_logp``, ``ref_logp``), all in ``layout``'s pool layout."""
+    trainer-pass ``stats`` (``entropy``, ``topk_logp``, ``ref_logp``), all in ``layout``'s pool layout;
+    ``answer_step [P, W]`` and ``step_scores [P, W, D]`` pass through (the rollouts' estimator inputs)."""
     forest = rollouts.forest
     P, W, T = forest.tokens.shape
 
@@ -36,6 +37,7 @@ def shaping_inputs(layout, batch, stats: dict, rollouts, answer_step=None) -> Sh
         leaf_length=forest.leaf_length, eps_scale=leaf(batch.eps_scale), leaf_path=forest.leaf_path,
         entropy=leaf(stats.get("entropy")), topk_logp=leaf(stats.get("topk_logp")),
         ref_logp=leaf(stats.get("ref_logp")), hidden=leaf(stats.get("hidden")), answer_step=answer_step,
+        step_scores=None if step_scores is None else jnp.asarray(step_scores, jnp.float32),
         segment_length=forest.segment_length)
 
 

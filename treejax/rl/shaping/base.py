@@ -62,7 +62,9 @@ class ShapingInputs:
     ``rewards``: the estimator's rewards; ``scores``: verifier scores in [0, 1] (correct iff >= 1; with
     pseudo-label rewards the pseudo-scores); ``leaf_length``: response tokens; ``answer_step``: the verifier's
     prefix hook, the first response token at which the correct answer is already in the text (-1: never;
-    ``None`` unless a shaper needs it); ``eps_scale``: the per-leaf clip-range multiplier so far.
+    ``None`` unless a shaper needs it); ``step_scores [P, W, D]``: a PRM's score of each leaf's step (segment) ``k``
+    (NaN past its steps; ``None`` unless the chain has the ``PRMStepsConfig`` stage); ``eps_scale``: the per-leaf
+    clip-range multiplier so far.
     """
 
     advantages: jax.Array
@@ -78,6 +80,7 @@ class ShapingInputs:
     ref_logp: jax.Array | None = None
     hidden: jax.Array | None = None
     answer_step: jax.Array | None = None
+    step_scores: jax.Array | None = None
     segment_length: int = struct.field(pytree_node=False, default=1)
 
     @property

@@ -57,7 +57,8 @@ FIX = {"efficacy_dots_replay.gin": ["RunConfig.prompts_per_step = 4"],
        "efficacy_fapo.gin": ["ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8"],
        "efficacy_ssl.gin": ["ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8"],
        "efficacy_slate.gin": ["ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8"],
-       "efficacy_mapo.gin": ["ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8"]}
+       "efficacy_mapo.gin": ["ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8"],
+       "efficacy_prm_steps.gin": ["ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8"]}
 
 SMALL = ["RunConfig.num_steps = 2", "RunConfig.prompts_per_step = 2", "EvalConfig.num_problems = 2",
          "EvalConfig.max_new_tokens = 2", "RunConfig.export_hf = False", "RunConfig.tree_picture_every = 0",

@@ -44,7 +44,7 @@ import optax
 from treejax.errors import DataError, UserError
 from treejax.gin_surface import add_gin_arguments, gin_files_of, parse
 from treejax.rl.optimizer import learning_rate_schedule, make_optimizer
-from treejax.sft_config import OBJECTIVES, OTRConfig, SFTConfig
+from treejax.sft_config import OBJECTIVES, OTRConfig, SFTConfig, demonstration_text
 
 log = logging.getLogger("treejax.sft")
 
@@ -88,16 +88,6 @@ def otr_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Arra
 
 
 # ----------------------------------------------------------------------------------------------- data
-def demonstration_text(template: str, record: dict) -> str:
-    """The demonstration of a record: ``template`` formatted with its ``answer``, ``question`` and metadata keys."""
-    fields = dict(json.loads(record.get("metadata") or "{}"), answer=record["answer"], question=record["question"])
-    try:
-        return template.format_map(fields)
-    except KeyError as e:
-        raise DataError(f"SFTConfig.demonstration = {template!r} names {e} which record {record.get('uid')!r} does "
-                        f"not have (fields: {sorted(fields)})") from None
-
-
 def sft_batch(tokenizer, task, records: list[dict], cfg: SFTConfig, pad_id: int):
     """``(tokens [B, Lb], targets [B, Lb], mask [B, Lb])``: prompt + demonstration + EOS, right-padded to a power of
     two; ``targets[t] = tokens[t + 1]`` and ``mask`` is 1 where that target is a demonstration token or its EOS."""
@@ -149,6 +139,28 @@ def make_sft_step(model_config, cfg: SFTConfig, optimizer):
     return step
 
 
+def episode_world(cfg: SFTConfig, task, tokenizer, model_config, prec):
+    """``(make_batch(records), tool_eval(params, examples, width) -> dict)`` of a run: the expert episodes'
+    (:mod:`treejax.sft_episodes`) with ``SFTConfig.multiturn``, else plain demonstrations and no tool evaluation
+    (``{}``)."""
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    if cfg.multiturn is None:
+        return (lambda records: sft_batch(tokenizer, task, records, cfg, pad_id)), (lambda *a: {})
+    from treejax.envs import get_env
+    from treejax.sampling.decode import make_model_fns
+    from treejax.sft_episodes import episode_batch, tool_evaluate
+
+    mt, stop_ids = cfg.multiturn, tuple(tokenizer.eos_ids or ())
+    make_env = lambda: get_env(mt.environment).from_config(mt, task, None)  # noqa: E731  (no sandbox: no code runs)
+    model_fns = make_model_fns(model_config, cache_dtype=prec.cache_dtype)
+
+    def tool_eval(params, examples, width):
+        return tool_evaluate(params, model_fns, tokenizer, examples, cfg, make_env, stop_ids, width,
+                             cfg.eval.max_new_tokens, cfg.eval.batch_size)
+
+    return (lambda records: episode_batch(tokenizer, task, records, cfg, pad_id, make_env, stop_ids)), tool_eval
+
+
 def run(cfg: SFTConfig) -> dict:
     """Trains and evaluates (module docstring); returns the summary also written to ``log_dir/summary.json``."""
     from treejax import metrics as metrics_lib
@@ -172,7 +184,7 @@ def run(cfg: SFTConfig) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     model_config, params, tokenizer = load_model(cfg.model, param_dtype=prec.param_dtype,
                                                  compute_dtype=prec.compute_dtype, tokenizer=tokenizer)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    make_batch, tool_eval = episode_world(cfg, task, tokenizer, model_config, prec)
     optimizer = make_optimizer(cfg.optimizer)
     opt_state = optimizer.init(params)
     step_fn = make_sft_step(model_config, cfg, optimizer)
@@ -187,15 +199,17 @@ def run(cfg: SFTConfig) -> dict:
         with prec.matmul_context():
             e = evaluate(params, model_config, tokenizer, task, eval_examples, width, cfg.eval, cfg.system_prompt,
                          cfg.instruction)
+            e.update(tool_eval(params, eval_examples, width))
         e["step"] = step
-        log.info("step %d: held-out greedy accuracy %.1f%% (n = %d)", step, 100 * e["accuracy"], e["n"])
+        log.info("step %d: held-out greedy accuracy %.1f%% (n = %d)%s", step, 100 * e["accuracy"], e["n"],
+                 f", with the tools {100 * e['tool_accuracy']:.1f}%" if "tool_accuracy" in e else "")
         return e
 
     evals, history = [evaluate_now(0)], []
     for step in range(1, cfg.num_steps + 1):
         records = next(pipeline)
         records = [dict(zip(records, vals)) for vals in zip(*records.values())]
-        tokens, targets, mask = sft_batch(tokenizer, task, records, cfg, pad_id)
+        tokens, targets, mask = make_batch(records)
         with prec.matmul_context():
             params, opt_state, m = step_fn(params, opt_state, jnp.asarray(tokens), jnp.asarray(targets),
                                            jnp.asarray(mask), jax.random.fold_in(key, step))
@@ -205,6 +219,8 @@ def run(cfg: SFTConfig) -> dict:
             e = evaluate_now(step)
             evals.append(e)
             m["eval/accuracy"] = e["accuracy"]
+            if "tool_accuracy" in e:
+                m["eval/tool_accuracy"] = e["tool_accuracy"]
         history.append(dict(m, step=step))
         writer.write_scalars(step, m)
     if evals[-1]["step"] != cfg.num_steps:
@@ -240,7 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     b, a = summary["eval_before"], summary["eval_after"]
     print(f"treejax sft: {cfg.model} on {cfg.task} with {cfg.objective}, {cfg.num_steps} steps in "
           f"{summary['total_s']:.0f} s\n  held-out greedy accuracy: {b['accuracy']:.1%} before -> "
-          f"{a['accuracy']:.1%} after (n = {a['n']})\n  logs: {cfg.log_dir}")
+          f"{a['accuracy']:.1%} after (n = {a['n']})\n"
+          + (f"  with the tools ({cfg.multiturn.environment}): {b['tool_accuracy']:.1%} before -> "
+             f"{a['tool_accuracy']:.1%} after, {a['tool_calls_mean']:.2f} calls an episode\n" if cfg.multiturn else "")
+          + f"  logs: {cfg.log_dir}")
     return summary
 
 

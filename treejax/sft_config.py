@@ -9,12 +9,13 @@ import dataclasses
 from treejax.choices import check_choice
 from treejax.config_types import check_types
 from treejax.data.defaults import DEFAULT_TASK_OPTIONS
-from treejax.errors import ConfigError
+from treejax.errors import ConfigError, DataError
 from treejax.precision import Precision
 from treejax.rl.evaluation import EvalConfig
+from treejax.rl.multiturn import MultiTurnConfig
 from treejax.rl.optimizer import OptimizerConfig
 
-__all__ = ["OBJECTIVES", "OTRConfig", "SFTConfig"]
+__all__ = ["OBJECTIVES", "OTRConfig", "SFTConfig", "check_expert_world", "demonstration_text", "format_demonstration"]
 
 #: ``SFTConfig.objective`` values.
 OBJECTIVES = ("nll", "otr")
@@ -45,7 +46,12 @@ class OTRConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """The gin-facing surface of ``treejax-sft`` (module docstring for the objectives and the data)."""
+    """The gin-facing surface of ``treejax-sft`` (module docstring for the objectives and the data).
+
+    ``multiturn``: ``None`` (a demonstration per record, the answer alone) or a :class:`MultiTurnConfig` whose world
+    replays expert steps: each record's demonstration is then its *expert episode*, the reference tool calls played
+    in the world and the answer turn (:mod:`treejax.sft_episodes`), and held-out evaluation also runs greedy
+    episodes with the tools (``tool_accuracy``). The same ``MultiTurnConfig`` as the RL run's, so the rows match."""
 
     model: str = "smollm2-135m-instruct"
     precision: Precision = Precision()
@@ -65,6 +71,7 @@ class SFTConfig:
     seed: int = 0
     log_dir: str = "runs/sft"
     export_hf: bool = False
+    multiturn: MultiTurnConfig | None = None
 
     def __post_init__(self):
         check_types(self)
@@ -78,6 +85,39 @@ class SFTConfig:
             self.demonstration.format_map(_Probe())
         except (ValueError, IndexError) as e:
             raise ConfigError(f"SFTConfig.demonstration = {self.demonstration!r} is not a format string: {e}") from e
+        if self.multiturn is not None:
+            check_expert_world(self.multiturn)
+
+
+def check_expert_world(multiturn) -> type:
+    """The environment class of ``multiturn`` (a :class:`MultiTurnConfig`) when it can replay expert steps (its
+    episodes are the demonstrations, :mod:`treejax.sft_episodes`); else one ConfigError line naming those that can."""
+    from treejax.envs import env_names, get_env
+
+    env = get_env(multiturn.environment)
+    if not getattr(env, "expert_steps", False):
+        able = [n for n in env_names() if getattr(get_env(n), "expert_steps", False)]
+        raise ConfigError(f"SFTConfig.multiturn: environment {multiturn.environment!r} cannot replay expert steps "
+                          f"(no render_call), so it has no expert episodes; fix: MultiTurnConfig.environment = "
+                          f"{able[0]!r}" + (f" (worlds with expert steps: {able})" if len(able) > 1 else ""))
+    return env
+
+
+def format_demonstration(template: str, fields: dict, uid) -> str:
+    """``template`` formatted with ``fields``; a field it names that the record lacks is a DataError naming it."""
+    try:
+        return template.format_map(fields)
+    except KeyError as e:
+        raise DataError(f"SFTConfig.demonstration = {template!r} names {e} which record {uid!r} does not have "
+                        f"(fields: {sorted(fields)})") from None
+
+
+def demonstration_text(template: str, record: dict) -> str:
+    """The demonstration of a record: ``template`` formatted with its ``answer``, ``question`` and metadata keys."""
+    import json
+
+    fields = dict(json.loads(record.get("metadata") or "{}"), answer=record["answer"], question=record["question"])
+    return format_demonstration(template, fields, record.get("uid"))
 
 
 class _Probe(dict):

@@ -470,25 +470,41 @@ class MultiTurnRollouts:
         """Held-out evaluation with the environment: one greedy episode per problem (the same limits, observation
         format and stop tokens as training; batches of ``batch_size``). Returns ``tool_accuracy`` (episodes scoring
         1), ``tool_score`` (mean score), ``tool_calls_mean``, ``tool_turns_mean``."""
-        from treejax.data.prompts import encode_examples, pad_token_lists
-        from treejax.sampling.strategies import Greedy
-
         b, tc, cfg = self.base, self.tree_config, self.config
-        toks = encode_examples(b.tokenizer, examples, system_prompt, instruction)
         limits = TurnLimits(max_turns=cfg.max_turns, turn_tokens=cfg.turn_tokens, max_tokens=tc.max_length,
                             chunk=cfg.chunk)
-        eps = []
-        for i in range(0, len(toks), batch_size):
-            prompts, lens = pad_token_lists(toks[i:i + batch_size], prompt_width)
-            trees = run_turn_trees(params, b.sampler_fns, b.tokenizer, lambda p: self.make_env(),
-                                   list(examples[i:i + batch_size]), prompts, lens,
-                                   jax.random.key(0), Greedy(), limits, TurnTreeConfig(),
-                                   stop_ids=tuple(tc.stop_ids or ()), observation_format=self.observation_format)
-            eps += [t.slot_episode[0] for t in trees]
-        scores = np.array([episode_score(e) for e in eps])
-        return {"tool_accuracy": float(np.mean(scores >= 1.0)), "tool_score": float(np.mean(scores)),
-                "tool_calls_mean": float(np.mean([sum("tool_seconds" in i for i in e.infos) for e in eps])),
-                "tool_turns_mean": float(np.mean([e.policy_turns for e in eps]))}
+        eps = greedy_tool_episodes(params, b.sampler_fns, b.tokenizer, self.make_env, list(examples), system_prompt,
+                                   instruction, prompt_width, limits, tuple(tc.stop_ids or ()),
+                                   self.observation_format, batch_size)
+        return tool_metrics(eps)
+
+
+def greedy_tool_episodes(params, model_fns, tokenizer, make_env, examples: list, system_prompt, instruction,
+                         prompt_width: int, limits: TurnLimits, stop_ids: tuple, observation_format, batch_size: int
+                         ) -> list:
+    """One greedy episode per example with a fresh environment ``make_env()`` each (the held-out evaluation with
+    tools of ``treejax-train`` and of ``treejax-sft``'s expert episodes), in batches of ``batch_size``."""
+    from treejax.data.prompts import encode_examples, pad_token_lists
+    from treejax.sampling.strategies import Greedy
+
+    toks = encode_examples(tokenizer, examples, system_prompt, instruction)
+    eps = []
+    for i in range(0, len(toks), batch_size):
+        prompts, lens = pad_token_lists(toks[i:i + batch_size], prompt_width)
+        trees = run_turn_trees(params, model_fns, tokenizer, lambda p: make_env(), examples[i:i + batch_size],
+                               prompts, lens, jax.random.key(0), Greedy(), limits, TurnTreeConfig(),
+                               stop_ids=stop_ids, observation_format=observation_format)
+        eps += [t.slot_episode[0] for t in trees]
+    return eps
+
+
+def tool_metrics(eps) -> dict:
+    """``tool_accuracy`` (episodes scoring 1), ``tool_score`` (mean score), ``tool_calls_mean``, ``tool_turns_mean``
+    of held-out episodes."""
+    scores = np.array([episode_score(e) for e in eps])
+    return {"tool_accuracy": float(np.mean(scores >= 1.0)), "tool_score": float(np.mean(scores)),
+            "tool_calls_mean": float(np.mean([sum("tool_seconds" in i for i in e.infos) for e in eps])),
+            "tool_turns_mean": float(np.mean([e.policy_turns for e in eps]))}
 
 
 def answered(ep) -> bool:

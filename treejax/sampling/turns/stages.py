@@ -103,18 +103,24 @@ def split_slots(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def observation_tokens(ctx: TurnContext, ep: Episode, text: str) -> list[int] | None:
-    """Tokens of observation ``text`` (formatted by ``ctx.fmt``) after episode ``ep``, or None when they and one
-    more policy token do not fit ``max_tokens`` (the episode ends). When the policy's turn ended on a stop token
-    whose text the formatted observation starts with (a chat template's end-of-turn marker), that text is not
-    appended twice."""
-    full = ctx.fmt(text) if text else ""
-    last = ep.tokens[-1] if ep.tokens and ep.policy_mask[-1] else None
-    if full and last is not None and last in ctx.stop_ids:
-        marker = ctx.tokenizer.decode([last], skip_special_tokens=False)
+def observation_ids(tokenizer, fmt, stop_ids: tuple, last_policy_token: int | None, text: str) -> list[int]:
+    """Tokens of observation ``text`` formatted by ``fmt`` (None: as is). When the policy's turn ended on a stop
+    token (``last_policy_token``, None when the last token is not the policy's) whose text the formatted observation
+    starts with (a chat template's end-of-turn marker), that text is not appended twice. Also the expert episodes'
+    rule (:mod:`treejax.sft_episodes`), so their rows are the sampler's."""
+    full = (fmt(text) if fmt is not None else text) if text else ""
+    if full and last_policy_token is not None and last_policy_token in stop_ids:
+        marker = tokenizer.decode([last_policy_token], skip_special_tokens=False)
         if marker and full.startswith(marker):
             full = full[len(marker):]
-    toks = ctx.tokenizer.encode(full) if full else []
+    return tokenizer.encode(full) if full else []
+
+
+def observation_tokens(ctx: TurnContext, ep: Episode, text: str) -> list[int] | None:
+    """Tokens of observation ``text`` after episode ``ep`` (:func:`observation_ids` with ``ctx.fmt``), or None when
+    they and one more policy token do not fit ``max_tokens`` (the episode ends)."""
+    last = ep.tokens[-1] if ep.tokens and ep.policy_mask[-1] else None
+    toks = observation_ids(ctx.tokenizer, ctx.fmt, ctx.stop_ids, last, text)
     if len(ep.tokens) + len(toks) + 1 > ctx.limits.max_tokens:  # room for at least one more policy token
         return None
     return toks

@@ -85,7 +85,7 @@ def evidence_density(used_PxWxM, doc_PxWxM, valid_PxWxM) -> jax.Array:
     counts above iff it is used and no earlier chunk of the same document is."""
     used = used_PxWxM & valid_PxWxM
     M = used.shape[-1]
-    earlier = jnp.tril(jnp.ones((M, M), bool), k=-1)  # [j, k]: k < j
+    earlier = jnp.tril(jnp.ones((M, M), bool), k=-1)[None, None]  # [1, 1, j, k]: k < j
     same = doc_PxWxM[..., :, None] == doc_PxWxM[..., None, :]  # [P, W, j, k]
     seen = jnp.any(same & used[..., None, :] & earlier, axis=-1)
     first = used & ~seen

@@ -148,3 +148,175 @@ def test_trees_of_turns_are_refused_at_build():
     ctx = types.SimpleNamespace(cfg=types.SimpleNamespace(rollout=types.SimpleNamespace(num_leaves=4)))
     with pytest.raises(ConfigError, match="fix: MultiTurnConfig.roots = None"):
         SearchR2Config().build(inner, ctx)
+
+
+# ------------------------------------------------------------------------------------- cut and regenerate
+class _Tok:
+    """CharTokenizer without a chat template whose encode drops newlines (the refiner's plain-text context)."""
+
+    chat_template = None
+
+    def __init__(self):
+        from treejax.testing.tokenizers import CharTokenizer
+
+        self.inner, self.eos_ids, self.pad_id = CharTokenizer(), (63,), 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.inner.decode(ids, skip_special_tokens)
+
+    def encode(self, text):
+        return self.inner.encode(text.replace("\n", ""))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from treejax.models import presets, transformer
+
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=64, eos_token_ids=(63,))
+    return cfg, transformer.init_params(cfg, jax.random.key(5)), transformer.init_params(cfg, jax.random.key(9))
+
+
+PROMPT = [1, 2, 3]
+#: slot 0 fails (turns "A15" OK, "B25" OK, answer "C4"), slot 1 is right ("A15" OK, "B5" OK, answer "35")
+SLOTS = [[("A15", "OK"), ("B25", "OK"), ("C4", "")], [("A15", "OK"), ("B5", "OK"), ("35", "")]]
+
+
+def _rollouts(tok, T):
+    """The hand-made turn forest of :data:`SLOTS` (policy log-probs -1, observations 0) as the chain's rollouts."""
+    from treejax.forest import NodeStatus
+    from treejax.rl.rapo import episodes_forest
+    from treejax.rl.rollouts import Rollouts
+    from treejax.rl.spear import Trajectory
+
+    rows = []
+    for slot in SLOTS:
+        toks, pm, nodes = [], [], []
+        for action, obs in slot:
+            a, o = tok.encode(action), tok.encode(obs)
+            toks, pm, nodes = toks + a + o, pm + [1.0] * len(a) + [0.0] * len(o), nodes + [len(a) + len(o)]
+        rows.append(Trajectory(0, np.array(PROMPT), 3, np.array(nodes), np.array(toks, np.int32), -np.array(pm, np.float32),
+                               np.array(pm, np.float32), int(NodeStatus.FINISHED), 0.0, 0.0))
+    forest = episodes_forest([rows], T, 1 + 2 * 3, 3).replace(segment_length=8)
+    ex = types.SimpleNamespace(metadata={"question": "ABC"}, ground_truth="3")
+    return Rollouts(forest=forest, rewards_PxW=jnp.asarray([[-1.0, 1.0]]), scores_PxW=np.array([[0.0, 1.0]], np.float32),
+                    prompts_PxLp=np.array([PROMPT], np.int32), lengths_P=np.array([3]), examples=[ex],
+                    reward_scores_PxW=np.array([[0.0, 1.0]], np.float32), tool_calls_PxW=np.array([[2, 2]], np.int32))
+
+
+def _source(tiny, monkeypatch, T=32, **kw):
+    from treejax.rl.multiturn import MultiTurnConfig
+    from treejax.sampling import decode, tree_config
+    from treejax.sampling.strategies import Temperature
+    from treejax.scorers.refiner import Refiner, RefinerConfig
+    from treejax.testing.envs import ScriptedToolEnv
+
+    cfg_m, params, ref_params = tiny
+    tok = _Tok()
+    tc = tree_config.independent_config(2, T, 8, strategy=Temperature(1.0), stop_ids=(63,))
+    base = types.SimpleNamespace(sample=lambda params, key, step: _rollouts(tok, T), pipeline=None,
+                                 make_env=lambda: ScriptedToolEnv(tool_turns=2), tree_config=tc,
+                                 config=MultiTurnConfig(max_turns=3, turn_tokens=6, chunk=4), observation_format=None)
+    cfg = types.SimpleNamespace(model="unused", rollout=tc, reward_style="pm1", overlong_buffer=0, overlong_factor=1.0)
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=tok, sampler_fns=decode.make_model_fns(cfg_m, attention="dense",
+                                                                                        cache_dtype="float32"),
+                                pad_id=0, mesh=None)
+    stage = SearchR2Config(refiner=RefinerConfig(template="Q{question}P{prefix}S{step}", max_new_tokens=4,
+                                                 stop_at_newline=False), refines_per_prompt=1, **kw)
+    src = SearchR2Rollouts(base, stage, ctx)
+    refiner = Refiner(stage.refiner, cfg_m, ref_params, tok)
+
+    def load():  # the judge's and the PRM's scores are set below; the refiner is a tiny model unlike the policy
+        src.scorer, src.refiner = object(), refiner
+    monkeypatch.setattr(src, "_load", load)
+    monkeypatch.setattr("treejax.scorers.judge.judge_scores", lambda s, qs, texts, answers: np.array([0.2]))
+    monkeypatch.setattr("treejax.scorers.prm.step_scores", lambda s, qs, steps: np.array([[0.9, 0.3, 0.1]]))
+    return src, refiner, tok
+
+
+def test_the_cut_episode_keeps_its_prefix_the_refiners_turn_and_the_policys_continuation(tiny, monkeypatch):
+    """Judge 0.2 (flawed), PRM (0.9, 0.3, 0.1): slot 0 is cut at turn 2 ("B25"). The row keeps turn 1 ("A15" OK)
+    with its log-probs, then the refiner's turn (log q = a direct forward of the refiner over its context), the
+    world's "OK" (out of the loss), then the policy's answer turn (its own teacher-forced log-probs); 3 turn nodes;
+    the reward is the world's score of that answer; slot 1 is unchanged."""
+    from treejax.sampling.decode import score_tokens
+    from treejax.scorers.refiner import refiner_context
+    from tests.scorers.test_refiner import teacher_forced_logp
+
+    cfg_m, params, ref_params = tiny
+    src, refiner, tok = _source(tiny, monkeypatch)
+    ro = src.sample(params, jax.random.key(3), 0)
+    m = ro.extra_metrics
+    assert (m["search_r2/selected"], m["search_r2/flagged"], m["search_r2/located"], m["search_r2/refined"]) == (1,) * 4
+    assert m["search_r2/first_turn_mean"] == 1.0
+    f = jax.device_get(ro.forest)
+    tokens, logp, n = np.asarray(f.tokens)[0, 0], np.asarray(f.logprobs)[0, 0], int(f.leaf_length[0, 0])
+    pm, mask = np.asarray(f.policy_tokens())[0, 0], np.asarray(f.loss_mask)[0, 0]
+    a = len("A15OK")
+    assert tok.decode(tokens[:a].tolist()) == "A15OK" and logp[:3].tolist() == [-1.0] * 3 and not logp[3:a].any()
+    span = np.flatnonzero(ro.refined_PxWxT[0, 0])
+    assert span[0] == a and 1 <= len(span) <= 4 and len(span) == m["search_r2/refined_tokens"]
+    z = tokens[span].tolist()
+    q = teacher_forced_logp(cfg_m, ref_params, refiner_context(refiner, "ABC", "A15OK", "B25"), z)
+    np.testing.assert_allclose(logp[span], q, rtol=1e-4, atol=1e-5)
+    assert mask[span].all()  # correction "is": the refiner's tokens are trained, importance-weighted
+    b = span[-1] + 1
+    assert tok.decode(tokens[b:b + 2].tolist()) == "OK" and not mask[b:b + 2].any() and not logp[b:b + 2].any()
+    c = b + 2
+    assert n > c and pm[c:n].all()  # the policy's answer turn
+    pi = np.asarray(score_tokens(params, src.ctx.sampler_fns, ro.prompts_PxLp, ro.lengths_P, tokens[None], [n]))[0]
+    np.testing.assert_allclose(logp[c:n], pi[c:n], rtol=1e-4, atol=1e-5)
+    path = np.asarray(f.leaf_path)[0, 0]
+    spans = np.asarray(f.spans())[0][path[1:][path[1:] >= 0]]
+    assert spans[:, 1].tolist() == [a, b + 2 - a, n - c]
+    score = float("3" in tok.decode(tokens[c:n].tolist()))
+    assert ro.reward_scores_PxW.tolist() == [[score, 1.0]] and ro.scores_PxW.tolist() == [[0.0, 1.0]]
+    np.testing.assert_allclose(np.asarray(ro.rewards_PxW), [[2 * score - 1, 1.0]])  # no "[n] doc" lines: rho = 0
+    assert ro.tool_calls_PxW.tolist() == [[2, 2]] and m["search_r2/density_mean"] == 0.0
+    np.testing.assert_array_equal(np.asarray(f.tokens)[0, 1], np.asarray(_rollouts(tok, 32).forest.tokens)[0, 1])
+
+
+def test_policy_regeneration_is_an_on_policy_fork_and_mask_keeps_the_refiner_out(tiny, monkeypatch):
+    from treejax.sampling.decode import score_tokens
+
+    cfg_m, params, _ = tiny
+    src, _, tok = _source(tiny, monkeypatch, regenerate="policy")
+    monkeypatch.setattr("treejax.scorers.refiner.refine", lambda *a: pytest.fail("the refiner ran"))
+    ro = src.sample(params, jax.random.key(3), 0)
+    f = jax.device_get(ro.forest)
+    tokens, logp, n = np.asarray(f.tokens)[0, 0], np.asarray(f.logprobs)[0, 0], int(f.leaf_length[0, 0])
+    pm = np.asarray(f.policy_tokens())[0, 0] > 0
+    assert not ro.refined_PxWxT.any() and tok.decode(tokens[:5].tolist()) == "A15OK" and n > 5
+    pi = np.asarray(score_tokens(params, src.ctx.sampler_fns, ro.prompts_PxLp, ro.lengths_P, tokens[None], [n]))[0]
+    np.testing.assert_allclose(logp[5:n][pm[5:n]], pi[5:n][pm[5:n]], rtol=1e-4, atol=1e-5)
+
+    monkeypatch.undo()  # the refiner may run again
+    src, _, _ = _source(tiny, monkeypatch, correction="mask")
+    ro = src.sample(params, jax.random.key(3), 0)
+    refined, mask = ro.refined_PxWxT[0, 0] > 0, np.asarray(ro.forest.loss_mask)[0, 0]
+    assert refined.any() and not mask[refined].any() and mask[:3].all()
+
+
+def test_nothing_is_cut_when_the_discriminator_finds_no_flaw(tiny, monkeypatch):
+    cfg_m, params, _ = tiny
+    src, _, tok = _source(tiny, monkeypatch)
+    monkeypatch.setattr("treejax.scorers.judge.judge_scores", lambda s, qs, texts, answers: np.array([0.9]))
+    monkeypatch.setattr("treejax.scorers.prm.step_scores", lambda *a: pytest.fail("the PRM ran"))
+    ro, ref = src.sample(params, jax.random.key(3), 0), _rollouts(tok, 32)
+    assert ro.extra_metrics["search_r2/flagged"] == 0 and ro.extra_metrics["search_r2/refined"] == 0
+    for name in ("tokens", "logprobs", "loss_mask", "leaf_length", "leaf_status"):
+        np.testing.assert_array_equal(np.asarray(getattr(ro.forest, name)), np.asarray(getattr(ref.forest, name)))
+    np.testing.assert_array_equal(np.asarray(ro.rewards_PxW), np.asarray(ref.rewards_PxW))
+
+
+# ------------------------------------------------------------------------------------- the whole loop
+@pytest.mark.slow  # one step of the shipped config through treejax.train.main on the tiny model (judge, PRM and
+# refiner the policy's frozen copy); the cut row's log-probs and masks are covered by the default tests above
+def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
+    from treejax.testing.envs import run_shipped_multiturn
+
+    last = run_shipped_multiturn(SHIPPED, tiny_checkpoint, tmp_path / "run", extra=(
+        "SearchR2Config.select = 'all'", "SearchR2Config.discriminator_threshold = 0.99",
+        "SearchR2Config.threshold = 0.99", "ScorerConfig.batch_size = 4", "RefinerConfig.batch_size = 4",
+        "MultiTurnConfig.max_turns = 2", "RunConfig.eval_every = 0"))
+    assert last["search_r2/selected"] == 8 and last["search_r2/refined"] >= 1
+    assert np.isfinite(last["update/loss"]) and np.isfinite(last["search_r2/density_mean"])

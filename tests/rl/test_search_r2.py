@@ -316,7 +316,7 @@ def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
 
     last = run_shipped_multiturn(SHIPPED, tiny_checkpoint, tmp_path / "run", extra=(
         "SearchR2Config.select = 'all'", "SearchR2Config.discriminator_threshold = 0.99",
-        "SearchR2Config.threshold = 0.99", "ScorerConfig.batch_size = 4", "RefinerConfig.batch_size = 4",
+        "SearchR2Config.threshold = 0.99", "ScorerConfig.batch_size = 4",
         "MultiTurnConfig.max_turns = 2", "RunConfig.eval_every = 0"))
     assert last["search_r2/selected"] == 8 and last["search_r2/refined"] >= 1
     assert np.isfinite(last["update/loss"]) and np.isfinite(last["search_r2/density_mean"])

@@ -23,3 +23,4 @@ from treejax.rl.deeptravel import FailureReplayConfig  # noqa: F401
 from treejax.rl.judges.scope import SCOPEConfig  # noqa: F401
 from treejax.rl.judges.r3l import R3LConfig  # noqa: F401
 from treejax.rl.judges.prm_steps import PRMStepsConfig  # noqa: F401
+from treejax.rl.judges.search_r2 import SearchR2Config  # noqa: F401

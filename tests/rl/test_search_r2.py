@@ -1,0 +1,322 @@
+"""Search-R2: the evidence-density term against a slow pure-Python reference, the meta-refiner's cut and
+regeneration of a multi-turn episode on tiny random models (the refiner's tokens with their behaviour log-probs,
+the policy's continuation with its own), the config checks, and (slow) one loop step of the shipped config."""
+
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treejax.errors import ConfigError
+from treejax.rl.judges.evidence import chunk_usage, evidence_density, hybrid_rewards, usage_arrays, words
+from treejax.rl.judges.search_r2 import SearchR2Config, SearchR2Rollouts, cut_at_stop, node_lengths
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+SHIPPED = "multiturn_retrieval_search_r2.gin"
+
+
+# ------------------------------------------------------------------------------------- the evidence-density term
+def reference_density(turns, min_overlap=1):
+    """Slow, plain Python: every ``[n] doc`` line of every observation is a chunk; it is used when a word of it (3+
+    letters or digits, not a stop word, not in the turn that retrieved it) is in a later turn's action; density =
+    distinct used documents / chunks."""
+    import re
+
+    chunks = []
+    for i, (action, obs) in enumerate(turns):
+        later = set()
+        for a, _ in turns[i + 1:]:
+            later |= set(words(a))
+        for line in obs.split("\n"):
+            m = re.match(r"^\s*\[\d+\]\s*(.+?)\s*$", line)
+            if m:
+                mine = set(words(m.group(1))) - set(words(action))
+                chunks.append((m.group(1), len(mine & later) >= min_overlap))
+    if not chunks:
+        return 0.0
+    return len({doc for doc, used in chunks if used}) / len(chunks)
+
+
+VELOR = "[{}] Velor Systems: Velor Systems is a maker of pumps founded in 1987 by Ana Brik."
+EPISODES = [
+    # A: 4 chunks; Velor (used: "founded ana brik" later), Tolsa (unused), Ana Brik (used: "born mirel"), Velor again
+    # (nothing new of it used after it): distinct used {Velor, Ana Brik} / 4 = 0.5
+    [("First the company.\n<search>Velor Systems</search>",
+      f"\n<output>\n{VELOR.format(1)}\n[2] Tolsa Corp: Tolsa Corp sells glass.\n</output>\n"),
+     ("Ana Brik founded it.\n<search>Ana Brik</search>",
+      f"\n<output>\n[1] Ana Brik: Ana Brik was born in Mirel.\n{VELOR.format(2)}\n</output>\n"),
+     ("She was born in Mirel.\nAnswer: Mirel", "")],
+    [("Answer: Mirel", "")],  # B: no retrieval, a guess: 0
+    [("<search>zzz</search>", "\n<output>\n[error] no document matches 'zzz'\n</output>\n"),  # C: no evidence: 0
+     ("Answer: Tolsa", "")],
+    # D: the same document twice, both copies used: 1 distinct / 2 chunks = 0.5
+    [("<search>Velor</search>", f"\n<output>\n{VELOR.format(1)}\n</output>\n"),
+     ("<search>Velor again</search>", f"\n<output>\n{VELOR.format(1)}\n</output>\n"),
+     ("Founded by Ana Brik in 1987.\nAnswer: Ana Brik", "")],
+]
+
+
+def test_evidence_density_hand_made_case_matches_the_reference_and_the_numbers():
+    usage = [chunk_usage(e) for e in EPISODES]
+    assert usage[0] == ([True, False, True, False], [0, 1, 2, 0])
+    assert usage[1] == ([], []) and usage[2] == ([], []) and usage[3] == ([True, True], [0, 0])
+    used, doc, valid = usage_arrays([usage[:2], usage[2:]])  # P = 2 prompts x W = 2 slots
+    rho = np.asarray(evidence_density(jnp.asarray(used), jnp.asarray(doc), jnp.asarray(valid)))
+    np.testing.assert_allclose(rho, [[0.5, 0.0], [0.0, 0.5]])
+    np.testing.assert_allclose(rho.ravel(), [reference_density(e) for e in EPISODES])
+    # +-1 rewards: A and B correct, C and D wrong; coef 0.2
+    r, c = jnp.asarray([[1.0, 1.0], [-1.0, -1.0]]), jnp.asarray([[True, True], [False, False]])
+    np.testing.assert_allclose(hybrid_rewards(r, c, jnp.asarray(rho), 0.2, "correct"), [[1.1, 1.0], [-1.0, -1.0]])
+    np.testing.assert_allclose(hybrid_rewards(r, c, jnp.asarray(rho), 0.2, "none"), [[1.1, 1.0], [-1.0, -0.9]])
+    assert reference_density(EPISODES[0], min_overlap=3) == chunk_usage(EPISODES[0], min_overlap=3)[0].count(True) / 4
+
+
+def test_jitted_density_matches_a_loop_on_random_chunks():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        P, W, M = rng.integers(1, 3), rng.integers(1, 4), rng.integers(1, 7)
+        used, doc = rng.random((P, W, M)) < 0.5, rng.integers(0, 3, (P, W, M)).astype(np.int32)
+        n = rng.integers(0, M + 1, (P, W))
+        valid = np.arange(M)[None, None] < n[..., None]
+        got = np.asarray(evidence_density(jnp.asarray(used), jnp.asarray(doc), jnp.asarray(valid)))
+        for p in range(P):
+            for w in range(W):
+                k = int(n[p, w])
+                want = len({int(d) for u, d in zip(used[p, w, :k], doc[p, w, :k]) if u}) / k if k else 0.0
+                assert abs(got[p, w] - want) < 1e-6
+
+
+def test_cut_at_stop_and_node_lengths():
+    text = {1: "a", 2: "</sea", 3: "rch>", 4: "b"}
+    decode = lambda ids: "".join(text[i] for i in ids)  # noqa: E731
+    t, q = cut_at_stop([1, 2, 3, 4], [-1.0, -2.0, -3.0, -4.0], decode, ("</search>",))
+    assert t.tolist() == [1, 2, 3] and q.tolist() == [-1.0, -2.0, -3.0]  # through the token that completes it
+    assert cut_at_stop([1, 4], [-1.0, -4.0], decode, ("</search>",))[0].tolist() == [1, 4]
+    ep = types.SimpleNamespace(turns=[(0, 0, "env"), (0, 3, "policy"), (3, 5, "env"), (5, 9, "policy")])
+    assert node_lengths(ep) == [5, 4]
+
+
+# ------------------------------------------------------------------------------------- config checks
+@pytest.mark.parametrize("kw,match", [(dict(threshold=0.0), "threshold must be in"),
+                                      (dict(discriminator_threshold=1.0), "discriminator_threshold must be in"),
+                                      (dict(select="some"), "select must be one of"),
+                                      (dict(regenerate="judge"), "regenerate must be one of"),
+                                      (dict(correction="drop"), "correction must be one of"),
+                                      (dict(gate="wrong"), "gate must be one of"),
+                                      (dict(refines_per_prompt=0), "refines_per_prompt >= 1"),
+                                      (dict(density_coef=1.5), "density_coef must be in"),
+                                      (dict(evidence_pattern=r"\[\d+\]"), "one group"),
+                                      (dict(evidence_pattern="(("), "one group"),
+                                      (dict(scorer="smollm2"), "scorer must be a ScorerConfig"),
+                                      (dict(refiner="policy"), "refiner must be a RefinerConfig")])
+def test_stage_errors_are_one_line_with_the_fix(kw, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        SearchR2Config(**kw)
+    assert "fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shipped_config_and_the_chain_checks():
+    from treejax import train
+    from treejax.rl.multiturn import MultiTurnConfig
+
+    path = os.path.join(CONFIGS, SHIPPED)
+    cfg = train.parse([path], [])
+    planner, stage = cfg.rollouts
+    assert isinstance(planner, MultiTurnConfig) and isinstance(stage, SearchR2Config)
+    assert planner.environment == "retrieval" and stage.regenerate == "refiner" and stage.density_coef == 0.2
+    assert cfg.loss.tis_cap == 2.0 and cfg.old_logp == "trainer" and not cfg.dynamic_sampling
+    for bad, match in ((["LossConfig.tis_cap = None"], "or SearchR2Config.regenerate = 'policy'"),
+                       (["RunConfig.packed_update = True"], "fix: RunConfig.packed_update = False"),
+                       (["SearchR2Config.refines_per_prompt = 9"], "exceeds the 8 episodes"),
+                       (["RunConfig.rollouts = [@SearchR2Config()]"], "turn_forest"),
+                       (["RunConfig.estimator = 'matchtir'"], "does not supply")):
+        with pytest.raises(ConfigError, match=match) as e:
+            train.parse([path], bad)
+        assert "\n" not in str(e.value)
+    on_policy = train.parse([path], ["LossConfig.tis_cap = None", "RunConfig.old_logp = 'sampler'",
+                                     "SearchR2Config.regenerate = 'policy'"])
+    assert on_policy.rollouts[1].regenerate == "policy"
+
+
+def test_trees_of_turns_are_refused_at_build():
+    from treejax.rl.multiturn import MultiTurnConfig
+
+    inner = types.SimpleNamespace(config=MultiTurnConfig(roots=2), make_env=lambda: None)
+    ctx = types.SimpleNamespace(cfg=types.SimpleNamespace(rollout=types.SimpleNamespace(num_leaves=4)))
+    with pytest.raises(ConfigError, match="fix: MultiTurnConfig.roots = None"):
+        SearchR2Config().build(inner, ctx)
+
+
+# ------------------------------------------------------------------------------------- cut and regenerate
+class _Tok:
+    """CharTokenizer without a chat template whose encode drops newlines (the refiner's plain-text context)."""
+
+    chat_template = None
+
+    def __init__(self):
+        from treejax.testing.tokenizers import CharTokenizer
+
+        self.inner, self.eos_ids, self.pad_id = CharTokenizer(), (63,), 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.inner.decode(ids, skip_special_tokens)
+
+    def encode(self, text):
+        return self.inner.encode(text.replace("\n", ""))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from treejax.models import presets, transformer
+
+    cfg = presets.tiny_config("smollm2-135m", vocab_size=64, eos_token_ids=(63,))
+    return cfg, transformer.init_params(cfg, jax.random.key(5)), transformer.init_params(cfg, jax.random.key(9))
+
+
+PROMPT = [1, 2, 3]
+#: slot 0 fails (turns "A15" OK, "B25" OK, answer "C4"), slot 1 is right ("A15" OK, "B5" OK, answer "35")
+SLOTS = [[("A15", "OK"), ("B25", "OK"), ("C4", "")], [("A15", "OK"), ("B5", "OK"), ("35", "")]]
+
+
+def _rollouts(tok, T):
+    """The hand-made turn forest of :data:`SLOTS` (policy log-probs -1, observations 0) as the chain's rollouts."""
+    from treejax.forest import NodeStatus
+    from treejax.rl.rapo import episodes_forest
+    from treejax.rl.rollouts import Rollouts
+    from treejax.rl.spear import Trajectory
+
+    rows = []
+    for slot in SLOTS:
+        toks, pm, nodes = [], [], []
+        for action, obs in slot:
+            a, o = tok.encode(action), tok.encode(obs)
+            toks, pm, nodes = toks + a + o, pm + [1.0] * len(a) + [0.0] * len(o), nodes + [len(a) + len(o)]
+        rows.append(Trajectory(0, np.array(PROMPT), 3, np.array(nodes), np.array(toks, np.int32), -np.array(pm, np.float32),
+                               np.array(pm, np.float32), int(NodeStatus.FINISHED), 0.0, 0.0))
+    forest = episodes_forest([rows], T, 1 + 2 * 3, 3).replace(segment_length=8)
+    ex = types.SimpleNamespace(metadata={"question": "ABC"}, ground_truth="3")
+    return Rollouts(forest=forest, rewards_PxW=jnp.asarray([[-1.0, 1.0]]), scores_PxW=np.array([[0.0, 1.0]], np.float32),
+                    prompts_PxLp=np.array([PROMPT], np.int32), lengths_P=np.array([3]), examples=[ex],
+                    reward_scores_PxW=np.array([[0.0, 1.0]], np.float32), tool_calls_PxW=np.array([[2, 2]], np.int32))
+
+
+def _source(tiny, monkeypatch, T=32, **kw):
+    from treejax.rl.multiturn import MultiTurnConfig
+    from treejax.sampling import decode, tree_config
+    from treejax.sampling.strategies import Temperature
+    from treejax.scorers.refiner import Refiner, RefinerConfig
+    from treejax.testing.envs import ScriptedToolEnv
+
+    cfg_m, params, ref_params = tiny
+    tok = _Tok()
+    tc = tree_config.independent_config(2, T, 8, strategy=Temperature(1.0), stop_ids=(63,))
+    base = types.SimpleNamespace(sample=lambda params, key, step: _rollouts(tok, T), pipeline=None,
+                                 make_env=lambda: ScriptedToolEnv(tool_turns=2), tree_config=tc,
+                                 config=MultiTurnConfig(max_turns=3, turn_tokens=6, chunk=4), observation_format=None)
+    cfg = types.SimpleNamespace(model="unused", rollout=tc, reward_style="pm1", overlong_buffer=0, overlong_factor=1.0)
+    ctx = types.SimpleNamespace(cfg=cfg, tokenizer=tok, sampler_fns=decode.make_model_fns(cfg_m, attention="dense",
+                                                                                        cache_dtype="float32"),
+                                pad_id=0, mesh=None)
+    stage = SearchR2Config(refiner=RefinerConfig(template="Q{question}P{prefix}S{step}", max_new_tokens=4,
+                                                 stop_at_newline=False), refines_per_prompt=1, **kw)
+    src = SearchR2Rollouts(base, stage, ctx)
+    refiner = Refiner(stage.refiner, cfg_m, ref_params, tok)
+
+    def load():  # the judge's and the PRM's scores are set below; the refiner is a tiny model unlike the policy
+        src.scorer, src.refiner = object(), refiner
+    monkeypatch.setattr(src, "_load", load)
+    monkeypatch.setattr("treejax.scorers.judge.judge_scores", lambda s, qs, texts, answers: np.array([0.2]))
+    monkeypatch.setattr("treejax.scorers.prm.step_scores", lambda s, qs, steps: np.array([[0.9, 0.3, 0.1]]))
+    return src, refiner, tok
+
+
+def test_the_cut_episode_keeps_its_prefix_the_refiners_turn_and_the_policys_continuation(tiny, monkeypatch):
+    """Judge 0.2 (flawed), PRM (0.9, 0.3, 0.1): slot 0 is cut at turn 2 ("B25"). The row keeps turn 1 ("A15" OK)
+    with its log-probs, then the refiner's turn (log q = a direct forward of the refiner over its context), the
+    world's "OK" (out of the loss), then the policy's answer turn (its own teacher-forced log-probs); 3 turn nodes;
+    the reward is the world's score of that answer; slot 1 is unchanged."""
+    from treejax.sampling.decode import score_tokens
+    from treejax.scorers.refiner import refiner_context
+    from tests.scorers.test_refiner import teacher_forced_logp
+
+    cfg_m, params, ref_params = tiny
+    src, refiner, tok = _source(tiny, monkeypatch)
+    ro = src.sample(params, jax.random.key(3), 0)
+    m = ro.extra_metrics
+    assert (m["search_r2/selected"], m["search_r2/flagged"], m["search_r2/located"], m["search_r2/refined"]) == (1,) * 4
+    assert m["search_r2/first_turn_mean"] == 1.0
+    f = jax.device_get(ro.forest)
+    tokens, logp, n = np.asarray(f.tokens)[0, 0], np.asarray(f.logprobs)[0, 0], int(f.leaf_length[0, 0])
+    pm, mask = np.asarray(f.policy_tokens())[0, 0], np.asarray(f.loss_mask)[0, 0]
+    a = len("A15OK")
+    assert tok.decode(tokens[:a].tolist()) == "A15OK" and logp[:3].tolist() == [-1.0] * 3 and not logp[3:a].any()
+    span = np.flatnonzero(ro.refined_PxWxT[0, 0])
+    assert span[0] == a and 1 <= len(span) <= 4 and len(span) == m["search_r2/refined_tokens"]
+    z = tokens[span].tolist()
+    q = teacher_forced_logp(cfg_m, ref_params, refiner_context(refiner, "ABC", "A15OK", "B25"), z)
+    np.testing.assert_allclose(logp[span], q, rtol=1e-4, atol=1e-5)
+    assert mask[span].all()  # correction "is": the refiner's tokens are trained, importance-weighted
+    b = span[-1] + 1
+    assert tok.decode(tokens[b:b + 2].tolist()) == "OK" and not mask[b:b + 2].any() and not logp[b:b + 2].any()
+    c = b + 2
+    assert n > c and pm[c:n].all()  # the policy's answer turn
+    pi = np.asarray(score_tokens(params, src.ctx.sampler_fns, ro.prompts_PxLp, ro.lengths_P, tokens[None], [n]))[0]
+    np.testing.assert_allclose(logp[c:n], pi[c:n], rtol=1e-4, atol=1e-5)
+    path = np.asarray(f.leaf_path)[0, 0]
+    spans = np.asarray(f.spans())[0][path[1:][path[1:] >= 0]]
+    assert spans[:, 1].tolist() == [a, b + 2 - a, n - c]
+    score = float("3" in tok.decode(tokens[c:n].tolist()))
+    assert ro.reward_scores_PxW.tolist() == [[score, 1.0]] and ro.scores_PxW.tolist() == [[0.0, 1.0]]
+    np.testing.assert_allclose(np.asarray(ro.rewards_PxW), [[2 * score - 1, 1.0]])  # no "[n] doc" lines: rho = 0
+    assert ro.tool_calls_PxW.tolist() == [[2, 2]] and m["search_r2/density_mean"] == 0.0
+    np.testing.assert_array_equal(np.asarray(f.tokens)[0, 1], np.asarray(_rollouts(tok, 32).forest.tokens)[0, 1])
+
+
+def test_policy_regeneration_is_an_on_policy_fork_and_mask_keeps_the_refiner_out(tiny, monkeypatch):
+    from treejax.sampling.decode import score_tokens
+
+    cfg_m, params, _ = tiny
+    src, _, tok = _source(tiny, monkeypatch, regenerate="policy")
+    monkeypatch.setattr("treejax.scorers.refiner.refine", lambda *a: pytest.fail("the refiner ran"))
+    ro = src.sample(params, jax.random.key(3), 0)
+    f = jax.device_get(ro.forest)
+    tokens, logp, n = np.asarray(f.tokens)[0, 0], np.asarray(f.logprobs)[0, 0], int(f.leaf_length[0, 0])
+    pm = np.asarray(f.policy_tokens())[0, 0] > 0
+    assert not ro.refined_PxWxT.any() and tok.decode(tokens[:5].tolist()) == "A15OK" and n > 5
+    pi = np.asarray(score_tokens(params, src.ctx.sampler_fns, ro.prompts_PxLp, ro.lengths_P, tokens[None], [n]))[0]
+    np.testing.assert_allclose(logp[5:n][pm[5:n]], pi[5:n][pm[5:n]], rtol=1e-4, atol=1e-5)
+
+    monkeypatch.undo()  # the refiner may run again
+    src, _, _ = _source(tiny, monkeypatch, correction="mask")
+    ro = src.sample(params, jax.random.key(3), 0)
+    refined, mask = ro.refined_PxWxT[0, 0] > 0, np.asarray(ro.forest.loss_mask)[0, 0]
+    assert refined.any() and not mask[refined].any() and mask[:3].all()
+
+
+def test_nothing_is_cut_when_the_discriminator_finds_no_flaw(tiny, monkeypatch):
+    cfg_m, params, _ = tiny
+    src, _, tok = _source(tiny, monkeypatch)
+    monkeypatch.setattr("treejax.scorers.judge.judge_scores", lambda s, qs, texts, answers: np.array([0.9]))
+    monkeypatch.setattr("treejax.scorers.prm.step_scores", lambda *a: pytest.fail("the PRM ran"))
+    ro, ref = src.sample(params, jax.random.key(3), 0), _rollouts(tok, 32)
+    assert ro.extra_metrics["search_r2/flagged"] == 0 and ro.extra_metrics["search_r2/refined"] == 0
+    for name in ("tokens", "logprobs", "loss_mask", "leaf_length", "leaf_status"):
+        np.testing.assert_array_equal(np.asarray(getattr(ro.forest, name)), np.asarray(getattr(ref.forest, name)))
+    np.testing.assert_array_equal(np.asarray(ro.rewards_PxW), np.asarray(ref.rewards_PxW))
+
+
+# ------------------------------------------------------------------------------------- the whole loop
+@pytest.mark.slow  # one step of the shipped config through treejax.train.main on the tiny model (92 s on 2 shared
+# cores; judge, PRM and refiner the policy's frozen copy); the cut row's log-probs and masks are covered above
+def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
+    from treejax.testing.envs import run_shipped_multiturn
+
+    last = run_shipped_multiturn(SHIPPED, tiny_checkpoint, tmp_path / "run", extra=(
+        "SearchR2Config.select = 'all'", "SearchR2Config.discriminator_threshold = 0.99",
+        "SearchR2Config.threshold = 0.99", "ScorerConfig.batch_size = 4",
+        "MultiTurnConfig.max_turns = 2", "RunConfig.eval_every = 0"))
+    assert last["search_r2/selected"] == 8 and last["search_r2/refined"] >= 1
+    assert np.isfinite(last["update/loss"]) and np.isfinite(last["search_r2/density_mean"])

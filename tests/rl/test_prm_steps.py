@@ -168,15 +168,9 @@ def test_one_rl_step_with_grpo_adds_the_prm_term():
 @pytest.mark.slow  # the whole CLI on the tiny model (~60 s on 2 cores); the default run covers the config
 # (test_gin_builds_the_shipped_config) and the stage and shaper (the tests above)
 def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
-    from treejax import train
+    from treejax.testing.runs import run_shipped
 
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8", "RunConfig.dynamic_sampling = False",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4",
-              "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2", "EvalConfig.batch_size = 2",
-              "RunConfig.eval_every = 0", "RunConfig.mini_batches = 1"]
-    summary = train.main(["--gin_file", os.path.join(CONFIGS, "efficacy_prm_steps.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    row = summary["history"][0]
-    assert np.isfinite(row["update/loss"]) and row["judge/scored"] > 0 and row["shaping/prm_steps/steps"] > 0
+    row = run_shipped("efficacy_prm_steps.gin", tiny_checkpoint, tmp_path / "run", extra=(
+        "ScorerConfig.model = 'policy'", "ScorerConfig.batch_size = 8", "RunConfig.dynamic_sampling = False",
+        "TreeConfig.init_divergence = 4"))
+    assert row["judge/scored"] > 0 and row["shaping/prm_steps/steps"] > 0

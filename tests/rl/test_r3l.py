@@ -238,19 +238,11 @@ def test_nothing_changes_without_a_located_failure(tiny, monkeypatch):
 # refiner); the retried row's log-probs, masks, rewards and the amplification are covered by the default tests
 # above (test_the_retried_row_from_the_failure_point_with_feedback_out_of_the_row, test_positive_amplification_by_hand)
 def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
-    from treejax import train
+    from treejax.testing.runs import run_shipped
 
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "ScorerConfig.model = 'policy'", "R3LConfig.threshold = 0.99", "R3LConfig.steps = 'segments'",
-              "ScorerConfig.batch_size = 4", "R3LConfig.retries_per_prompt = 2",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4",
-              "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2", "EvalConfig.batch_size = 2",
-              "RunConfig.eval_every = 0", "RunConfig.mini_batches = 1", "OptimizerConfig.total_steps = 1",
-              "RunConfig.tree_picture_every = 0", "RunConfig.export_hf = False"]
-    summary = train.main(["--gin_file", os.path.join(CONFIGS, "efficacy_r3l.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    row = summary["history"][0]
-    assert np.isfinite(row["update/loss"]) and row["r3l/retried"] >= 1 and row["r3l/suffix_tokens"] >= 1
+    row = run_shipped("efficacy_r3l.gin", tiny_checkpoint, tmp_path / "run", extra=(
+        "ScorerConfig.model = 'policy'", "R3LConfig.threshold = 0.99", "R3LConfig.steps = 'segments'",
+        "ScorerConfig.batch_size = 4", "R3LConfig.retries_per_prompt = 2", "TreeConfig.init_divergence = 4"))
+    assert row["r3l/retried"] >= 1 and row["r3l/suffix_tokens"] >= 1
     assert row["r3l/feedback_tokens"] > 0 and np.isfinite(row["r3l/log_ratio_mean"])
     assert "shaping/r3l_amplify/amplified" in row

@@ -231,19 +231,11 @@ def test_nothing_changes_without_a_located_error(tiny, monkeypatch):
 # policy, PRM and refiner);
 # the rewritten row's log-probs, weights and mask are covered by the default tests above
 def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
-    from treejax import train
+    from treejax.testing.runs import run_shipped
 
-    params = [f"RunConfig.model = '{tiny_checkpoint}'", f"RunConfig.log_dir = '{tmp_path / 'run'}'",
-              "ScorerConfig.model = 'policy'", "RefinerConfig.model = 'policy'", "SCOPEConfig.threshold = 0.99",
-              "SCOPEConfig.steps = 'segments'", "RefinerConfig.max_new_tokens = 4", "ScorerConfig.batch_size = 4",
-              "RefinerConfig.batch_size = 4", "SCOPEConfig.rewrites_per_prompt = 2",
-              "RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2", "TreeConfig.num_leaves = 4",
-              "TreeConfig.init_divergence = 4", "TreeConfig.max_depth = 2", "TreeConfig.segment_length = 4",
-              "EvalConfig.num_problems = 2", "EvalConfig.max_new_tokens = 2", "EvalConfig.batch_size = 2",
-              "RunConfig.eval_every = 0", "RunConfig.mini_batches = 1", "OptimizerConfig.total_steps = 1",
-              "RunConfig.tree_picture_every = 0", "RunConfig.export_hf = False"]
-    summary = train.main(["--gin_file", os.path.join(CONFIGS, "efficacy_scope.gin"), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
-    row = summary["history"][0]
-    assert np.isfinite(row["update/loss"]) and row["scope/rewritten"] >= 1
+    row = run_shipped("efficacy_scope.gin", tiny_checkpoint, tmp_path / "run", extra=(
+        "ScorerConfig.model = 'policy'", "RefinerConfig.model = 'policy'", "SCOPEConfig.threshold = 0.99",
+        "SCOPEConfig.steps = 'segments'", "RefinerConfig.max_new_tokens = 4", "ScorerConfig.batch_size = 4",
+        "RefinerConfig.batch_size = 4", "SCOPEConfig.rewrites_per_prompt = 2", "TreeConfig.init_divergence = 4"))
+    assert row["scope/rewritten"] >= 1
     assert row["scope/refined_tokens"] >= 1 and np.isfinite(row["scope/log_ratio_mean"])

@@ -22,3 +22,4 @@ from treejax.rl.rapo import RAPOConfig  # noqa: F401
 from treejax.rl.deeptravel import FailureReplayConfig  # noqa: F401
 from treejax.rl.judges.scope import SCOPEConfig  # noqa: F401
 from treejax.rl.judges.r3l import R3LConfig  # noqa: F401
+from treejax.rl.cosearch import CoSearchConfig  # noqa: F401

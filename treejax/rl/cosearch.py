@@ -183,6 +183,9 @@ class RankerSession:
         self.episodes: list = []  # each episode's environment, by episode id
 
     def new_episode(self, env) -> int:
+        """The id of a new episode (``-1`` in a session that does not record: nothing is kept)."""
+        if not self.record:
+            return -1
         self.episodes.append(env)
         return len(self.episodes) - 1
 

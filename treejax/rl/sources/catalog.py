@@ -24,3 +24,4 @@ from treejax.rl.judges.scope import SCOPEConfig  # noqa: F401
 from treejax.rl.judges.r3l import R3LConfig  # noqa: F401
 from treejax.rl.judges.prm_steps import PRMStepsConfig  # noqa: F401
 from treejax.rl.judges.search_r2 import SearchR2Config  # noqa: F401
+from treejax.rl.cosearch import CoSearchConfig  # noqa: F401

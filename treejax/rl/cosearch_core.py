@@ -61,6 +61,8 @@ import re
 
 import numpy as np
 
+from treejax.rl.tool_match import multiset_f1
+
 #: Per-candidate features (:func:`candidate_features`), in order.
 FEATURES = ("bm25", "bm25_reciprocal_rank", "title_recall", "query_coverage", "kind_country", "kind_city",
             "kind_person", "kind_company")
@@ -82,14 +84,7 @@ def normalize_subquery(text: str) -> str:
 
 def rouge1_f1(a: str, b: str) -> float:
     """ROUGE-1 F1 of two normalised texts (whitespace tokens, counted with multiplicity); 0 when either is empty."""
-    ta, tb = a.split(), b.split()
-    if not ta or not tb:
-        return 0.0
-    overlap = sum((collections.Counter(ta) & collections.Counter(tb)).values())
-    if overlap == 0:
-        return 0.0
-    p, r = overlap / len(ta), overlap / len(tb)
-    return 2 * p * r / (p + r)
+    return multiset_f1(a.split(), b.split())
 
 
 def cluster_subqueries(questions: list, evidence_A, queries: list[str], grouping: str = "rouge1",

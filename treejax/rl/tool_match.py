@@ -43,17 +43,23 @@ def _tokens(text: str) -> list[str]:
     return re.findall(r"\w+", str(text).lower())
 
 
+def multiset_f1(ta: list, tb: list) -> float:
+    """F1 of two token lists counted with multiplicity: ``2 p r / (p + r)`` with ``p = common / |ta|``, ``r = common
+    / |tb|``; 0 when they share no token (an empty list included)."""
+    common = sum((collections.Counter(ta) & collections.Counter(tb)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(ta), common / len(tb)
+    return 2 * precision * recall / (precision + recall)
+
+
 def token_f1(a: str, b: str) -> float:
     """Token F1 of two texts (lower-case ``\\w+`` tokens, counted with multiplicity); 1 for two empty texts, 0
     when one is empty."""
     ta, tb = _tokens(a), _tokens(b)
     if not ta and not tb:
         return 1.0
-    common = sum((collections.Counter(ta) & collections.Counter(tb)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(ta), common / len(tb)
-    return 2 * precision * recall / (precision + recall)
+    return multiset_f1(ta, tb)
 
 
 def check_call(call, where: str) -> dict:
@@ -148,5 +154,5 @@ def tool_match_rewards(trees, examples, depth: int, name_weight: float = 0.5, as
     return out
 
 
-__all__ = ["ASSIGNMENTS", "call_score", "check_call", "match_calls", "reference_calls", "sinkhorn_plan", "token_f1",
+__all__ = ["ASSIGNMENTS", "call_score", "check_call", "match_calls", "multiset_f1", "reference_calls", "sinkhorn_plan", "token_f1",
            "tool_match_rewards"]

@@ -5,6 +5,7 @@
 # --resume when the script runs again (a finished job, one with OUT_DIR/NAME/summary.json, is skipped).
 #   bash experiments/method_jobs.sh SMOLLM2_GGUF OUT_DIR SECONDS [agree]   (agree: also the 256-problem judge agreement)
 #   MB=2 bash experiments/method_jobs.sh ...                               (RunConfig.micro_batches=2 for every job)
+#   JOBS="grpo prm_steps" bash experiments/method_jobs.sh ...              (only these jobs; default: all below)
 #   python experiments/config_report.py OUT_DIR                            (one table of the summaries)
 # The GRPO baseline without dynamic sampling (the setting of the judge configs) is efficacy_grpo with
 # --gin_param="RunConfig.dynamic_sampling=False" (and "RunConfig.seed=1" for a second seed).
@@ -19,8 +20,11 @@ common=(--gin_param="RunConfig.model='$G'" --gin_param="RunConfig.num_steps=40" 
   --gin_param="RunConfig.tree_picture_every=0")
 [ -n "${MB:-}" ] && common+=(--gin_param="RunConfig.micro_batches=$MB")
 S=(--gin_param="ScorerConfig.model='$G'")
+all="grpo fapo ssl slate mapo ets scope r3l spa_rl oprl mosaic prm_steps retrieval search_r2 cosearch"
+for n in ${JOBS:-$all}; do [[ " $all " == *" $n "* ]] || { echo "no job $n (jobs: $all)" >&2; exit 2; }; done
 job() {  # NAME CONFIG extra-gin-params...
   local n=$1 c=$2; shift 2
+  [[ " ${JOBS:-$all} " == *" $n "* ]] || return
   [ -f "$o/$n/summary.json" ] && return
   local flag=(); [ -d "$o/$n/checkpoints" ] && flag=(--resume)
   ( timeout -s TERM -k 100 "$T" python3 -m treejax.train "configs/$c.gin" "${common[@]}" "$@" \
@@ -39,6 +43,10 @@ job oprl efficacy_oprl
 job mosaic multiturn_user_mosaic --gin_param="RunConfig.task_options={
     'size': 1024, 'eval_size': 256, 'seed': 0, 'revealed': 1, 'unsafe': 0.25, 'user': 'model', 'user_model': '$G',
     'user_max_tokens': 32, 'user_temperature': 0.0, 'user_seed': 0, 'system_prompt': None, 'extraction': 'answer_line'}"
+job prm_steps efficacy_prm_steps "${S[@]}"
+job retrieval efficacy_retrieval                                   # the retrieval world's GRPO baseline
+job search_r2 multiturn_retrieval_search_r2
+job cosearch multiturn_retrieval_cosearch
 if [ "$agree" = agree ] && [ ! -f "$o/agree.json" ]; then
   ( timeout -k 30 "$T" python3 experiments/judge_agreement.py --gin_file configs/efficacy_fapo.gin --problems 256 \
       --gin_param="RunConfig.model='$G'" "${S[@]}" --out "$o/agree.json" > "$o/agree.txt" 2>&1 ) &

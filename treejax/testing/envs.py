@@ -144,23 +144,33 @@ ONE_STEP_MULTITURN = ("RunConfig.num_steps = 1", "RunConfig.prompts_per_step = 2
                       "RunConfig.mini_batches = 1")
 
 
-def run_shipped_multiturn(config: str, model: str, log_dir, extra: tuple = ()) -> dict:
-    """``configs/<config>`` through ``treejax.train.main`` for one step of 2 prompts x 4 leaf slots on ``model``
-    (:data:`ONE_STEP_MULTITURN`, then ``extra``, which may override them). Checks what every such run must give:
-    one history row, every slot ended (done, out of turns or out of tokens), a finite mean reward. Returns that
-    row."""
-    import math
+def shipped_multiturn_argv(config: str, model: str, log_dir, extra: tuple = ()) -> list[str]:
+    """``treejax-train``'s arguments for one step of ``configs/<config>`` (:func:`run_shipped_multiturn`'s)."""
     import os
-
-    from treejax import train
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     params = [f"RunConfig.model = '{model}'", f"RunConfig.log_dir = '{log_dir}'", *ONE_STEP_MULTITURN, *extra]
-    summary = train.main(["--gin_file", os.path.join(root, "configs", config), "--quiet"]
-                         + sum((["--gin_param", p] for p in params), []))
+    return ["--gin_file", os.path.join(root, "configs", config), "--quiet"] + sum((["--gin_param", p] for p in params), [])
+
+
+def check_shipped_multiturn_row(summary: dict) -> dict:
+    """What every one-step run of a shipped multi-turn config must give: one history row, every one of the 8 leaf
+    slots ended (done, out of turns or out of tokens), a finite mean reward. Returns that row."""
+    import math
+
     assert len(summary["history"]) == 1, summary["history"]
     last = summary["history"][-1]
     ended = sum(last[f"multiturn/status/{s}"] for s in ("done", "max_turns", "max_tokens"))
     assert ended == 2 * 4, f"{ended} of 8 leaf slots ended"
     assert math.isfinite(last["reward/mean"]), last["reward/mean"]
     return last
+
+
+def run_shipped_multiturn(config: str, model: str, log_dir, extra: tuple = ()) -> dict:
+    """``configs/<config>`` through ``treejax.train.main`` for one step of 2 prompts x 4 leaf slots on ``model``
+    (:data:`ONE_STEP_MULTITURN`, then ``extra``, which may override them). Checks what every such run must give:
+    one history row, every slot ended (done, out of turns or out of tokens), a finite mean reward. Returns that
+    row."""
+    from treejax import train
+
+    return check_shipped_multiturn_row(train.main(shipped_multiturn_argv(config, model, log_dir, extra)))

@@ -43,12 +43,12 @@ from treejax.sft_config import check_expert_world, format_demonstration
 def expert_actions(env_cls, example, demonstration: str) -> list[str]:
     """``[a_1 .. a_n, a_{n+1}]``: the rendered reference calls of ``example`` and its answer turn (module
     docstring)."""
-    calls = (example.metadata or {}).get("reference_calls")
-    uid = example.metadata.get("uid")
+    meta = example.metadata or {}
+    calls, uid = meta.get("reference_calls"), meta.get("uid")
     if not isinstance(calls, list) or not calls:
         raise DataError(f"record {uid!r} ships no reference tool calls (metadata['reference_calls']), so it has no "
                         "expert episode; fix: a task that ships them (SFTConfig.task = 'retrieval_multihop')")
-    answer = format_demonstration(demonstration, dict(example.metadata, answer=example.ground_truth), uid)
+    answer = format_demonstration(demonstration, dict(meta, answer=example.ground_truth), uid)
     return [env_cls.render_call(c) for c in calls] + [answer]
 
 

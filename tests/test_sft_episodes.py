@@ -110,3 +110,76 @@ def test_cli_trains_on_expert_episodes_and_evaluates_with_the_tools(tiny_checkpo
     after = summary["eval_after"]
     assert after["n"] == 2 and 0.0 <= after["tool_accuracy"] <= 1.0 and after["tool_turns_mean"] >= 1
     assert "with the tools (retrieval)" in capsys.readouterr().out
+
+
+WORLDS = {  # world -> (task, its RL config, turns): the shell and travel worlds' expert episodes
+    "shell": ("shell_files", "configs/efficacy_shell.gin", 4),
+    "travel": ("travel_plans", "configs/multiturn_travel.gin", 6),
+}
+
+
+@pytest.mark.parametrize("world_name", sorted(WORLDS))
+def test_shell_and_travel_expert_episodes_replay_and_solve(world_name):
+    """Every reference call renders to an action the world parses back to the same call; the expert episode
+    played in a fresh world solves the problem (reward 1) with exactly one call per turn; episode_batch's rows hold
+    the prompt, then exactly those actions (trained) and the world's observations (not trained)."""
+    from treejax.data import get_task
+    from treejax.envs import get_env
+    from treejax.models.registry import load_tokenizer
+    from treejax.rl.multiturn import MultiTurnConfig
+    from treejax.sft import SFTConfig
+    from treejax.sft_episodes import episode_batch, expert_actions
+
+    task_name, rl_config, turns = WORLDS[world_name]
+    opts = dict(size=12, eval_size=4, seed=3, system_prompt=None, extraction="answer_line")
+    mt = MultiTurnConfig(environment=world_name, max_turns=turns, turn_tokens=64)
+    cfg = SFTConfig(task=task_name, task_options=opts, multiturn=mt, demonstration="Answer: {answer}",
+                    max_demo_tokens=1024)
+    task, tok, env_cls = get_task(task_name, **opts), load_tokenizer(cfg.model), get_env(world_name)
+    records = task.records("train")
+    for rec in records:
+        ex = task.make_example(rec)
+        calls = ex.metadata["reference_calls"]
+        assert all(env_cls.parse_action(env_cls.render_call(c)) == c for c in calls)
+        actions = expert_actions(env_cls, ex, cfg.demonstration)
+        assert env_cls.parse_action(actions[-1]) is None  # the answer turn makes no call
+        env = env_cls.from_config(mt, task, None)
+        env.reset(ex)
+        results = [env.step(a) for a in actions]
+        assert [r.done for r in results] == [False] * len(calls) + [True]
+        assert [r.info.get("tool_call") for r in results[:-1]] == calls and results[-1].reward == 1.0
+    tokens, targets, mask = (np.asarray(x) for x in episode_batch(
+        tok, task, records, cfg, 0, lambda: env_cls.from_config(mt, task, None), tuple(tok.eos_ids)))
+    for i, rec in enumerate(records):
+        actions = expert_actions(env_cls, task.make_example(rec), cfg.demonstration)
+        trained = targets[i][mask[i] > 0].tolist()
+        assert trained == sum((tok.encode(a) for a in actions), []) + [tok.eos_ids[0]]
+        assert (tokens[i] != 0).sum() > len(trained)  # the prompt and the observations are there, untrained
+
+
+def test_render_call_refuses_another_worlds_tool():
+    from treejax.envs.shell import ShellEnv
+    from treejax.envs.travel import TravelEnv
+
+    with pytest.raises(ValueError, match="one tool, 'shell'; got a call to 'search'"):
+        ShellEnv.render_call({"name": "search", "args": {"query": "x"}})
+    with pytest.raises(ValueError, match="tools are .*got a call to 'shell'"):
+        TravelEnv.render_call({"name": "shell", "args": {"command": "ls"}})
+
+
+@pytest.mark.parametrize("config", ["configs/sft_shell_expert.gin", "configs/sft_travel_expert.gin"])
+def test_shipped_expert_configs_parse_and_their_episodes_fit(config):
+    """The shipped shell / travel SFT configs parse, and the expert episodes of their first 64 training records fit
+    SFTConfig.max_demo_tokens and MultiTurnConfig.turn_tokens (episode_batch refuses any that does not)."""
+    from treejax.data import get_task
+    from treejax.envs import get_env
+    from treejax.gin_surface import parse
+    from treejax.models.registry import load_tokenizer
+    from treejax.sft_episodes import episode_batch
+
+    cfg = parse([config], [], check_mesh=False, root="SFTConfig")
+    task, tok = get_task(cfg.task, **cfg.task_options), load_tokenizer(cfg.model)
+    mt = cfg.multiturn
+    tokens, _, mask = episode_batch(tok, task, task.records("train")[:64], cfg, 0,
+                                    lambda: get_env(mt.environment).from_config(mt, task, None), tuple(tok.eos_ids))
+    assert np.asarray(tokens).shape[0] == 64 and np.asarray(mask).sum(1).min() > 0

@@ -5,8 +5,9 @@ A policy that never calls a tool gives an agent RL run no signal (in the retriev
 SmolLM2-135M called a tool in at most 3% of its episodes, every reward -1, a zero gradient: docs/worlds.md). The
 usual fix (Search-R1's and ToolRL's cold starts, ReTool's SFT stage) is a short supervised stage on trajectories
 that act. For a world whose environment can replay expert steps (``expert_steps = True``: ``render_call``; the
-retrieval world) and a task whose records ship their reference tool calls (``metadata["reference_calls"]``:
-``retrieval_multihop``), a record's expert episode is::
+retrieval, shell and travel worlds) and a task whose records ship their reference tool calls
+(``metadata["reference_calls"]``: ``retrieval_multihop``, ``shell_files``, ``travel_plans``), a record's expert
+episode is::
 
     a_1 .. a_n   = render_call(g_1) .. render_call(g_n)       one reference call per turn (``<search>q</search>``)
     a_{n+1}      = SFTConfig.demonstration of the record        the answer turn (e.g. "Answer: {answer}"), then EOS
@@ -47,7 +48,8 @@ def expert_actions(env_cls, example, demonstration: str) -> list[str]:
     calls, uid = meta.get("reference_calls"), meta.get("uid")
     if not isinstance(calls, list) or not calls:
         raise DataError(f"record {uid!r} ships no reference tool calls (metadata['reference_calls']), so it has no "
-                        "expert episode; fix: a task that ships them (SFTConfig.task = 'retrieval_multihop')")
+                        "expert episode; fix: a task that ships them (SFTConfig.task = 'retrieval_multihop', "
+                        "'shell_files' or 'travel_plans')")
     answer = format_demonstration(demonstration, dict(meta, answer=example.ground_truth), uid)
     return [env_cls.render_call(c) for c in calls] + [answer]
 

@@ -45,7 +45,8 @@ GOLDEN = os.path.join(HERE, "golden_runs.json")
 #: Wall-clock, memory and compile keys: not part of a run's result.
 VOLATILE = ("time/", "compile/", "memory/", "throughput/", "loop/")
 #: Configs that are not RL runs of treejax-train (treejax-sft's).
-SFT_CONFIGS = ("sft_chain_sum.gin", "sft_otr.gin", "sft_retrieval_expert.gin")
+SFT_CONFIGS = ("sft_chain_sum.gin", "sft_otr.gin", "sft_retrieval_expert.gin", "sft_shell_expert.gin",
+               "sft_travel_expert.gin")
 
 #: Shrinking a config can break its own arithmetic: these keep it valid (a DOTS reference below the prompts, one
 #: device for async, room for the game's first observation, mini-batches that divide the rows).

@@ -215,3 +215,28 @@ def test_the_shipped_uis1_config_runs_one_step(tiny_checkpoint, tmp_path):
     assert 0.0 <= last["multiturn/semi_online/match_frac"] <= 1.0
     assert last["multiturn/semi_online/patches_mean"] >= 0.0
     assert np.isfinite(last["multiturn/semi_online/step_reward_mean"])
+
+
+@pytest.mark.parametrize("world", ["shell", "travel"])
+def test_semi_online_on_the_shell_and_travel_worlds(world):
+    """The shell and travel worlds replay expert steps too: the expert's own calls match at every step and its
+    answer is verified (episode score 1); a wrong call is patched to the expert's state, whose observation follows
+    the patch note."""
+    from treejax.data import get_task
+    from treejax.envs import get_env
+
+    task = get_task({"shell": "shell_files", "travel": "travel_plans"}[world], size=4, eval_size=2, seed=1,
+                    system_prompt=None, extraction="answer_line")
+    env_cls = get_env(world)
+    ex = task.make_example(task.records("train")[0])
+    ref = ex.metadata["reference_calls"]
+    env = SemiOnlineEnv(env_cls(task, max_calls=len(ref) + 1), SemiOnlineConfig(patch_limit=1))
+    env.reset(ex)
+    assert all(env.step(env_cls.render_call(c)).info["semi_online"]["match"] for c in ref)
+    last = env.step(f"Answer: {ex.ground_truth}")
+    assert last.done and last.info["semi_online"]["match"] and last.info["episode_score"] == pytest.approx(1.0)
+    env.reset(ex)
+    wrong = {"shell": "<shell>pwd</shell>", "travel": "<hotels>Nowhere</hotels>"}[world]
+    patched = env.step(wrong)
+    assert patched.info["semi_online"]["patched"] and not patched.info["semi_online"]["match"]
+    assert patched.observation.startswith(f"\n[patched: {env_cls.render_call(ref[0])}]")

@@ -205,6 +205,24 @@ class ShellEnv:
     reference_calls: ClassVar[bool] = True
     #: Its command turns carry ``info["action_signature"]``, the AST's command-name chain (A³).
     ast_actions: ClassVar[bool] = True
+    #: It can replay an expert trajectory (``parse_action`` / ``render_call``): expert-episode SFT
+    #: (:mod:`treejax.sft_episodes`) and UI-S1's semi-online rollout (:class:`treejax.envs.semi_online.SemiOnlineEnv`).
+    expert_steps: ClassVar[bool] = True
+
+    @staticmethod
+    def parse_action(action: str) -> Optional[dict]:
+        """The call that ends ``action`` in the reference calls' shape, ``{"name": "shell", "args": {"command":
+        text}}``, else ``None`` (the answer turn)."""
+        command = parse_command(action)
+        return None if command is None else {"name": "shell", "args": {"command": command}}
+
+    @staticmethod
+    def render_call(call: dict) -> str:
+        """The action text of a call (``<shell>ls /</shell>``), which :meth:`parse_action` reads back as the same
+        call."""
+        if call.get("name") != "shell":
+            raise ValueError(f"the shell world has one tool, 'shell'; got a call to {call.get('name')!r}")
+        return f"<shell>{call['args']['command']}</shell>"
 
     def __post_init__(self):
         if self.max_calls < 0 or self.max_output_chars < 1:

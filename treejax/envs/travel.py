@@ -106,6 +106,18 @@ class TravelEnv:
     tasks: ClassVar[tuple[str, ...]] = ("travel_plans",)
     #: Its examples ship reference calls (the searches behind the reference plan), for MatchTIR.
     reference_calls: ClassVar[bool] = True
+    #: It can replay an expert trajectory (``parse_action`` / ``render_call``): expert-episode SFT
+    #: (:mod:`treejax.sft_episodes`) and UI-S1's semi-online rollout (:class:`treejax.envs.semi_online.SemiOnlineEnv`).
+    expert_steps: ClassVar[bool] = True
+    parse_action = staticmethod(parse_call)
+
+    @staticmethod
+    def render_call(call: dict) -> str:
+        """The action text of a call (``<flights>Oshal Halav 3</flights>``), which :func:`parse_call` reads back as
+        the same call."""
+        if call.get("name") not in TOOLS:
+            raise ValueError(f"the travel world's tools are {sorted(TOOLS)}; got a call to {call.get('name')!r}")
+        return f"<{call['name']}>{call['args']['query']}</{call['name']}>"
 
     def __post_init__(self):
         if self.max_calls < 0:

@@ -192,7 +192,8 @@ def run(cfg: SFTConfig) -> dict:
     width = prompt_width_for(tokenizer, eval_examples, cfg.system_prompt, cfg.instruction)
     pipeline = make_prompt_pipeline(train, batch_size=cfg.batch_size, seed=cfg.seed)
     writer = metrics_lib.MetricsWriter(cfg.log_dir, print_fn=log.info, total_steps=cfg.num_steps,
-                                       console_keys=("sft/loss", "sft/nll", "sft/grad_norm", "eval/accuracy"))
+                                       console_keys=("sft/loss", "sft/nll", "sft/grad_norm", "eval/accuracy",
+                                                     "eval/tool_accuracy"))
     key = jax.random.key(cfg.seed)
 
     def evaluate_now(step):

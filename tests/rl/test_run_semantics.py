@@ -235,6 +235,20 @@ def test_summary_of_a_healthy_run_has_no_divergence_warning():
     assert "WARNING: training looked diverged at step(s) 2 (the policy entropy" in format_summary(summary)
 
 
+def test_summary_of_a_multiturn_run_gives_the_accuracy_with_the_tools():
+    from treejax.rl.report import format_summary
+
+    ev = lambda acc, tools, calls: {"accuracy": acc, "n": 128, "tool_accuracy": tools, "tool_calls_mean": calls}  # noqa: E731
+    summary = {"model": "m", "task": "retrieval_multihop", "estimator": "grpo", "steps": 40, "total_s": 1.0,
+               "eval_before": ev(0.0, 0.75, 2.34), "eval_after": ev(0.0, 0.883, 2.54), "history": [],
+               "decoded_tokens": 0, "log_dir": "l", "checkpoint_dir": "c",
+               "precision": {"param_dtype": "float32", "compute_dtype": "float32"}, "divergence": []}
+    assert ("held-out with the tools (one greedy episode each): 75.0% before -> 88.3% after, 2.54 calls an episode"
+            in format_summary(summary))
+    del summary["eval_after"]["tool_accuracy"]
+    assert "with the tools" not in format_summary(dict(summary, eval_before={"accuracy": 0.0, "n": 128}))
+
+
 _OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 133.85GiB with allocator GPU_0_bfc on device 0. "
         "[tf-allocator-allocation-error=''] [executable_name='{}']")
 

@@ -24,6 +24,9 @@ def format_summary(s: dict) -> str:
         f"  held-out greedy accuracy: {before['accuracy']:.1%} before -> {after['accuracy']:.1%} after "
         f"(n = {after['n']})",
     ]
+    if "tool_accuracy" in after:
+        lines.append(f"  held-out with the tools (one greedy episode each): {before['tool_accuracy']:.1%} before -> "
+                     f"{after['tool_accuracy']:.1%} after, {after['tool_calls_mean']:.2f} calls an episode")
     if "pass@k" in after:
         k = after["k"]
         lines.append(f"  held-out with {k} samples: pass@1 {before['pass@1']:.1%} -> {after['pass@1']:.1%}, pass@{k} "

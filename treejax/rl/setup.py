@@ -52,7 +52,8 @@ log = logging.getLogger("treejax.rl.loop")
 
 #: Metrics the console line shows, in order (all of them go to TensorBoard).
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "rollout/decoded_tokens", "update/loss", "update/grad_norm",
-                "mismatch/abs_max", "time/rollout_s", "time/update_s", "eval/accuracy")
+                "mismatch/abs_max", "time/rollout_s", "time/update_s", "eval/accuracy", "eval/tool_accuracy",
+                "eval/tool_calls_mean")
 
 
 @dataclasses.dataclass

@@ -27,9 +27,17 @@ def mapo_reference(paths, judge, rewards, weights, o: MAPOOptions) -> np.ndarray
     for p in range(P):
         for w in range(W):
             acc = 0.0
-            for t in range(K[p][w] - 1, -1, -1):
+            turn_r, last = [], o.initial_score
+            for t in range(K[p][w]):
                 s = float(judge[p, w, t])
-                r = (0.0 if math.isnan(s) else 2 * s - 1) + (o.outcome_coef * float(rewards[p, w]) if t == K[p][w] - 1 else 0.0)
+                if o.reward == "score":
+                    turn_r.append(0.0 if math.isnan(s) else 2 * s - 1)
+                else:  # the increment over the last finite score
+                    cur = last if math.isnan(s) else s
+                    turn_r.append(cur - last)
+                    last = cur
+            for t in range(K[p][w] - 1, -1, -1):
+                r = turn_r[t] + (o.outcome_coef * float(rewards[p, w]) if t == K[p][w] - 1 else 0.0)
                 acc = r + o.gamma * acc
                 G[p, w, t] = acc
 
@@ -76,6 +84,22 @@ def test_hand_computed():
     assert np.all(np.asarray(out.segments) == 0.0)
 
 
+def test_increment_reward_by_hand():
+    from treejax.rl.advantages.mapo import turn_rewards
+
+    judge = np.array([[[0.6, nan, 0.9], [0.3, 0.2, nan]]], np.float32)
+    valid = np.array([[[True, True, True], [True, True, False]]])
+    # s_-1 = 0.5: (0.6 - 0.5, 0.6 - 0.6, 0.9 - 0.6) and (0.3 - 0.5, 0.2 - 0.3, no turn)
+    got = turn_rewards(judge, valid, MAPOOptions(reward="increment"))
+    np.testing.assert_allclose(np.asarray(got), [[[0.1, 0.0, 0.3], [-0.2, -0.1, 0.0]]], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got).sum(-1), [[0.9 - 0.5, 0.2 - 0.5]], atol=1e-6)  # telescopes
+    got = turn_rewards(judge, valid, MAPOOptions())  # the score form: 2 s - 1, NaN 0
+    np.testing.assert_allclose(np.asarray(got), [[[0.2, 0.0, 0.8], [-0.4, -0.6, 0.0]]], atol=1e-6)
+    for bad, match in ((dict(reward="delta"), "reward must be one of"), (dict(initial_score=1.5), "initial_score")):
+        with pytest.raises(ValueError, match=match):
+            MAPOOptions(**bad)
+
+
 def test_jitted_equals_the_python_loop():
     from treejax.testing.forests import hand_turn_forest, random_forest, with_copies
 
@@ -92,7 +116,9 @@ def test_jitted_equals_the_python_loop():
         rewards = rng.choice([-1.0, 1.0], (P, W)).astype(np.float32)
         judge = rng.uniform(0, 1, (P, W, D)).astype(np.float32)
         judge[rng.uniform(size=judge.shape) < 0.15] = nan
-        o = MAPOOptions() if i % 2 else MAPOOptions(mix=0.25, gamma=0.9, outcome_coef=0.5)
+        o = [MAPOOptions(), MAPOOptions(mix=0.25, gamma=0.9, outcome_coef=0.5),
+             MAPOOptions(reward="increment", mix=0.4, gamma=0.85, outcome_coef=0.0),
+             MAPOOptions(reward="increment", initial_score=0.2)][i % 4]
         got = np.asarray(fn(forest, rewards, o, turn_judge_PxWxD=judge).segments)
         want = mapo_reference(np.asarray(forest.leaf_path), judge, rewards, np.asarray(forest.leaf_weights()), o)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

@@ -1,4 +1,5 @@
-"""Search-R2: the evidence-density term against a slow pure-Python reference, the meta-refiner's cut and
+"""Search-R2: the evidence-density terms (the paper's useful new collections, and the documents the later turns
+use) against slow pure-Python references and hand-computed numbers, the Trimmer's cut, the meta-refiner's cut and
 regeneration of a multi-turn episode on tiny random models (the refiner's tokens with their behaviour log-probs,
 the policy's continuation with its own), the config checks, and (slow) one loop step of the shipped config."""
 
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 
 from treejax.errors import ConfigError
-from treejax.rl.judges.evidence import chunk_usage, evidence_density, hybrid_rewards, usage_arrays, words
-from treejax.rl.judges.search_r2 import SearchR2Config, SearchR2Rollouts, cut_at_stop, node_lengths
+from treejax.rl.judges.evidence import (chunk_usage, collection_density, collection_usage, evidence_density,
+                                        hybrid_rewards, usage_arrays, useful_document, words)
+from treejax.rl.judges.search_r2 import SearchR2Config, SearchR2Rollouts, cut_at_stop, cut_turn, node_lengths
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 SHIPPED = "multiturn_retrieval_search_r2.gin"
@@ -74,6 +76,62 @@ def test_evidence_density_hand_made_case_matches_the_reference_and_the_numbers()
     assert reference_density(EPISODES[0], min_overlap=3) == chunk_usage(EPISODES[0], min_overlap=3)[0].count(True) / 4
 
 
+def _example(answer, searches):
+    return types.SimpleNamespace(ground_truth=answer, metadata={"reference_calls": [
+        {"name": "search", "args": {"query": q}} for q in searches] + [{"name": "calculate", "args": {"expr": "1"}}]})
+
+
+def reference_collections(turns, useful):
+    """Slow, plain Python (Appendix K of the paper): each <search> turn's [n] documents are one collection; it
+    counts when one of them is useful and no earlier collection returned it; density = counted / searches."""
+    import re
+
+    seen, flags = [], []
+    for action, obs in turns:
+        if not re.search(r"<search>[^<]*</search>\s*$", action):
+            continue
+        docs = [m.group(1) for m in (re.match(r"^\s*\[\d+\]\s*(.+?)\s*$", ln) for ln in obs.split("\n")) if m]
+        flags.append(any(useful(d) and d not in seen for d in docs))
+        seen += docs
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+def test_collection_density_hand_made_case_and_the_papers_coupling():
+    ex = _example("Mirel", ["Velor Systems", "Ana Brik"])  # the evidence pages: Velor Systems and Ana Brik
+    by_pages, by_answer = useful_document("evidence", ex), useful_document("answer", ex)
+    assert by_pages(VELOR.format(1)[4:]) and not by_pages("Tolsa Corp: Tolsa Corp sells glass.")
+    assert by_answer("Ana Brik: Ana Brik was born in Mirel.") and not by_answer("Mirelle Corp: a maker of pumps.")
+    # A: searches 1 (Velor: an evidence page, new) and 2 (Ana Brik new; Velor repeated): 2 of 2 useful and new
+    # C: one search, an error (no documents): 0 of 1; D: Velor, then Velor again (nothing new): 1 of 2
+    # B: no search: 0 (M = 0); the calculator is not a search
+    turns = [EPISODES[0], EPISODES[1], EPISODES[2], EPISODES[3],
+             [("<calculate>1 + 1</calculate>", "\n<output>\n2\n</output>\n"), ("Answer: 2", "")]]
+    assert [collection_usage(t, by_pages) for t in turns] == [[True, True], [], [False], [True, False], []]
+    assert collection_usage(EPISODES[0], by_answer) == [False, True]  # only Ana Brik's page names Mirel
+    usage = [[(collection_usage(t, by_pages), []) for t in turns[:2]], [(collection_usage(t, by_pages), [])
+                                                                       for t in turns[2:4]]]
+    used, _, valid = usage_arrays(usage)
+    rho = np.asarray(collection_density(jnp.asarray(used), jnp.asarray(valid)))
+    np.testing.assert_allclose(rho, [[1.0, 0.0], [0.0, 0.5]])
+    np.testing.assert_allclose(rho.ravel(), [reference_collections(t, by_pages) for t in turns[:4]])
+    # R = r_outcome (1 + rho) with a 0/1 outcome: coef 1, gated: A correct 2.0, B correct 1.0, C and D wrong 0
+    r, c = jnp.asarray([[1.0, 1.0], [0.0, 0.0]]), jnp.asarray([[True, True], [False, False]])
+    np.testing.assert_allclose(hybrid_rewards(r, c, jnp.asarray(rho), 1.0, "correct"), [[2.0, 1.0], [0.0, 0.0]])
+    np.testing.assert_allclose(r * (1 + rho), [[2.0, 1.0], [0.0, 0.0]])
+    with pytest.raises(ConfigError, match="useful = 'evidence' needs each problem's evidence pages.*fix:"):
+        useful_document("evidence", types.SimpleNamespace(ground_truth="x", metadata={}))
+    with pytest.raises(ConfigError, match="useful = 'answer' needs each problem's gold answer.*fix:"):
+        useful_document("answer", types.SimpleNamespace(ground_truth=" ", metadata={}))
+
+
+def test_trimmers_cut():
+    assert cut_turn([0.9, 0.3, 0.2], 0.5, always=False) == 1  # the first turn below the threshold
+    assert cut_turn([0.9, 0.6, 0.7], 0.5, always=False) == -1  # none below: left alone
+    assert cut_turn([0.9, 0.6, 0.7], 0.5, always=True) == 1  # the paper cuts every flagged episode: the lowest
+    assert cut_turn([0.6, float("nan"), 0.6], 0.5, always=True) == 0  # ties: the earliest; NaN ignored
+    assert cut_turn([float("nan")] * 2, 0.5, always=True) == -1
+
+
 def test_jitted_density_matches_a_loop_on_random_chunks():
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -106,6 +164,8 @@ def test_cut_at_stop_and_node_lengths():
                                       (dict(regenerate="judge"), "regenerate must be one of"),
                                       (dict(correction="drop"), "correction must be one of"),
                                       (dict(gate="wrong"), "gate must be one of"),
+                                      (dict(density="chunks"), "density must be one of"),
+                                      (dict(useful="judge"), "useful must be one of"),
                                       (dict(refines_per_prompt=0), "refines_per_prompt >= 1"),
                                       (dict(density_coef=1.5), "density_coef must be in"),
                                       (dict(evidence_pattern=r"\[\d+\]"), "one group"),
@@ -126,19 +186,21 @@ def test_shipped_config_and_the_chain_checks():
     cfg = train.parse([path], [])
     planner, stage = cfg.rollouts
     assert isinstance(planner, MultiTurnConfig) and isinstance(stage, SearchR2Config)
-    assert planner.environment == "retrieval" and stage.regenerate == "refiner" and stage.density_coef == 0.2
-    assert cfg.loss.tis_cap == 2.0 and cfg.old_logp == "trainer" and not cfg.dynamic_sampling
-    for bad, match in ((["LossConfig.tis_cap = None"], "or SearchR2Config.regenerate = 'policy'"),
+    assert planner.environment == "retrieval" and not cfg.dynamic_sampling and cfg.reward_style == "01"
+    assert (stage.regenerate, stage.select, stage.always_cut, stage.refines_per_prompt) == ("policy", "all", True, None)
+    assert (stage.density, stage.useful, stage.density_coef, stage.gate) == ("collections", "evidence", 1.0, "correct")
+    refiner = ["SearchR2Config.regenerate = 'refiner'"]  # the refiner's tokens are off-policy: IS needs the trainer
+    for bad, match in ((refiner, "or SearchR2Config.regenerate = 'policy'"),
                        (["RunConfig.packed_update = True"], "fix: RunConfig.packed_update = False"),
-                       (["SearchR2Config.refines_per_prompt = 9"], "exceeds the 8 episodes"),
+                       (["SearchR2Config.refines_per_prompt = 9"], "exceeds the 8 episodes.*= None \\(no cap\\)"),
                        (["RunConfig.rollouts = [@SearchR2Config()]"], "turn_forest"),
                        (["RunConfig.estimator = 'matchtir'"], "does not supply")):
         with pytest.raises(ConfigError, match=match) as e:
             train.parse([path], bad)
         assert "\n" not in str(e.value)
-    on_policy = train.parse([path], ["LossConfig.tis_cap = None", "RunConfig.old_logp = 'sampler'",
-                                     "SearchR2Config.regenerate = 'policy'"])
-    assert on_policy.rollouts[1].regenerate == "policy"
+    measured = train.parse([path], refiner + ["RunConfig.old_logp = 'trainer'", "LossConfig.tis_cap = 2.0",
+                                              "SearchR2Config.select = 'failed'", "SearchR2Config.density = 'documents'"])
+    assert measured.rollouts[1].regenerate == "refiner" and measured.loss.tis_cap == 2.0
 
 
 def test_trees_of_turns_are_refused_at_build():

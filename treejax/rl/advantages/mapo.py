@@ -21,15 +21,38 @@ from treejax.rl.advantages.info_gain import discounted_to_go, group_normalize, t
 from treejax.rl.advantages.registry import Advantages, register_estimator
 
 
+TURN_REWARDS = ("score", "increment")
+
+
+def turn_rewards(judge_PxWxD, valid_PxWxD, options) -> jax.Array:
+    """The judged reward of every turn (:func:`mapo`): ``2 s_t - 1`` (``"score"``; NaN counts 0) or ``s_t -
+    s_{t-1}`` (``"increment"``; ``s_{-1} = initial_score``; a NaN score repeats the last finite one, so its turn
+    gets 0 and the next turn's increment is from that one)."""
+    ok = valid_PxWxD & jnp.isfinite(judge_PxWxD)
+    if options.reward == "score":
+        return jnp.where(ok, 2.0 * judge_PxWxD - 1.0, 0.0)
+    prev = jnp.full(judge_PxWxD.shape[:2], jnp.float32(options.initial_score))
+    out = []
+    for t in range(judge_PxWxD.shape[2]):  # D (turns) is small and static
+        cur = jnp.where(ok[:, :, t], judge_PxWxD[:, :, t], prev)
+        out.append(jnp.where(valid_PxWxD[:, :, t], cur - prev, 0.0))
+        prev = cur
+    return jnp.stack(out, axis=2)
+
+
 @dataclasses.dataclass(frozen=True)
 class MAPOOptions:
     """``mix`` (lambda): weight of the turn-level normalisation, ``1 - mix`` the batch-level one's; ``gamma``: the
     Monte-Carlo return's turn discount; ``outcome_coef``: weight of the episode's outcome reward on its final
-    turn; ``eps``: both normalisations divide by ``std + eps``."""
+    turn; ``reward``: a turn's judged reward, ``"score"`` (``2 s_t - 1``) or ``"increment"`` (``s_t - s_{t-1}``,
+    the official code's incremental reward; ``s_{-1} = initial_score``); ``eps``: both normalisations divide by
+    ``std + eps``."""
 
     mix: float = 0.5
     gamma: float = 1.0
     outcome_coef: float = 1.0
+    reward: str = "score"
+    initial_score: float = 0.5
     eps: float = 1e-6
 
     def __post_init__(self):
@@ -42,6 +65,12 @@ class MAPOOptions:
                 and math.isfinite(self.outcome_coef)):
             raise ValueError(f"MAPOOptions.outcome_coef must be a finite number >= 0, got {self.outcome_coef!r}; "
                              "fix: MAPOOptions.outcome_coef = 1.0")
+        if self.reward not in TURN_REWARDS:
+            raise ValueError(f"MAPOOptions.reward must be one of {TURN_REWARDS}, got {self.reward!r}; fix: "
+                             "MAPOOptions.reward = 'score'")
+        if not (isinstance(self.initial_score, (int, float)) and 0.0 <= self.initial_score <= 1.0):
+            raise ValueError(f"MAPOOptions.initial_score must be in [0, 1] (a judge score), got "
+                             f"{self.initial_score!r}; fix: MAPOOptions.initial_score = 0.5")
         if not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"MAPOOptions.eps must be a finite number > 0, got {self.eps!r}; fix: "
                              "MAPOOptions.eps = 1e-6")
@@ -55,7 +84,7 @@ def mapo_returns(forest: Forest, rewards_PxW, options: MAPOOptions, turn_judge_P
     if tuple(judge.shape) != tuple(valid.shape):
         raise ValueError(f"turn_judge_PxWxD has shape {tuple(judge.shape)}, the forest has [P, W, D] = "
                          f"{tuple(valid.shape)}")
-    s = jnp.where(valid & jnp.isfinite(judge), 2.0 * judge - 1.0, 0.0)  # [0, 1] -> [-1, 1]; NaN -> 0
+    s = turn_rewards(judge, valid, options)
     r = s + jnp.where(final, jnp.float32(options.outcome_coef) * R[:, :, None], 0.0)
     return discounted_to_go(r, valid, options.gamma), valid
 
@@ -83,6 +112,8 @@ def mapo(forest: Forest, rewards_PxW, options: MAPOOptions = MAPOOptions(), *, t
     outcome reward ``R_w``::
 
         r_{w,t}   = (2 s_{w,t} - 1) + [t = K_w - 1] outcome_coef R_w              (dense judge reward per turn)
+                    reward = "increment": (s_{w,t} - s_{w,t-1}) + [t = K_w - 1] outcome_coef R_w,  s_{w,-1} =
+                    initial_score (the official code's reward: the turn's progress, a potential difference)
         G_{w,t}   = sum_{k >= t} gamma^(k - t) r_{w,k}                             (Monte-Carlo return)
         A^turn    = (G_{w,t} - mean G_{., t}) / (std G_{., t} + eps)   over prompt p's slots that reach turn t
         A^batch   = (G_{w,t} - mean G) / (std G + eps)                 over every turn of every slot in the batch
@@ -116,4 +147,4 @@ def mapo(forest: Forest, rewards_PxW, options: MAPOOptions = MAPOOptions(), *, t
     return Advantages(tokens=tokens, loss_mask=forest.loss_mask, segments=adv)
 
 
-__all__ = ["MAPOOptions", "mapo", "mapo_returns", "mapo_turns"]
+__all__ = ["MAPOOptions", "TURN_REWARDS", "mapo", "mapo_returns", "mapo_turns", "turn_rewards"]

@@ -1,11 +1,24 @@
-"""Search-R2's evidence-density reward term: how much of the evidence an episode retrieved its later reasoning used.
+"""Search-R2's evidence-density reward term: the share of an episode's searches that brought useful, new evidence.
 
 He et al. 2026, *Search-R2: Enhancing Search-Integrated Reasoning via Actor-Refiner Collaboration*, arXiv
-2602.03647 (no official code found). The paper couples outcome correctness with "a dense process reward
-quantifying the information density of retrieved evidence"; its exact formula could not be read (only the
-abstract and summaries were reachable), so the form below is **our reconstruction**, chosen to be computable
-offline from the episode's own text, to reward evidence that the reasoning goes on to use, and to penalise
-redundant retrieval:
+2602.03647 (no official code found; the method is read from the paper, its Appendix K). Two forms:
+
+**Collections** (``density = "collections"``, the paper's): the top-k documents one search call returns are one
+*collection*; the paper's judge (a 7B model shown the question and the gold answer) marks a collection useful when
+it "contains information or clues that help identify the correct answer" and not when it only repeats earlier
+collections, and ``r_process = (1 / M) sum_i u_i`` over the episode's ``M`` search calls. Offline here, the judge is
+replaced by an exact rule from the problem's own ground truth (``useful``):
+
+    u_i  = 1[ collection i holds a useful document that no earlier collection of the episode returned ]
+    useful(d) = d's title is one of the question's evidence pages (``"evidence"``: the pages its reference
+                searches name, the hops of the retrieval world), or d's text holds the normalised gold answer
+                (``"answer"``: any task)
+    rho  = sum_i u_i / M            (rho = 0 when M = 0; a search that returned nothing or an error counts in M)
+
+:func:`collection_usage` is the host text part, :func:`collection_density` the jitted mean.
+
+**Documents** (``density = "documents"``, this project's earlier reconstruction, kept as an option: it needs no
+ground truth): did the later reasoning use each retrieved document?
 
     chunks    c_1 .. c_M   every retrieved document of the episode, in order: each observation line that matches
                            ``pattern`` (the retrieval world's ``[rank] Title: text``), a repeated document counted
@@ -19,11 +32,13 @@ redundant retrieval:
     R'        = R + coef * rho * g,   g = 1[correct] (gate = "correct") or 1 (gate = "none")
 
 ``rho`` is in ``[0, 1]``; a document retrieved twice counts twice in ``M`` but at most once above, so redundant
-searches lower the density. Gated (the default), a correct answer reached without evidence (``M = 0``: a guess)
-gets the plain outcome reward and one grounded in the evidence it retrieved gets up to ``coef`` more: the
-abstract's distinction between "high-quality reasoning and fortuitous guesses". :func:`chunk_usage` is the host
-text part; :func:`evidence_density` and :func:`hybrid_rewards` are pure jitted functions of arrays
-(``tests/rl/test_search_r2.py`` checks them against a slow pure-Python reference on a hand-made case).
+searches lower the density. :func:`chunk_usage` is the host text part, :func:`evidence_density` the jitted ratio.
+
+**The coupling** (both forms): ``R' = R + coef * rho * g``. The paper's ``R = r_outcome (1 + r_process)`` with a 0/1
+outcome is this with ``RunConfig.reward_style = "01"``, ``coef = 1`` and ``g = 1[correct]`` (``gate = "correct"``):
+a wrong answer gets 0 whatever it retrieved, a right one 1 to 2. ``gate = "none"`` adds the term to every episode.
+:func:`hybrid_rewards` is jitted (``tests/rl/test_search_r2.py`` checks every part against slow pure-Python
+references on hand-made cases).
 """
 
 from __future__ import annotations
@@ -35,9 +50,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from treejax.errors import ConfigError
+
 #: the retrieval world's document lines (treejax.envs.retrieval.RetrievalEnv.run_tool): ``[rank] Title: text``
 DEFAULT_EVIDENCE_PATTERN = r"^\s*\[\d+\]\s*(.+?)\s*$"
 GATES = ("correct", "none")
+DENSITIES = ("collections", "documents")
+USEFUL = ("evidence", "answer")
 _STOP = frozenset("the and for was were with from that this which what who whom whose when where how are has had "
                   "have its into than then them they their there these those not but all any can did does our out "
                   "one two answer search output calculate".split())
@@ -65,6 +84,56 @@ def chunk_usage(turns: list[tuple[str, str]], pattern: str = DEFAULT_EVIDENCE_PA
             used.append(len((words(text) - query) & after) >= min_overlap)
             doc.append(ids.setdefault(text, len(ids)))
     return used, doc
+
+
+def normalise(text: str) -> str:
+    """Lower case, punctuation to spaces, single spaces: the form in which :func:`collection_usage` looks for the
+    gold answer in a document's text."""
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", text.lower()).split())
+
+
+def collection_usage(turns: list[tuple[str, str]], useful, pattern: str = DEFAULT_EVIDENCE_PATTERN) -> list[bool]:
+    """``u_i`` of each search call of one episode, in order (module docstring, "Collections"): ``turns`` are its
+    ``(policy text, observation text)`` pairs; a turn whose action ends with a ``<search>`` call is a collection,
+    its observation's lines matching ``pattern`` its documents; ``useful(text) -> bool`` judges one document."""
+    from treejax.envs.retrieval import parse_call
+
+    rx, seen, out = re.compile(pattern), set(), []
+    for action, obs in turns:
+        call = parse_call(action)
+        if call is None or call["name"] != "search":
+            continue
+        docs = [m.group(1) for m in map(rx.match, obs.splitlines()) if m is not None]
+        out.append(any(useful(d) and d not in seen for d in docs))
+        seen.update(docs)
+    return out
+
+
+def useful_document(kind: str, example):
+    """``useful(text)`` for one problem (module docstring): ``"evidence"``, its evidence pages' titles (the
+    ``search`` queries of ``metadata["reference_calls"]``); ``"answer"``, its normalised gold answer."""
+    if kind == "evidence":
+        meta = getattr(example, "metadata", None)
+        calls = meta.get("reference_calls") if isinstance(meta, dict) else None
+        titles = {normalise(c["args"]["query"]) for c in calls or () if c.get("name") == "search"}
+        if not titles:
+            raise ConfigError("SearchR2Config.useful = 'evidence' needs each problem's evidence pages (the search "
+                              "calls of metadata['reference_calls']), and this one names none; fix: "
+                              "SearchR2Config.useful = 'answer' (or RunConfig.task = 'retrieval_multihop')")
+        return lambda text: normalise(text.split(":", 1)[0]) in titles
+    gold = normalise(str(example.ground_truth))
+    if not gold:
+        raise ConfigError("SearchR2Config.useful = 'answer' needs each problem's gold answer, and this one's is empty; "
+                          "fix: SearchR2Config.useful = 'evidence' (a task whose records ship reference searches)")
+    return lambda text: f" {gold} " in f" {normalise(text)} "
+
+
+@jax.jit
+def collection_density(useful_PxWxM, valid_PxWxM) -> jax.Array:
+    """float32 ``[P, W]``: ``rho = sum_i u_i / M`` over each slot's ``M`` valid collections (0 when ``M = 0``)."""
+    n = valid_PxWxM.sum(-1)
+    hits = (useful_PxWxM & valid_PxWxM).sum(-1)
+    return jnp.where(n > 0, hits / jnp.maximum(n, 1), 0.0).astype(jnp.float32)
 
 
 def usage_arrays(usages: list[list[tuple[list[bool], list[int]]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -101,5 +170,6 @@ def hybrid_rewards(rewards_PxW, correct_PxW, density_PxW, coef, gate: str = "cor
     return (rewards_PxW + coef * density_PxW * g).astype(jnp.float32)
 
 
-__all__ = ["DEFAULT_EVIDENCE_PATTERN", "GATES", "chunk_usage", "evidence_density", "hybrid_rewards",
-           "usage_arrays", "words"]
+__all__ = ["DEFAULT_EVIDENCE_PATTERN", "DENSITIES", "GATES", "USEFUL", "chunk_usage", "collection_density",
+           "collection_usage", "evidence_density", "hybrid_rewards", "normalise", "usage_arrays", "useful_document",
+           "words"]

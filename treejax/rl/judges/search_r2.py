@@ -2,12 +2,16 @@
 an evidence-density term joins the outcome reward.
 
 He et al. 2026, *Search-R2: Enhancing Search-Integrated Reasoning via Actor-Refiner Collaboration*, arXiv
-2602.03647; no official code found. What could be read (the abstract and public summaries of the method, not its
-equations): an Actor writes search-integrated reasoning trajectories; a **Meta-Refiner** made of a
-**Discriminator** (is the trajectory globally coherent?) and a **Trimmer** (where is its earliest deviation?)
-"cuts" a flawed trajectory there, keeps the verified prefix and **regenerates** the suffix; the Actor-Refiner
-interaction is a "smoothed mixture policy"; the reward couples outcome correctness with "a dense process reward
-quantifying the information density of retrieved evidence" (:mod:`treejax.rl.judges.evidence`). On treejax's
+2602.03647 (read from the paper, sections 3-4 and Appendices E, K, L; no official code found). The paper: an Actor
+writes search-integrated trajectories; a **Meta-Refiner** with a **Discriminator** (accepts the trajectory when
+its verdict clears a threshold; Appendix E: a revision is triggered when its log-probability beats the
+no-revision decision, margin 0) and a **Trimmer** (samples the cut point, the earliest flawed step; a step is an
+assistant turn with its tool output) cuts every flagged trajectory, keeps the prefix, and the **Actor** itself
+regenerates the whole suffix; at most one revision per rollout; the group of G trajectories is drawn from this
+mixture and advantages are group-normalised; the reward is ``R = r_outcome (1 + r_process)`` with a 0/1 outcome
+and ``r_process`` the share of search calls whose results are useful and new (Appendix K; an external judge that
+sees the gold answer; :mod:`treejax.rl.judges.evidence`). The Meta-Refiner shares the Actor's weights (steered by
+prompts) and its decision tokens are trained with the trajectory's advantage ("jointly optimized"). On treejax's
 parts, a wrapper stage after the multi-turn planner's independent episodes (``[@MultiTurnConfig(),
 @SearchR2Config()]``, e.g. the retrieval world's BM25 searches), every step::
 
@@ -16,8 +20,9 @@ parts, a wrapper stage after the multi-turn planner's independent episodes (``[@
     discriminate  d = judge(question, episode text) in [0, 1] (ScorerConfig, verdict tokens);
                 flawed iff d < discriminator_threshold (NaN: not flawed; discriminator = False: every selected one)
     trim        s_k = PRM(question, tau_1 .. tau_k) (prm.step_scores over the turns),
-                k* = min { k : s_k < threshold }                 (none below: the episode is left alone)
-    choose      per prompt up to refines_per_prompt flawed episodes, the longest kept prefix first (SCOPE's rule)
+                k* = min { k : s_k < threshold }    (none below: argmin_k s_k with always_cut, else left alone)
+    choose      per prompt up to refines_per_prompt flawed episodes, the longest kept prefix first (SCOPE's rule);
+                refines_per_prompt = None: every flagged episode (once)
     cut         y_<a, a = the first token of turn k*; the environment replayed through turns 1 .. k* - 1
                 (deterministic worlds: a replay reaches the same state, ``clone()``'s contract)
     regenerate  "refiner": z ~ q(. | template(question, y_<a, turn k*'s action)) (RefinerConfig), cut after the
@@ -33,17 +38,23 @@ parts, a wrapper stage after the multi-turn planner's independent episodes (``[@
                 (RunConfig.old_logp = 'trainer', LossConfig.tis_cap = C), as SCOPE's and replayed rows;
                 "mask" keeps z out of the loss
     reward      R' = R + density_coef * rho * g (the evidence-density term on every slot, refined or not;
-                g = 1[correct] with gate = "correct")
+                g = 1[correct] with gate = "correct"; with R in {0, 1} and density_coef = 1: R (1 + rho))
 
-**Reconstructed, not the paper's** (its method section could not be read): the Discriminator and the Trimmer are
-one frozen scorer read two ways (a judge verdict on the whole episode, then a PRM over its turns), not the
-paper's jointly trained Meta-Refiner (nothing here trains the refiner or the scorer; ``RefinerConfig.model =
-"policy"`` is the policy's frozen initial weights); a step is a whole turn (the policy's text and its
-observation); which flawed episodes are refined and that the refined one replaces the original in its group (our
-reading of the "mixture policy"); the refiner writes only the cut turn and the actor the rest (the summaries say
-the suffix is regenerated; ``regenerate = "policy"`` is the actor-only reading); the IS correction on the
-refiner's tokens; the density formula (:mod:`treejax.rl.judges.evidence`) and its additive, correctness-gated
-coupling. The verifier's ``scores_PxW`` keep the actor's own episodes (``reward/accuracy`` measures the policy);
+**As the paper** in the shipped config (``configs/multiturn_retrieval_search_r2.gin``): every episode read by the
+Discriminator (``select = "all"``, no ground truth), flagged below 0.5 (log-odds margin 0), every flagged episode
+cut (``always_cut``), a step a whole turn with its observation, the Actor regenerating the suffix on-policy
+(``regenerate = "policy"``), at most one revision per rollout (``refines_per_prompt = None``: no per-group cap), the refined
+episode in the original's slot of the group, ``R = r_outcome (1 + rho)`` (``reward_style = "01"``,
+``density = "collections"``, ``density_coef = 1``, gated on correctness). **Not the paper's**: the Discriminator
+and the Trimmer are one *frozen* scorer read two ways (a Yes/No verdict on the whole episode, then a PRM over its
+turns, the cut at the first turn below ``threshold`` or the lowest), where the paper's Meta-Refiner is the
+policy itself, prompted to return the index of the earliest flawed step (0: none) and trained with the
+trajectory's advantage; a collection's usefulness is an exact rule from the problem's ground truth (its evidence
+pages, or the gold answer in the text) where the paper asks a 7B judge shown the gold answer. Options beyond the
+paper, kept from this module's first reconstruction: ``regenerate = "refiner"`` (a second model rewrites the cut
+turn, its tokens trained with truncated IS or masked), ``select = "failed"`` (only the verifier's failures: uses
+the gold answer), a per-group cap ``refines_per_prompt`` (the longest kept prefix first), ``always_cut = False``,
+and ``density = "documents"`` (documents the later turns reuse, no ground truth). The verifier's ``scores_PxW`` keep the actor's own episodes (``reward/accuracy`` measures the policy);
 ``reward_scores_PxW`` carry the refined rows' scores. Metrics: ``search_r2/selected``, ``flagged``,
 ``located``, ``refined``, ``salvaged`` (refined rows the verifier accepts), ``first_turn_mean``,
 ``refined_tokens``, ``refiner_logp_mean``, ``density_mean``, ``density_bonus_mean``, ``chunks_mean`` (retrieved
@@ -63,7 +74,7 @@ import numpy as np
 
 from treejax.errors import ConfigError
 from treejax.rl.judges.base import BaseStateOnly, example_fields
-from treejax.rl.judges.evidence import DEFAULT_EVIDENCE_PATTERN, GATES
+from treejax.rl.judges.evidence import DEFAULT_EVIDENCE_PATTERN, DENSITIES, GATES, USEFUL
 from treejax.rl.judges.scope import CORRECTIONS, choose_rewrites, first_wrong_step
 from treejax.rl.sources.base import Stage
 from treejax.rl.sources.requirements import EXPANDED, OFF_POLICY, VERIFIER
@@ -89,10 +100,14 @@ class SearchR2Config(Stage):
 
     ``refiner``: the model that rewrites the cut turn (``regenerate = "refiner"``); ``discriminator``: judge the
     whole episode first (``discriminator_threshold``); ``threshold``: a turn is flawed iff its PRM score is below
-    it; ``select``: ``"failed"`` or ``"all"`` episodes; ``refines_per_prompt``; ``regenerate``: ``"refiner"`` or
-    ``"policy"``; ``correction``: ``"is"`` or ``"mask"`` (the refiner's tokens); ``density_coef``, ``gate``,
-    ``evidence_pattern`` (one group: a retrieved document's text), ``min_overlap``: the evidence-density term
-    (:mod:`treejax.rl.judges.evidence`; ``density_coef = 0``: reported, not added)."""
+    it; ``always_cut``: a flagged episode without a turn below it is cut at its lowest-scored turn (the paper cuts
+    every flagged trajectory), else left alone; ``select``: ``"failed"`` or ``"all"`` episodes;
+    ``refines_per_prompt`` (``None``: no cap, every flagged episode once); ``regenerate``: ``"refiner"`` or ``"policy"``; ``correction``: ``"is"`` or ``"mask"``
+    (the refiner's tokens); the evidence-density term (:mod:`treejax.rl.judges.evidence`; ``density_coef = 0``:
+    reported, not added): ``density`` (``"collections"``: useful new search results per search call, the paper's;
+    ``"documents"``: retrieved documents the later turns use), ``useful`` (collections: ``"evidence"`` pages or the
+    gold ``"answer"``), ``density_coef``, ``gate``, ``evidence_pattern`` (one group: a retrieved document's text),
+    ``min_overlap`` (documents)."""
 
     scorer: ScorerConfig = dataclasses.field(default_factory=ScorerConfig)
     refiner: RefinerConfig = dataclasses.field(default_factory=lambda: RefinerConfig(
@@ -100,10 +115,13 @@ class SearchR2Config(Stage):
     discriminator: bool = True
     discriminator_threshold: float = 0.5
     threshold: float = 0.5
+    always_cut: bool = False
     select: str = "failed"
-    refines_per_prompt: int = 2
+    refines_per_prompt: int | None = 2
     regenerate: str = "refiner"
     correction: str = "is"
+    density: str = "documents"
+    useful: str = "evidence"
     density_coef: float = 0.2
     gate: str = "correct"
     evidence_pattern: str = DEFAULT_EVIDENCE_PATTERN
@@ -122,11 +140,11 @@ class SearchR2Config(Stage):
                 raise ConfigError(f"SearchR2Config.{name} must be in (0, 1), got {getattr(self, name)}; fix: "
                                   f"SearchR2Config.{name} = 0.5")
         for name, allowed in (("select", SELECT), ("regenerate", REGENERATE), ("correction", CORRECTIONS),
-                              ("gate", GATES)):
+                              ("gate", GATES), ("density", DENSITIES), ("useful", USEFUL)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"SearchR2Config.{name} must be one of {allowed}, got {getattr(self, name)!r}; "
                                   f"fix: SearchR2Config.{name} = {allowed[0]!r}")
-        if self.refines_per_prompt < 1 or self.min_overlap < 1:
+        if (self.refines_per_prompt is not None and self.refines_per_prompt < 1) or self.min_overlap < 1:
             raise ConfigError(f"SearchR2Config: refines_per_prompt >= 1 and min_overlap >= 1 required, got "
                               f"{self.refines_per_prompt}, {self.min_overlap}; fix: SearchR2Config.refines_per_prompt "
                               "= 2, SearchR2Config.min_overlap = 1")
@@ -155,10 +173,10 @@ class SearchR2Config(Stage):
                               "DEFAULT_EVIDENCE_PATTERN")
 
     def check(self, facts) -> None:
-        if self.refines_per_prompt > facts.tree.num_leaves:
+        if self.refines_per_prompt is not None and self.refines_per_prompt > facts.tree.num_leaves:
             raise ConfigError(f"SearchR2Config.refines_per_prompt = {self.refines_per_prompt} exceeds the "
                               f"{facts.tree.num_leaves} episodes of a group; fix: SearchR2Config.refines_per_prompt "
-                              "<= TreeConfig.num_leaves")
+                              "= None (no cap) or <= TreeConfig.num_leaves")
         if self.regenerate == "refiner" and self.correction == "is" and not OFF_POLICY.holds(facts):
             raise ConfigError(OFF_POLICY.message(f"{self.stage_name} (correction = 'is')", facts)
                               + " (or SearchR2Config.correction = 'mask', or SearchR2Config.regenerate = 'policy')")
@@ -172,6 +190,16 @@ class SearchR2Config(Stage):
             raise ConfigError("SearchR2Config regenerates episodes with the world of a multi-turn source; fix: "
                               "RunConfig.rollouts = [@MultiTurnConfig(), @SearchR2Config()]")
         return SearchR2Rollouts(inner, self, ctx)
+
+
+def cut_turn(scores_S, threshold: float, always: bool) -> int:
+    """The Trimmer's cut: the first turn scored below ``threshold``; with ``always``, the lowest-scored turn when
+    none is (ties: the earliest); ``-1``: no cut (no finite score, or none below and not ``always``)."""
+    k = first_wrong_step(scores_S, threshold)
+    s = np.asarray(scores_S, np.float64)
+    if k >= 0 or not always or not np.isfinite(s).any():
+        return k
+    return int(np.nanargmin(np.where(np.isfinite(s), s, np.nan)))
 
 
 class ResumedEnv:
@@ -339,9 +367,10 @@ class SearchR2Rollouts(BaseStateOnly):
             return [], metrics
         steps = [[t.action + t.observation for t in turns_PxW[p][w]] for p, w in sel]
         s = step_scores(self.scorer, [questions[p] for p, _ in sel], steps)
-        firsts = [first_wrong_step(row[: len(st)], stage.threshold) for row, st in zip(s, steps)]
+        firsts = [cut_turn(row[: len(st)], stage.threshold, stage.always_cut) for row, st in zip(s, steps)]
         cands = [(int(p), int(w), turns_PxW[p][w][k].start) for (p, w), k in zip(sel, firsts) if k >= 0]
-        chosen = set(choose_rewrites(cands, stage.refines_per_prompt))
+        cap = stage.refines_per_prompt
+        chosen = set(choose_rewrites(cands, len(cands) if cap is None else cap))
         cuts = [Cut(int(p), int(w), turns_PxW[p][w], k) for (p, w), k in zip(sel, firsts) if (p, w) in chosen]
         metrics.update({"search_r2/located": len(cands),
                         "search_r2/first_turn_mean": float(np.mean([c.k for c in cuts])) if cuts else 0.0})
@@ -513,14 +542,23 @@ class SearchR2Rollouts(BaseStateOnly):
 
     def density(self, ro) -> dict:
         """The evidence-density term on every slot (:mod:`treejax.rl.judges.evidence`), added to the rewards."""
-        from treejax.rl.judges.evidence import chunk_usage, evidence_density, hybrid_rewards, usage_arrays
+        from treejax.rl.judges.evidence import (chunk_usage, collection_density, collection_usage, evidence_density,
+                                                hybrid_rewards, usage_arrays, useful_document)
 
         host, st = jax.device_get(ro.forest), self.stage
         P, W = np.asarray(host.tokens).shape[:2]
-        usage = [[chunk_usage([(t.action, t.observation) for t in slot_turns(host, self.ctx.tokenizer, p, w)],
-                              st.evidence_pattern, st.min_overlap) for w in range(W)] for p in range(P)]
-        used, doc, valid = usage_arrays(usage)
-        rho = evidence_density(jnp.asarray(used), jnp.asarray(doc), jnp.asarray(valid))
+        turns = [[[(t.action, t.observation) for t in slot_turns(host, self.ctx.tokenizer, p, w)] for w in range(W)]
+                 for p in range(P)]
+        if st.density == "collections":
+            useful = [useful_document(st.useful, ro.examples[p]) for p in range(P)]
+            usage = [[(collection_usage(turns[p][w], useful[p], st.evidence_pattern), []) for w in range(W)]
+                     for p in range(P)]
+            used, _, valid = usage_arrays(usage)
+            rho = collection_density(jnp.asarray(used), jnp.asarray(valid))
+        else:
+            used, doc, valid = usage_arrays([[chunk_usage(t, st.evidence_pattern, st.min_overlap) for t in row]
+                                             for row in turns])
+            rho = evidence_density(jnp.asarray(used), jnp.asarray(doc), jnp.asarray(valid))
         scores = np.asarray(ro.scores_PxW if ro.reward_scores_PxW is None else ro.reward_scores_PxW)
         before = jnp.asarray(ro.rewards_PxW, jnp.float32)
         ro.rewards_PxW = hybrid_rewards(before, jnp.asarray(scores >= 1.0), rho, st.density_coef, st.gate)
@@ -553,5 +591,5 @@ class SearchR2Rollouts(BaseStateOnly):
 
 
 __all__ = ["Cut", "DEFAULT_SEARCH_REFINE_TEMPLATE", "REGENERATE", "Regenerated", "ResumedEnv", "SELECT",
-           "SearchR2Config", "SearchR2Rollouts", "Turn", "clean_calls", "cut_at_stop", "node_lengths", "slot_turns",
-           "step_score"]
+           "SearchR2Config", "SearchR2Rollouts", "Turn", "clean_calls", "cut_at_stop", "cut_turn", "node_lengths",
+           "slot_turns", "step_score"]

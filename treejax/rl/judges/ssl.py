@@ -1,9 +1,11 @@
 """SSL: tiered, progressively amplified rewards that preserve the ordering of solutions.
 
 A reconstruction from issue 47's one-line description ("tiered, progressively amplified rewards that preserve the
-ordering of solutions"); the paper's own formula was not found (searched: arXiv listings and code for tiered /
-amplified / order-preserving RLVR rewards), so this is our reading, to check against the paper before relying on
-it. Each leaf gets a *tier* from the verifier and the judge, and each tier a reward:
+ordering of solutions"). The paper, found after this was built (Wu et al. 2026, *SSL: Sweet Spot Learning for
+Differentiated Guidance in Agentic Optimization*, arXiv 2601.22491; abstract only, no code), tiers by verifiable
+proximity to the ground truth with no reward model; this module tiers by a judge's score instead (issue 47's
+judge seam), so it is the tiering idea, not the paper's method (docs/judges.md, "SSL"). Each leaf gets a *tier*
+from the verifier and the judge, and each tier a reward:
 
     bin(o)  = min(floor(judge(o) * L), L - 1)            L = levels judge bins per verifier outcome
                                                          (a NaN judge: bin 0, the lowest)

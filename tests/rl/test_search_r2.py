@@ -187,7 +187,7 @@ def test_shipped_config_and_the_chain_checks():
     planner, stage = cfg.rollouts
     assert isinstance(planner, MultiTurnConfig) and isinstance(stage, SearchR2Config)
     assert planner.environment == "retrieval" and not cfg.dynamic_sampling and cfg.reward_style == "01"
-    assert (stage.regenerate, stage.select, stage.always_cut, stage.refines_per_prompt) == ("policy", "all", True, None)
+    assert (stage.meta, stage.regenerate, stage.select, stage.refines_per_prompt) == ("index", "policy", "all", None)
     assert (stage.density, stage.useful, stage.density_coef, stage.gate) == ("collections", "evidence", 1.0, "correct")
     refiner = ["SearchR2Config.regenerate = 'refiner'"]  # the refiner's tokens are off-policy: IS needs the trainer
     for bad, match in ((refiner, "or SearchR2Config.regenerate = 'policy'"),
@@ -199,6 +199,7 @@ def test_shipped_config_and_the_chain_checks():
             train.parse([path], bad)
         assert "\n" not in str(e.value)
     measured = train.parse([path], refiner + ["RunConfig.old_logp = 'trainer'", "LossConfig.tis_cap = 2.0",
+                                              "SearchR2Config.meta = 'judge_prm'",
                                               "SearchR2Config.select = 'failed'", "SearchR2Config.density = 'documents'"])
     assert measured.rollouts[1].regenerate == "refiner" and measured.loss.tis_cap == 2.0
 
@@ -370,15 +371,63 @@ def test_nothing_is_cut_when_the_discriminator_finds_no_flaw(tiny, monkeypatch):
     np.testing.assert_array_equal(np.asarray(ro.rewards_PxW), np.asarray(ref.rewards_PxW))
 
 
+def test_index_cuts_by_hand():
+    from treejax.rl.judges.search_r2 import index_cuts
+
+    lp = [[-1.0, -0.5, -2.0, -9.0],   # K = 2: step 1 beats 0 -> cut at turn 0
+          [-0.1, -0.5, -0.2, -9.0],   # 0 is the best: not flagged
+          [-3.0, -1.0, -1.0, -0.1],   # K = 2: choice 3 is past the episode, ignored; ties: the earliest -> turn 0
+          [-3.0, -2.0, -1.0, -0.5]]   # K = 3: step 3 -> turn 2
+    assert index_cuts(lp, [2, 2, 2, 3]) == [0, -1, 0, 2]
+    assert index_cuts([[-1.0, -0.5]], [0]) == [-1]
+
+
+def test_index_mode_flags_and_cuts_with_one_prompt(tiny, monkeypatch):
+    """``meta = "index"``: one prompt per selected episode (the numbered turns), the judge and the PRM not run;
+    choice log-probs that favour step 2 cut slot 0 at turn 2 as the judge + PRM path does; favouring 0 cuts
+    nothing."""
+    cfg_m, params, _ = tiny
+    seen = []
+
+    def choices(scorer, rows, options):
+        seen.append((len(rows), options))
+        return np.array([[-2.0, -1.5, -0.5] + [-9.0] * 7] * len(rows), np.float32)
+    src, _, tok = _source(tiny, monkeypatch, meta="index", regenerate="policy")
+    monkeypatch.setattr(src, "_load", lambda: setattr(src, "scorer", types.SimpleNamespace(
+        config=types.SimpleNamespace(max_length=512), tokenizer=tok)))
+    texts = []
+    monkeypatch.setattr("treejax.scorers.judge.chat_ids", lambda scorer, text: texts.append(text) or [1, 2, 3])
+    monkeypatch.setattr("treejax.scorers.judge.choice_logprobs", choices)
+    monkeypatch.setattr("treejax.scorers.judge.judge_scores", lambda *a: pytest.fail("the judge ran"))
+    monkeypatch.setattr("treejax.scorers.prm.step_scores", lambda *a: pytest.fail("the PRM ran"))
+    ro = src.sample(params, jax.random.key(3), 0)
+    m = ro.extra_metrics
+    assert seen == [(1, tuple("0123456789"))]
+    assert "Question: ABC" in texts[0] and "Step 2:\nB25OK" in texts[0] and "between 0 and 3" in texts[0]
+    assert (m["search_r2/flagged"], m["search_r2/refined"], m["search_r2/first_turn_mean"]) == (1, 1, 1.0)
+    f = jax.device_get(ro.forest)
+    assert tok.decode(np.asarray(f.tokens)[0, 0, :5].tolist()) == "A15OK"  # turn 1 kept, the rest regenerated
+    monkeypatch.setattr("treejax.scorers.judge.choice_logprobs",
+                        lambda scorer, rows, options: np.array([[-0.1, -1.5, -0.5] + [-9.0] * 7], np.float32))
+    ro = src.sample(params, jax.random.key(3), 0)
+    assert ro.extra_metrics["search_r2/flagged"] == 0 and ro.extra_metrics["search_r2/refined"] == 0
+    with pytest.raises(ConfigError, match="meta = 'index' reads one prompt.*fix:"):
+        SearchR2Config(meta="index", index_template="{question} {steps}")
+
+
 # ------------------------------------------------------------------------------------- the whole loop
 @pytest.mark.slow  # one step of the shipped config through treejax.train.main on the tiny model (92 s on 2 shared
 # cores; judge, PRM and refiner the policy's frozen copy); the cut row's log-probs and masks are covered above
-def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("meta", ["index", "judge_prm"])
+def test_one_loop_step_of_the_shipped_config(tiny_checkpoint, tmp_path, meta):
+    """The shipped config (meta = "index": the flag and the cut from one prompt's choice log-probs), and with
+    meta = "judge_prm" and thresholds near 1 so that every episode is cut."""
     from treejax.testing.envs import run_shipped_multiturn
 
-    last = run_shipped_multiturn(SHIPPED, tiny_checkpoint, tmp_path / "run", extra=(
-        "SearchR2Config.select = 'all'", "SearchR2Config.discriminator_threshold = 0.99",
-        "SearchR2Config.threshold = 0.99", "ScorerConfig.batch_size = 4",
-        "MultiTurnConfig.max_turns = 2", "RunConfig.eval_every = 0"))
-    assert last["search_r2/selected"] == 8 and last["search_r2/refined"] >= 1
+    forced = ("SearchR2Config.meta = 'judge_prm'", "SearchR2Config.discriminator_threshold = 0.99",
+              "SearchR2Config.threshold = 0.99") if meta == "judge_prm" else ()
+    last = run_shipped_multiturn(SHIPPED, tiny_checkpoint, tmp_path / "run", extra=forced + (
+        "ScorerConfig.batch_size = 4", "MultiTurnConfig.max_turns = 2", "RunConfig.eval_every = 0"))
+    assert last["search_r2/selected"] == 8 and last["search_r2/flagged"] == last["search_r2/refined"]
+    assert meta == "index" or last["search_r2/refined"] >= 1
     assert np.isfinite(last["update/loss"]) and np.isfinite(last["search_r2/density_mean"])

@@ -91,6 +91,27 @@ def test_verdict_logprobs_equal_a_direct_forward(scorer):
     assert scorer.tokenizer.decode(rows[0]).endswith("<|im_start|>assistant\n")  # the verdict is the next token
 
 
+def test_choice_logprobs_equal_a_direct_forward(scorer):
+    """The multiple-choice reading (Search-R2's flawed-step index): each choice's next-token log-prob after each
+    row, logsumexp over its one-token spellings, equals one unpadded forward; 3 rows in batches of 2."""
+    from treejax.models import transformer
+    from treejax.scorers.judge import chat_ids, choice_ids, choice_logprobs
+
+    rows = [chat_ids(scorer, t) for t in ("Steps: 1, 2. Which is wrong?", "Pick 0, 1 or 2.", "Reply with 2")]
+    choices = ("0", "1", "2")
+    got = choice_logprobs(scorer, rows, choices)
+    groups = choice_ids(scorer, choices)
+    assert got.shape == (3, 3) and all(len(g) >= 1 for g in groups)
+    for i, ids in enumerate(rows):
+        t, pos = jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None]
+        h = transformer.forward(scorer.params, scorer.model_config, t, pos)
+        logp = np.asarray(jax.nn.log_softmax(transformer.logits(scorer.params, scorer.model_config, h[:, -1]), -1))[0]
+        want = [math.log(sum(math.exp(logp[j]) for j in g)) for g in groups]
+        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="'not one token' is not one token"):
+        choice_ids(scorer, ("not one token",))
+
+
 def test_decode_mode_parses_the_sampler_greedy_text(scorer):
     import dataclasses
 

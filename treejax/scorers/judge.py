@@ -96,6 +96,46 @@ def verdict_logodds(scorer: Scorer, rows: list[list[int]]) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0,), np.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("model_config", "groups"))
+def choice_logprobs_at(params, tokens_BxL, lengths_B, gather_B, *, model_config, groups):
+    """float32 ``[B, C]``: each choice group's next-token log-probability (logsumexp over its ids) at position
+    ``gather[b]`` of right-padded rows (one forward; full-vocabulary softmax in float32)."""
+    B, L = tokens_BxL.shape
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
+    segment_ids = (positions < lengths_B[:, None]).astype(jnp.int32)
+    hidden = transformer.forward(params, model_config, tokens_BxL, positions, segment_ids)
+    h = jnp.take_along_axis(hidden, gather_B[:, None, None], axis=1)[:, 0]  # [B, E]
+    logp = jax.nn.log_softmax(transformer.logits(params, model_config, h).astype(jnp.float32), axis=-1)
+    return jnp.stack([_group_logp(logp, ids) for ids in groups], axis=-1)
+
+
+def choice_ids(scorer: Scorer, choices: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each choice string, with and without a leading space (each a single token; a choice that
+    is not one token either way is a ValueError naming it)."""
+    out = []
+    for c in choices:
+        ids = {t[0] for t in (scorer.tokenizer.encode(c), scorer.tokenizer.encode(" " + c)) if len(t) == 1}
+        if not ids:
+            raise ValueError(f"choice {c!r} is not one token of the scorer's tokenizer")
+        out.append(tuple(sorted(ids)))
+    return tuple(out)
+
+
+def choice_logprobs(scorer: Scorer, rows: list[list[int]], choices: tuple[str, ...]) -> np.ndarray:
+    """float32 ``[N, C]``: the scorer's next-token log-probability of each choice after each row (its last token),
+    ``batch_size`` rows a call: a multiple-choice reading of the judge with no decoding (e.g. Search-R2's index of
+    the earliest flawed step, choices ``"0" .. "K"``)."""
+    groups, bs, out = choice_ids(scorer, choices), scorer.config.batch_size, []
+    for i in range(0, len(rows), bs):
+        chunk = rows[i:i + bs]
+        tokens, lengths = pad_rows(chunk, bs, scorer.pad_id)
+        tokens, lengths_, gather = scorer.place_rows(tokens, lengths, (lengths - 1).astype(np.int32))
+        lp = choice_logprobs_at(scorer.params, tokens, lengths_, gather, model_config=scorer.model_config,
+                                groups=groups)
+        out.append(np.asarray(lp, np.float32)[: len(chunk)])
+    return np.concatenate(out) if out else np.zeros((0, len(choices)), np.float32)
+
+
 def decode_verdicts(scorer: Scorer, rows: list[list[int]], key=None) -> tuple[np.ndarray, list[str]]:
     """Decode mode: ``(scores [N], texts)``: greedy verdicts (the sampler) parsed by ``verdict_pattern``."""
     from treejax.sampling.decode import generate

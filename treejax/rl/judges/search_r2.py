@@ -40,25 +40,26 @@ parts, a wrapper stage after the multi-turn planner's independent episodes (``[@
     reward      R' = R + density_coef * rho * g (the evidence-density term on every slot, refined or not;
                 g = 1[correct] with gate = "correct"; with R in {0, 1} and density_coef = 1: R (1 + rho))
 
-**As the paper** in the shipped config (``configs/multiturn_retrieval_search_r2.gin``): every episode read by the
-Discriminator (``select = "all"``, no ground truth), flagged below 0.5 (log-odds margin 0), every flagged episode
-cut (``always_cut``), a step a whole turn with its observation, the Actor regenerating the suffix on-policy
-(``regenerate = "policy"``), at most one revision per rollout (``refines_per_prompt = None``: no per-group cap), the refined
-episode in the original's slot of the group, ``R = r_outcome (1 + rho)`` (``reward_style = "01"``,
-``density = "collections"``, ``density_coef = 1``, gated on correctness). **Not the paper's**: the Discriminator
-and the Trimmer are one *frozen* scorer read two ways (a Yes/No verdict on the whole episode, then a PRM over its
-turns, the cut at the first turn below ``threshold`` or the lowest), where the paper's Meta-Refiner is the
-policy itself, prompted to return the index of the earliest flawed step (0: none) and trained with the
-trajectory's advantage; a collection's usefulness is an exact rule from the problem's ground truth (its evidence
-pages, or the gold answer in the text) where the paper asks a 7B judge shown the gold answer. Options beyond the
-paper, kept from this module's first reconstruction: ``regenerate = "refiner"`` (a second model rewrites the cut
-turn, its tokens trained with truncated IS or masked), ``select = "failed"`` (only the verifier's failures: uses
-the gold answer), a per-group cap ``refines_per_prompt`` (the longest kept prefix first), ``always_cut = False``,
-and ``density = "documents"`` (documents the later turns reuse, no ground truth). The verifier's ``scores_PxW`` keep the actor's own episodes (``reward/accuracy`` measures the policy);
-``reward_scores_PxW`` carry the refined rows' scores. Metrics: ``search_r2/selected``, ``flagged``,
-``located``, ``refined``, ``salvaged`` (refined rows the verifier accepts), ``first_turn_mean``,
-``refined_tokens``, ``refiner_logp_mean``, ``density_mean``, ``density_bonus_mean``, ``chunks_mean`` (retrieved
-documents per slot), ``time/search_r2_s``. The planner's dynamic sampling would drop all-wrong groups first; the
+**As the paper** in the shipped config (``configs/multiturn_retrieval_search_r2.gin``): every episode read (``select
+= "all"``, no ground truth) with the paper's prompt for the earliest flawed step's index (``meta = "index"``: ``l_k
+= log p("k")`` for ``k = 0 .. K``, flagged iff ``max_{k >= 1} l_k > l_0``, a margin of 0, cut at that step), a step
+a whole turn with its observation, the Actor regenerating the suffix on-policy (``regenerate = "policy"``), at most
+one revision per rollout (``refines_per_prompt = None``: no per-group cap), the refined episode in the original's
+slot of the group, ``R = r_outcome (1 + rho)`` (``reward_style = "01"``, ``density = "collections"``, ``density_coef
+= 1``, gated on correctness). **Not the paper's**: the Meta-Refiner is a *frozen* scorer read greedily (the paper's
+is the policy itself, samples the cut and is trained with the trajectory's advantage); ``meta = "judge_prm"`` reads
+it two ways instead (a Yes/No verdict on the whole episode, then a PRM over its turns, the cut at the first turn
+below ``threshold``, or the lowest with ``always_cut``); a collection's usefulness is an exact rule from the
+problem's ground truth (its evidence pages, or the gold answer in the text) where the paper asks a 7B judge shown
+the gold answer. Options beyond the paper, kept from this module's first reconstruction: ``regenerate = "refiner"``
+(a second model rewrites the cut turn, its tokens trained with truncated IS or masked), ``select = "failed"`` (only
+the verifier's failures: uses the gold answer), a per-group cap ``refines_per_prompt`` (the longest kept prefix
+first), ``always_cut = False``, and ``density = "documents"`` (documents the later turns reuse, no ground truth).
+The verifier's ``scores_PxW`` keep the actor's own episodes (``reward/accuracy`` measures the policy);
+``reward_scores_PxW`` carry the refined rows' scores. Metrics: ``search_r2/selected``, ``flagged``, ``located``,
+``refined``, ``salvaged`` (refined rows the verifier accepts), ``first_turn_mean``, ``refined_tokens``,
+``refiner_logp_mean``, ``density_mean``, ``density_bonus_mean``, ``chunks_mean`` (retrieved documents per slot),
+``time/search_r2_s``. The planner's dynamic sampling would drop all-wrong groups first; the
 shipped config (``configs/multiturn_retrieval_search_r2.gin``) turns it off.
 """
 
@@ -83,6 +84,14 @@ from treejax.scorers.refiner import RefinerConfig
 
 SELECT = ("failed", "all")
 REGENERATE = ("refiner", "policy")
+META = ("judge_prm", "index")
+MAX_INDEX = 9  # meta = "index": choices "0" .. "9", one token each
+#: the Meta-Refiner's one prompt in ``meta = "index"`` (``{question}``, ``{steps}``: the numbered turns with their
+#: observations, ``{max_steps}``); the reply's first token is read as the index of the earliest flawed step
+DEFAULT_INDEX_TEMPLATE = (
+    "Here is a question and a search agent's attempt at it, step by step: each step is the agent's text and the "
+    "documents its search returned.\n\nQuestion: {question}\n\n{steps}\n\nIdentify the earliest flawed step. "
+    "Reply with a single integer between 0 and {max_steps}, where 0 means all steps are acceptable.")
 #: the refiner's user turn for a search agent's flawed turn (``{question}``, ``{prefix}``: the turns before it with
 #: their observations, ``{step}``: the flawed turn's action)
 DEFAULT_SEARCH_REFINE_TEMPLATE = (
@@ -98,20 +107,25 @@ class SearchR2Config(Stage):
         RunConfig.rollouts = [@MultiTurnConfig(), @SearchR2Config()]
         SearchR2Config.scorer = @ScorerConfig()      # the Discriminator (judge) and the Trimmer (PRM over turns)
 
+    ``meta``: ``"index"`` (one prompt, ``index_template``, for the earliest flawed step's index, read as the
+    next-token log-probs of ``"0" .. "K"``) or ``"judge_prm"`` (a judge verdict, then a PRM over the turns);
     ``refiner``: the model that rewrites the cut turn (``regenerate = "refiner"``); ``discriminator``: judge the
     whole episode first (``discriminator_threshold``); ``threshold``: a turn is flawed iff its PRM score is below
     it; ``always_cut``: a flagged episode without a turn below it is cut at its lowest-scored turn (the paper cuts
-    every flagged trajectory), else left alone; ``select``: ``"failed"`` or ``"all"`` episodes;
-    ``refines_per_prompt`` (``None``: no cap, every flagged episode once); ``regenerate``: ``"refiner"`` or ``"policy"``; ``correction``: ``"is"`` or ``"mask"``
-    (the refiner's tokens); the evidence-density term (:mod:`treejax.rl.judges.evidence`; ``density_coef = 0``:
-    reported, not added): ``density`` (``"collections"``: useful new search results per search call, the paper's;
-    ``"documents"``: retrieved documents the later turns use), ``useful`` (collections: ``"evidence"`` pages or the
-    gold ``"answer"``), ``density_coef``, ``gate``, ``evidence_pattern`` (one group: a retrieved document's text),
+    every flagged trajectory), else left alone (these three: ``judge_prm``); ``select``: ``"failed"`` or ``"all"``
+    episodes; ``refines_per_prompt`` (``None``: no cap, every flagged episode once); ``regenerate``:
+    ``"refiner"`` or ``"policy"``; ``correction``: ``"is"`` or ``"mask"`` (the refiner's tokens); the
+    evidence-density term (:mod:`treejax.rl.judges.evidence`; ``density_coef = 0``: reported, not added):
+    ``density`` (``"collections"``: useful new search results per search call, the paper's; ``"documents"``:
+    retrieved documents the later turns use), ``useful`` (collections: ``"evidence"`` pages or the gold
+    ``"answer"``), ``density_coef``, ``gate``, ``evidence_pattern`` (one group: a retrieved document's text),
     ``min_overlap`` (documents)."""
 
     scorer: ScorerConfig = dataclasses.field(default_factory=ScorerConfig)
     refiner: RefinerConfig = dataclasses.field(default_factory=lambda: RefinerConfig(
         template=DEFAULT_SEARCH_REFINE_TEMPLATE, max_new_tokens=64, stop_at_newline=False))
+    meta: str = "judge_prm"
+    index_template: str = DEFAULT_INDEX_TEMPLATE
     discriminator: bool = True
     discriminator_threshold: float = 0.5
     threshold: float = 0.5
@@ -140,7 +154,7 @@ class SearchR2Config(Stage):
                 raise ConfigError(f"SearchR2Config.{name} must be in (0, 1), got {getattr(self, name)}; fix: "
                                   f"SearchR2Config.{name} = 0.5")
         for name, allowed in (("select", SELECT), ("regenerate", REGENERATE), ("correction", CORRECTIONS),
-                              ("gate", GATES), ("density", DENSITIES), ("useful", USEFUL)):
+                              ("gate", GATES), ("density", DENSITIES), ("useful", USEFUL), ("meta", META)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"SearchR2Config.{name} must be one of {allowed}, got {getattr(self, name)!r}; "
                                   f"fix: SearchR2Config.{name} = {allowed[0]!r}")
@@ -151,6 +165,13 @@ class SearchR2Config(Stage):
         if not 0.0 <= self.density_coef <= 1.0:
             raise ConfigError(f"SearchR2Config.density_coef must be in [0, 1] (above 1 a wrong answer could outrank a "
                               f"right one), got {self.density_coef}; fix: SearchR2Config.density_coef = 0.2")
+        if self.meta == "index":
+            missing = [f for f in ("{question}", "{steps}", "{max_steps}") if f not in self.index_template]
+            if missing or not self.discriminator:
+                raise ConfigError(f"SearchR2Config.meta = 'index' reads one prompt for the flag and the cut: its "
+                                  f"index_template needs {{question}}, {{steps}} and {{max_steps}} (missing "
+                                  f"{missing}) and discriminator = True; fix: SearchR2Config.index_template = "
+                                  "DEFAULT_INDEX_TEMPLATE's fields, SearchR2Config.discriminator = True")
         self.check_pattern()
 
     def check_types(self) -> None:
@@ -183,6 +204,11 @@ class SearchR2Config(Stage):
 
     def build(self, inner, ctx):
         roots, W = getattr(getattr(inner, "config", None), "roots", None), ctx.cfg.rollout.num_leaves
+        turns = getattr(getattr(inner, "config", None), "max_turns", 0)
+        if self.meta == "index" and turns > MAX_INDEX:
+            raise ConfigError(f"SearchR2Config.meta = 'index' reads the flawed step's index as one digit token, and "
+                              f"MultiTurnConfig.max_turns = {turns} allows more than {MAX_INDEX} steps; fix: "
+                              f"MultiTurnConfig.max_turns <= {MAX_INDEX} (or SearchR2Config.meta = 'judge_prm')")
         if roots is not None and roots != W:
             raise ConfigError(f"SearchR2Config rewrites one slot's whole episode, which needs independent episodes "
                               f"(MultiTurnConfig.roots = {roots}, {W} slots); fix: MultiTurnConfig.roots = None")
@@ -200,6 +226,20 @@ def cut_turn(scores_S, threshold: float, always: bool) -> int:
     if k >= 0 or not always or not np.isfinite(s).any():
         return k
     return int(np.nanargmin(np.where(np.isfinite(s), s, np.nan)))
+
+
+def index_cuts(logp_NxC, steps_N) -> list[int]:
+    """The cut turn (0-based) of each episode from the Meta-Refiner's choice log-probs ``[N, C]`` over ``"0" ..
+    "C-1"``: with ``K = steps_N[n]`` steps, ``k* = argmax_{1 <= k <= K} logp[n, k]`` (ties: the earliest); flagged
+    (cut at turn ``k* - 1``) iff ``logp[n, k*] > logp[n, 0]``, else ``-1``."""
+    out = []
+    for row, K in zip(np.asarray(logp_NxC, np.float64), steps_N):
+        if K < 1:
+            out.append(-1)
+            continue
+        k = 1 + int(np.argmax(row[1:K + 1]))
+        out.append(k - 1 if row[k] > row[0] else -1)
+    return out
 
 
 class ResumedEnv:
@@ -357,6 +397,8 @@ class SearchR2Rollouts(BaseStateOnly):
         if not sel:
             return [], metrics
         self._load()
+        if stage.meta == "index":
+            return self.locate_by_index(sel, turns_PxW, questions, metrics)
         if stage.discriminator:
             texts = ["".join(t.action + t.observation for t in turns_PxW[p][w]) for p, w in sel]
             d = judge_scores(self.scorer, [questions[p] for p, _ in sel], texts, [answers[p] for p, _ in sel])
@@ -375,6 +417,30 @@ class SearchR2Rollouts(BaseStateOnly):
         metrics.update({"search_r2/located": len(cands),
                         "search_r2/first_turn_mean": float(np.mean([c.k for c in cuts])) if cuts else 0.0})
         return cuts, metrics
+
+    def locate_by_index(self, sel, turns_PxW, questions, metrics) -> tuple[list[Cut], dict]:
+        """``meta = "index"`` (the paper's Meta-Refiner prompt, Appendix L): one prompt per selected episode, the
+        scorer's next-token log-probs of ``"0" .. "K"`` (K its turns); flagged iff the best ``k >= 1`` beats ``0``
+        (a log-prob margin of 0, Appendix E), cut at that step (module docstring)."""
+        from treejax.scorers.judge import chat_ids, choice_logprobs
+
+        stage, mx = self.stage, self.scorer.config.max_length
+        rows, ks = [], []
+        for p, w in sel:
+            tt = turns_PxW[p][w][:MAX_INDEX]
+            steps = "\n\n".join(f"Step {i}:\n{t.action}{t.observation}".rstrip() for i, t in enumerate(tt, 1))
+            text = stage.index_template.format(question=questions[p], steps=steps, max_steps=len(tt))
+            rows.append(chat_ids(self.scorer, text)[-mx:])
+            ks.append(len(tt))
+        lp = choice_logprobs(self.scorer, rows, tuple(str(i) for i in range(MAX_INDEX + 1)))
+        cuts = index_cuts(lp, ks)
+        cands = [(int(p), int(w), turns_PxW[p][w][k].start) for (p, w), k in zip(sel, cuts) if k >= 0]
+        cap = stage.refines_per_prompt
+        chosen = set(choose_rewrites(cands, len(cands) if cap is None else cap))
+        out = [Cut(int(p), int(w), turns_PxW[p][w], k) for (p, w), k in zip(sel, cuts) if (p, w) in chosen]
+        metrics.update({"search_r2/flagged": len(cands), "search_r2/located": len(cands),
+                        "search_r2/first_turn_mean": float(np.mean([c.k for c in out])) if out else 0.0})
+        return out, metrics
 
     def replay(self, cut: Cut, example) -> None:
         """``cut.env``: a fresh world reset on ``example`` and stepped with the kept turns' actions."""
@@ -590,6 +656,6 @@ class SearchR2Rollouts(BaseStateOnly):
         return ro
 
 
-__all__ = ["Cut", "DEFAULT_SEARCH_REFINE_TEMPLATE", "REGENERATE", "Regenerated", "ResumedEnv", "SELECT",
-           "SearchR2Config", "SearchR2Rollouts", "Turn", "clean_calls", "cut_at_stop", "cut_turn", "node_lengths",
-           "slot_turns", "step_score"]
+__all__ = ["Cut", "DEFAULT_INDEX_TEMPLATE", "DEFAULT_SEARCH_REFINE_TEMPLATE", "MAX_INDEX", "META", "REGENERATE",
+           "Regenerated", "ResumedEnv", "SELECT", "SearchR2Config", "SearchR2Rollouts", "Turn", "clean_calls",
+           "cut_at_stop", "cut_turn", "index_cuts", "node_lengths", "slot_turns", "step_score"]

@@ -188,6 +188,7 @@ def test_shipped_config_and_the_chain_checks():
     assert isinstance(planner, MultiTurnConfig) and isinstance(stage, SearchR2Config)
     assert planner.environment == "retrieval" and not cfg.dynamic_sampling and cfg.reward_style == "01"
     assert (stage.meta, stage.regenerate, stage.select, stage.refines_per_prompt) == ("index", "policy", "all", None)
+    assert stage.shared_weights and stage.scorer.model == "policy"
     assert (stage.density, stage.useful, stage.density_coef, stage.gate) == ("collections", "evidence", 1.0, "correct")
     refiner = ["SearchR2Config.regenerate = 'refiner'"]  # the refiner's tokens are off-policy: IS needs the trainer
     for bad, match in ((refiner, "or SearchR2Config.regenerate = 'policy'"),
@@ -199,7 +200,7 @@ def test_shipped_config_and_the_chain_checks():
             train.parse([path], bad)
         assert "\n" not in str(e.value)
     measured = train.parse([path], refiner + ["RunConfig.old_logp = 'trainer'", "LossConfig.tis_cap = 2.0",
-                                              "SearchR2Config.meta = 'judge_prm'",
+                                              "SearchR2Config.meta = 'judge_prm'", "SearchR2Config.shared_weights = False",
                                               "SearchR2Config.select = 'failed'", "SearchR2Config.density = 'documents'"])
     assert measured.rollouts[1].regenerate == "refiner" and measured.loss.tis_cap == 2.0
 
@@ -413,6 +414,28 @@ def test_index_mode_flags_and_cuts_with_one_prompt(tiny, monkeypatch):
     assert ro.extra_metrics["search_r2/flagged"] == 0 and ro.extra_metrics["search_r2/refined"] == 0
     with pytest.raises(ConfigError, match="meta = 'index' reads one prompt.*fix:"):
         SearchR2Config(meta="index", index_template="{question} {steps}")
+
+
+def test_shared_weights_read_the_meta_refiner_with_the_policys_current_weights(tiny, monkeypatch):
+    """``shared_weights``: the Meta-Refiner's forward gets the params the step samples with (the paper's shared
+    LLM), not the scorer's loaded copy; another scorer model is refused."""
+    from treejax.scorers import ScorerConfig
+
+    cfg_m, params, ref_params = tiny
+    got = []
+    src, _, tok = _source(tiny, monkeypatch, meta="index", regenerate="policy", shared_weights=True,
+                          scorer=ScorerConfig(model="policy"))
+    from treejax.scorers.model import Scorer
+
+    frozen = Scorer(ScorerConfig(model="policy"), cfg_m, ref_params, tok, (1,), (2,))
+    monkeypatch.setattr(src, "_load", lambda: src.scorer or setattr(src, "scorer", frozen))
+    monkeypatch.setattr("treejax.scorers.judge.chat_ids", lambda scorer, text: [1, 2, 3])
+    monkeypatch.setattr("treejax.scorers.judge.choice_logprobs", lambda scorer, rows, options: got.append(
+        scorer.params) or np.array([[-0.1] + [-9.0] * 9] * len(rows), np.float32))
+    src.sample(params, jax.random.key(3), 0)
+    assert got and got[0] is params
+    with pytest.raises(ConfigError, match="shared_weights .*ScorerConfig.model = 'policy'.*fix:"):
+        SearchR2Config(shared_weights=True, scorer=ScorerConfig(model="smollm2-135m-instruct"))
 
 
 # ------------------------------------------------------------------------------------- the whole loop

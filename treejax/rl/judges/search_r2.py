@@ -46,20 +46,20 @@ parts, a wrapper stage after the multi-turn planner's independent episodes (``[@
 a whole turn with its observation, the Actor regenerating the suffix on-policy (``regenerate = "policy"``), at most
 one revision per rollout (``refines_per_prompt = None``: no per-group cap), the refined episode in the original's
 slot of the group, ``R = r_outcome (1 + rho)`` (``reward_style = "01"``, ``density = "collections"``, ``density_coef
-= 1``, gated on correctness). **Not the paper's**: the Meta-Refiner is a *frozen* scorer read greedily (the paper's
-is the policy itself, samples the cut and is trained with the trajectory's advantage); ``meta = "judge_prm"`` reads
-it two ways instead (a Yes/No verdict on the whole episode, then a PRM over its turns, the cut at the first turn
-below ``threshold``, or the lowest with ``always_cut``); a collection's usefulness is an exact rule from the
-problem's ground truth (its evidence pages, or the gold answer in the text) where the paper asks a 7B judge shown
-the gold answer. Options beyond the paper, kept from this module's first reconstruction: ``regenerate = "refiner"``
-(a second model rewrites the cut turn, its tokens trained with truncated IS or masked), ``select = "failed"`` (only
-the verifier's failures: uses the gold answer), a per-group cap ``refines_per_prompt`` (the longest kept prefix
-first), ``always_cut = False``, and ``density = "documents"`` (documents the later turns reuse, no ground truth).
-The verifier's ``scores_PxW`` keep the actor's own episodes (``reward/accuracy`` measures the policy);
-``reward_scores_PxW`` carry the refined rows' scores. Metrics: ``search_r2/selected``, ``flagged``, ``located``,
-``refined``, ``salvaged`` (refined rows the verifier accepts), ``first_turn_mean``, ``refined_tokens``,
-``refiner_logp_mean``, ``density_mean``, ``density_bonus_mean``, ``chunks_mean`` (retrieved documents per slot),
-``time/search_r2_s``. The planner's dynamic sampling would drop all-wrong groups first; the
+= 1``, gated on correctness). **Not the paper's**: the Meta-Refiner reads with the policy's current weights
+(``shared_weights``) but greedily and untrained (the paper's samples the cut and is trained with the trajectory's
+advantage); ``meta = "judge_prm"`` reads it two ways instead (a Yes/No verdict on the whole episode, then a PRM over
+its turns, the cut at the first turn below ``threshold``, or the lowest with ``always_cut``); a collection's
+usefulness is an exact rule from the problem's ground truth (its evidence pages, or the gold answer in the text)
+where the paper asks a 7B judge shown the gold answer. Options beyond the paper, kept from this module's first
+reconstruction: ``regenerate = "refiner"`` (a second model rewrites the cut turn, its tokens trained with truncated
+IS or masked), ``select = "failed"`` (only the verifier's failures: uses the gold answer), a per-group cap
+``refines_per_prompt`` (the longest kept prefix first), ``always_cut = False``, and ``density = "documents"``
+(documents the later turns reuse, no ground truth). The verifier's ``scores_PxW`` keep the actor's own episodes
+(``reward/accuracy`` measures the policy); ``reward_scores_PxW`` carry the refined rows' scores. Metrics:
+``search_r2/selected``, ``flagged``, ``located``, ``refined``, ``salvaged`` (refined rows the verifier accepts),
+``first_turn_mean``, ``refined_tokens``, ``refiner_logp_mean``, ``density_mean``, ``density_bonus_mean``,
+``chunks_mean`` (retrieved documents per slot), ``time/search_r2_s``. The planner's dynamic sampling would drop all-wrong groups first; the
 shipped config (``configs/multiturn_retrieval_search_r2.gin``) turns it off.
 """
 
@@ -109,6 +109,8 @@ class SearchR2Config(Stage):
 
     ``meta``: ``"index"`` (one prompt, ``index_template``, for the earliest flawed step's index, read as the
     next-token log-probs of ``"0" .. "K"``) or ``"judge_prm"`` (a judge verdict, then a PRM over the turns);
+    ``shared_weights``: the Meta-Refiner reads with the policy's current sampler weights (the paper's shared LLM;
+    ``ScorerConfig.model = "policy"``), else with the scorer's own frozen weights;
     ``refiner``: the model that rewrites the cut turn (``regenerate = "refiner"``); ``discriminator``: judge the
     whole episode first (``discriminator_threshold``); ``threshold``: a turn is flawed iff its PRM score is below
     it; ``always_cut``: a flagged episode without a turn below it is cut at its lowest-scored turn (the paper cuts
@@ -126,6 +128,7 @@ class SearchR2Config(Stage):
         template=DEFAULT_SEARCH_REFINE_TEMPLATE, max_new_tokens=64, stop_at_newline=False))
     meta: str = "judge_prm"
     index_template: str = DEFAULT_INDEX_TEMPLATE
+    shared_weights: bool = False
     discriminator: bool = True
     discriminator_threshold: float = 0.5
     threshold: float = 0.5
@@ -165,6 +168,11 @@ class SearchR2Config(Stage):
         if not 0.0 <= self.density_coef <= 1.0:
             raise ConfigError(f"SearchR2Config.density_coef must be in [0, 1] (above 1 a wrong answer could outrank a "
                               f"right one), got {self.density_coef}; fix: SearchR2Config.density_coef = 0.2")
+        if self.shared_weights and (self.scorer.model != "policy" or self.scorer.sharding != "device"):
+            raise ConfigError("SearchR2Config.shared_weights reads the Meta-Refiner with the policy's own current "
+                              f"weights, so its scorer must be the policy (ScorerConfig.model = 'policy', got "
+                              f"{self.scorer.model!r}) with sharding 'device' (got {self.scorer.sharding!r}); fix: "
+                              "ScorerConfig.model = 'policy', or SearchR2Config.shared_weights = False")
         if self.meta == "index":
             missing = [f for f in ("{question}", "{steps}", "{max_steps}") if f not in self.index_template]
             if missing or not self.discriminator:
@@ -382,6 +390,13 @@ class SearchR2Rollouts(BaseStateOnly):
                 self.refiner = (Refiner(rc, self.scorer.model_config, self.scorer.params, self.scorer.tokenizer)
                                 if same else load_refiner(rc, policy))  # one copy of the weights when both are one
                 check_tokenizer(self.refiner, self.ctx.tokenizer)
+
+    def share(self, params) -> None:
+        """``shared_weights``: the scorer reads with ``params`` (the policy's sampler weights this step); its own
+        loaded copy is dropped after the first step (only its config, model config and tokenizer are used)."""
+        if self.stage.shared_weights:
+            self._load()
+            self.scorer = dataclasses.replace(self.scorer, params=params)
 
     def locate(self, ro, turns_PxW, questions, answers) -> tuple[list[Cut], dict]:
         """The Discriminator's flawed episodes, the Trimmer's first flawed turns and the ones chosen (module
@@ -641,6 +656,7 @@ class SearchR2Rollouts(BaseStateOnly):
         P, W = np.asarray(host.tokens).shape[:2]
         turns = [[slot_turns(host, self.ctx.tokenizer, p, w) for w in range(W)] for p in range(P)]
         questions, answers = example_fields(ro.examples, ro.prompts_PxLp, ro.lengths_P, self.ctx.tokenizer)
+        self.share(params)
         cuts, metrics = self.locate(ro, turns, questions, answers)
         metrics.update({"search_r2/refined": len(cuts), "search_r2/salvaged": 0, "search_r2/refined_tokens": 0})
         ro.refined_PxWxT = np.zeros(np.asarray(host.tokens).shape, np.float32)

@@ -17,7 +17,8 @@ import pytest
 from treejax.errors import ConfigError
 from treejax.rl import cosearch_core as core
 from treejax.rl.cosearch import (CoSearchConfig, CoSearchRollouts, RankedSearchEnv, RankerSession, check_multiturn,
-                                 evidence_pages, pad_calls)
+                                 pad_calls)
+from treejax.rl.tool_match import evidence_pages
 
 
 # ------------------------------------------------------------------------------------------ slow references

@@ -418,17 +418,16 @@ def test_index_mode_flags_and_cuts_with_one_prompt(tiny, monkeypatch):
 
 def test_shared_weights_read_the_meta_refiner_with_the_policys_current_weights(tiny, monkeypatch):
     """``shared_weights``: the Meta-Refiner's forward gets the params the step samples with (the paper's shared
-    LLM), not the scorer's loaded copy; another scorer model is refused."""
+    LLM), and no copy of the scorer is loaded; another scorer model is refused."""
     from treejax.scorers import ScorerConfig
 
-    cfg_m, params, ref_params = tiny
+    cfg_m, params, _ = tiny
     got = []
     src, _, tok = _source(tiny, monkeypatch, meta="index", regenerate="policy", shared_weights=True,
-                          scorer=ScorerConfig(model="policy"))
-    from treejax.scorers.model import Scorer
-
-    frozen = Scorer(ScorerConfig(model="policy"), cfg_m, ref_params, tok, (1,), (2,))
-    monkeypatch.setattr(src, "_load", lambda: src.scorer or setattr(src, "scorer", frozen))
+                          scorer=ScorerConfig(model="policy", yes_tokens=("Y",), no_tokens=("N",)))
+    src.ctx.model_config = cfg_m
+    monkeypatch.setattr("treejax.scorers.model.load_scorer", lambda *a: pytest.fail("a scorer copy was loaded"))
+    monkeypatch.setattr(src, "_load", type(src)._load.__get__(src))  # the real loader: nothing to load here
     monkeypatch.setattr("treejax.scorers.judge.chat_ids", lambda scorer, text: [1, 2, 3])
     monkeypatch.setattr("treejax.scorers.judge.choice_logprobs", lambda scorer, rows, options: got.append(
         scorer.params) or np.array([[-0.1] + [-9.0] * 9] * len(rows), np.float32))

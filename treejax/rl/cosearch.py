@@ -55,6 +55,7 @@ import numpy as np
 from treejax.checkpoint import decode_blob, encode_blob
 from treejax.envs.base import tool_step
 from treejax.envs.retrieval import parse_call
+from treejax.rl.tool_match import evidence_pages
 from treejax.errors import ConfigError
 from treejax.rl import cosearch_core as core
 from treejax.rl.allocation.base import prompt_key
@@ -162,14 +163,6 @@ class RankerCall:
     evidence: bool
     hit: float
     outcome: float = 0.0
-
-
-def evidence_pages(example) -> set:
-    """The titles of a question's evidence pages: the queries of its reference searches (entity names, which are
-    the pages' titles)."""
-    from treejax.rl.tool_match import reference_calls
-
-    return {c["args"]["query"] for c in reference_calls(example) if c.get("name") == "search"}
 
 
 class RankerSession:
@@ -364,4 +357,4 @@ def pad_calls(calls: list[RankerCall], width: int) -> tuple[np.ndarray, np.ndarr
 
 
 __all__ = ["CoSearchConfig", "CoSearchRollouts", "RANKER_STREAM", "RankedSearchEnv", "RankerCall", "RankerSession",
-           "check_multiturn", "evidence_pages", "pad_calls"]
+           "check_multiturn", "pad_calls"]

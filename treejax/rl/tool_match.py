@@ -138,6 +138,12 @@ def reference_calls(example) -> list:
     return calls
 
 
+def evidence_pages(example) -> set:
+    """The titles of a question's evidence pages: the queries of its reference searches (entity names, which are
+    the pages' titles; the retrieval world's); a ``ValueError`` as :func:`reference_calls` when it ships none."""
+    return {c["args"]["query"] for c in reference_calls(example) if c.get("name") == "search"}
+
+
 def tool_match_rewards(trees, examples, depth: int, name_weight: float = 0.5, assignment: str = "hard",
                        epsilon: float = 0.1) -> np.ndarray:
     """float32[P, W, D]: per leaf slot, the matched score of its turn at depth ``d + 1`` when that turn made a tool
@@ -154,5 +160,5 @@ def tool_match_rewards(trees, examples, depth: int, name_weight: float = 0.5, as
     return out
 
 
-__all__ = ["ASSIGNMENTS", "call_score", "check_call", "match_calls", "multiset_f1", "reference_calls", "sinkhorn_plan", "token_f1",
-           "tool_match_rewards"]
+__all__ = ["ASSIGNMENTS", "call_score", "check_call", "evidence_pages", "match_calls", "multiset_f1", "reference_calls",
+           "sinkhorn_plan", "token_f1", "tool_match_rewards"]

@@ -86,12 +86,6 @@ def chunk_usage(turns: list[tuple[str, str]], pattern: str = DEFAULT_EVIDENCE_PA
     return used, doc
 
 
-def normalise(text: str) -> str:
-    """Lower case, punctuation to spaces, single spaces: the form in which :func:`collection_usage` looks for the
-    gold answer in a document's text."""
-    return " ".join(re.sub(r"[^a-z0-9]+", " ", text.lower()).split())
-
-
 def collection_usage(turns: list[tuple[str, str]], useful, pattern: str = DEFAULT_EVIDENCE_PATTERN) -> list[bool]:
     """``u_i`` of each search call of one episode, in order (module docstring, "Collections"): ``turns`` are its
     ``(policy text, observation text)`` pairs; a turn whose action ends with a ``<search>`` call is a collection,
@@ -110,22 +104,28 @@ def collection_usage(turns: list[tuple[str, str]], useful, pattern: str = DEFAUL
 
 
 def useful_document(kind: str, example):
-    """``useful(text)`` for one problem (module docstring): ``"evidence"``, its evidence pages' titles (the
-    ``search`` queries of ``metadata["reference_calls"]``); ``"answer"``, its normalised gold answer."""
+    """``useful(text)`` for one problem (module docstring): ``"evidence"``, a document (``Title: text``) whose title
+    is one of its evidence pages (:func:`treejax.rl.tool_match.evidence_pages`, as CoSearch's relevance);
+    ``"answer"``, one whose text holds its gold answer, both normalised as the retrieval world's verifier does
+    (:func:`treejax.envs.retrieval_corpus.normalize_answer`)."""
+    from treejax.envs.retrieval_corpus import normalize_answer
+    from treejax.rl.tool_match import evidence_pages
+
     if kind == "evidence":
-        meta = getattr(example, "metadata", None)
-        calls = meta.get("reference_calls") if isinstance(meta, dict) else None
-        titles = {normalise(c["args"]["query"]) for c in calls or () if c.get("name") == "search"}
+        try:
+            titles = evidence_pages(example)
+        except ValueError:
+            titles = set()
         if not titles:
             raise ConfigError("SearchR2Config.useful = 'evidence' needs each problem's evidence pages (the search "
                               "calls of metadata['reference_calls']), and this one names none; fix: "
                               "SearchR2Config.useful = 'answer' (or RunConfig.task = 'retrieval_multihop')")
-        return lambda text: normalise(text.split(":", 1)[0]) in titles
-    gold = normalise(str(example.ground_truth))
+        return lambda text: text.split(":", 1)[0].strip() in titles
+    gold = normalize_answer(str(example.ground_truth))
     if not gold:
         raise ConfigError("SearchR2Config.useful = 'answer' needs each problem's gold answer, and this one's is empty; "
                           "fix: SearchR2Config.useful = 'evidence' (a task whose records ship reference searches)")
-    return lambda text: f" {gold} " in f" {normalise(text)} "
+    return lambda text: f" {gold} " in f" {normalize_answer(text)} "
 
 
 @jax.jit
@@ -171,5 +171,5 @@ def hybrid_rewards(rewards_PxW, correct_PxW, density_PxW, coef, gate: str = "cor
 
 
 __all__ = ["DEFAULT_EVIDENCE_PATTERN", "DENSITIES", "GATES", "USEFUL", "chunk_usage", "collection_density",
-           "collection_usage", "evidence_density", "hybrid_rewards", "normalise", "usage_arrays", "useful_document",
+           "collection_usage", "evidence_density", "hybrid_rewards", "usage_arrays", "useful_document",
            "words"]

@@ -381,22 +381,23 @@ class SearchR2Rollouts(BaseStateOnly):
         from treejax.scorers.model import load_scorer, resolve_model
         from treejax.scorers.refiner import Refiner, check_tokenizer, load_refiner
 
-        if self.scorer is None:
-            sc, rc, policy = self.stage.scorer, self.stage.refiner, self.ctx.cfg.model
+        sc, rc, policy = self.stage.scorer, self.stage.refiner, self.ctx.cfg.model
+        if self.scorer is None:  # shared_weights: share() has set it
             self.scorer = load_scorer(sc, policy, getattr(self.ctx, "mesh", None))
-            if self.stage.regenerate == "refiner":
-                same = (resolve_model(sc, policy), sc.compute_dtype) == (
-                    resolve_model(rc, policy), rc.compute_dtype) and sc.sharding == "device"
-                self.refiner = (Refiner(rc, self.scorer.model_config, self.scorer.params, self.scorer.tokenizer)
-                                if same else load_refiner(rc, policy))  # one copy of the weights when both are one
-                check_tokenizer(self.refiner, self.ctx.tokenizer)
+        if self.stage.regenerate == "refiner" and self.refiner is None:
+            same = not self.stage.shared_weights and sc.sharding == "device" and (
+                resolve_model(sc, policy), sc.compute_dtype) == (resolve_model(rc, policy), rc.compute_dtype)
+            self.refiner = (Refiner(rc, self.scorer.model_config, self.scorer.params, self.scorer.tokenizer)
+                            if same else load_refiner(rc, policy))  # one copy of the weights when both are one
+            check_tokenizer(self.refiner, self.ctx.tokenizer)
 
     def share(self, params) -> None:
-        """``shared_weights``: the scorer reads with ``params`` (the policy's sampler weights this step); its own
-        loaded copy is dropped after the first step (only its config, model config and tokenizer are used)."""
+        """``shared_weights``: the scorer this step is the policy itself, its model config, tokenizer and sampler
+        weights ``params`` (nothing loaded; the policy's precision, not ``ScorerConfig.compute_dtype``)."""
+        from treejax.scorers.model import from_params
+
         if self.stage.shared_weights:
-            self._load()
-            self.scorer = dataclasses.replace(self.scorer, params=params)
+            self.scorer = from_params(self.stage.scorer, self.ctx.model_config, params, self.ctx.tokenizer)
 
     def locate(self, ro, turns_PxW, questions, answers) -> tuple[list[Cut], dict]:
         """The Discriminator's flawed episodes, the Trimmer's first flawed turns and the ones chosen (module
@@ -425,10 +426,15 @@ class SearchR2Rollouts(BaseStateOnly):
         steps = [[t.action + t.observation for t in turns_PxW[p][w]] for p, w in sel]
         s = step_scores(self.scorer, [questions[p] for p, _ in sel], steps)
         firsts = [cut_turn(row[: len(st)], stage.threshold, stage.always_cut) for row, st in zip(s, steps)]
-        cands = [(int(p), int(w), turns_PxW[p][w][k].start) for (p, w), k in zip(sel, firsts) if k >= 0]
-        cap = stage.refines_per_prompt
+        return self.choose(sel, firsts, turns_PxW, metrics)
+
+    def choose(self, sel, ks, turns_PxW, metrics) -> tuple[list[Cut], dict]:
+        """The cuts of the selected episodes ``sel`` at turns ``ks`` (``-1``: none), per prompt at most
+        ``refines_per_prompt`` (None: all), the longest kept prefix first; ``located`` and ``first_turn_mean``."""
+        cands = [(int(p), int(w), turns_PxW[p][w][k].start) for (p, w), k in zip(sel, ks) if k >= 0]
+        cap = self.stage.refines_per_prompt
         chosen = set(choose_rewrites(cands, len(cands) if cap is None else cap))
-        cuts = [Cut(int(p), int(w), turns_PxW[p][w], k) for (p, w), k in zip(sel, firsts) if (p, w) in chosen]
+        cuts = [Cut(int(p), int(w), turns_PxW[p][w], k) for (p, w), k in zip(sel, ks) if (p, w) in chosen]
         metrics.update({"search_r2/located": len(cands),
                         "search_r2/first_turn_mean": float(np.mean([c.k for c in cuts])) if cuts else 0.0})
         return cuts, metrics
@@ -447,15 +453,9 @@ class SearchR2Rollouts(BaseStateOnly):
             text = stage.index_template.format(question=questions[p], steps=steps, max_steps=len(tt))
             rows.append(chat_ids(self.scorer, text)[-mx:])
             ks.append(len(tt))
-        lp = choice_logprobs(self.scorer, rows, tuple(str(i) for i in range(MAX_INDEX + 1)))
-        cuts = index_cuts(lp, ks)
-        cands = [(int(p), int(w), turns_PxW[p][w][k].start) for (p, w), k in zip(sel, cuts) if k >= 0]
-        cap = stage.refines_per_prompt
-        chosen = set(choose_rewrites(cands, len(cands) if cap is None else cap))
-        out = [Cut(int(p), int(w), turns_PxW[p][w], k) for (p, w), k in zip(sel, cuts) if (p, w) in chosen]
-        metrics.update({"search_r2/flagged": len(cands), "search_r2/located": len(cands),
-                        "search_r2/first_turn_mean": float(np.mean([c.k for c in out])) if out else 0.0})
-        return out, metrics
+        cuts = index_cuts(choice_logprobs(self.scorer, rows, tuple(str(i) for i in range(MAX_INDEX + 1))), ks)
+        metrics["search_r2/flagged"] = sum(k >= 0 for k in cuts)
+        return self.choose(sel, cuts, turns_PxW, metrics)
 
     def replay(self, cut: Cut, example) -> None:
         """``cut.env``: a fresh world reset on ``example`` and stepped with the kept turns' actions."""
